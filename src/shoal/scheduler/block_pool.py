@@ -1,0 +1,95 @@
+"""Fixed pool of KV block ids with reference counts.
+
+Owns: which of the `num_blocks` page ids are free, and how many holders each used block has.
+One block id names the same page in every kv-source layer's compressed-KV and index-K planes
+(see `shoal.runner.cache_memory`), so there is a single pool per engine.
+
+Allocation order is deterministic: **the lowest free id first** (a min-heap). The result of a
+sequence of allocate/free calls therefore does not depend on the order in which a request's
+blocks are freed, which keeps exact-id tests simple.
+
+Invariant: `num_free + num_used == num_blocks`; a block is free iff its ref count is 0; no id is
+ever handed out twice while used; freeing a free block raises `BlockPoolError`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+
+class BlockPoolError(RuntimeError):
+    """An internal accounting error: over-allocation, double free, unknown id."""
+
+
+class BlockPool:
+    """`num_blocks` page ids, 0..num_blocks-1, handed out lowest-free-first with ref counts."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks={num_blocks}: expected an integer >= 0")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._free_heap = list(range(num_blocks))  # already a valid heap
+        self._num_free = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self._num_free
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` free blocks (ascending ids, lowest first), each with ref count 1."""
+        if count < 0:
+            raise BlockPoolError(f"allocate({count}): count must be >= 0")
+        if count > self._num_free:
+            raise BlockPoolError(f"allocate({count}): only {self._num_free} of "
+                                 f"{self.num_blocks} blocks are free")
+        ids = [heapq.heappop(self._free_heap) for _ in range(count)]
+        for block_id in ids:
+            assert self._ref_counts[block_id] == 0, f"free block {block_id} has references"
+            self._ref_counts[block_id] = 1
+        self._num_free -= count
+        return ids
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each used block (prefix sharing)."""
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref_counts[block_id] == 0:
+                raise BlockPoolError(f"incref of free block {block_id}")
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one holder from each block; returns the ids that became free (ref count 0)."""
+        released = []
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref_counts[block_id] == 0:
+                raise BlockPoolError(f"double free of block {block_id}")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                heapq.heappush(self._free_heap, block_id)
+                self._num_free += 1
+                released.append(block_id)
+        return released
+
+    def check_invariants(self) -> None:
+        """Full consistency check (tests; O(num_blocks))."""
+        free_set = set(self._free_heap)
+        assert len(free_set) == len(self._free_heap), "duplicate ids in the free heap"
+        assert len(free_set) == self._num_free, "free count drifted"
+        for block_id, count in enumerate(self._ref_counts):
+            assert count >= 0
+            assert (count == 0) == (block_id in free_set), f"block {block_id}: ref {count}"
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise BlockPoolError(f"block id {block_id} outside [0, {self.num_blocks})")

@@ -1,0 +1,346 @@
+"""The token-budget scheduler: which requests compute how many tokens in the next step.
+
+Owns: the waiting queue, the running list, admission, chunked prefill, preemption (recompute)
+and the stop checks that need no detokenizer (eos, stop ids, max_tokens, max_model_len).
+
+Policy (vLLM v1 style, no prefill/decode modes; every request's `num_computed_tokens` catches up
+with `num_tokens`):
+1. Running requests, in admission order, each take `min(remaining, long-prefill cap, budget)`
+   tokens (a decode is 1). If its blocks cannot grow, the most recently admitted running request
+   is preempted (blocks and slot freed, `num_computed_tokens = 0`, outputs kept, put at the FRONT
+   of the waiting queue) until it can, possibly the request itself.
+2. If nobody was preempted this step, waiting requests are admitted strictly FIFO (the head is
+   never skipped) while budget, `max_num_seqs`, slots and blocks allow. Admission never preempts.
+
+Invariants: every step's tokens <= max_num_batched_tokens; running <= min(max_num_seqs, slots);
+a plan never schedules a request twice; `schedule()` and `update()` alternate. A request that
+cannot fit in the whole pool finishes with `kv_capacity` instead of spinning; invalid input
+finishes with `error` at `add_request` (the engine reports it per request; nothing raises).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
+from shoal.scheduler.request import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_KV_CAPACITY,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Request,
+    RequestStatus,
+    status_for_reason,
+)
+from shoal.scheduler.step_plan import ScheduledRequest, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits.
+
+    - `max_num_batched_tokens`: token budget per step (sum of new tokens over requests).
+    - `max_num_seqs`: most requests running at once (also capped by the number of slots).
+    - `max_model_len`: most tokens (prompt + output) per request.
+    - `block_size`: context tokens per KV block. The model's constraints (a multiple of 128 and
+      of lcm(ratios) * candidate_block_size) are checked by `runner.cache_memory.CacheLayout`;
+      the scheduler itself accepts any size >= 1 (tests use small ones).
+    - `enable_chunked_prefill`: split prompts over steps; when False a prompt is admitted only
+      whole, so `max_num_batched_tokens >= max_model_len` is required.
+    - `long_prefill_token_threshold`: with chunked prefill, at most this many tokens per request
+      per step (0 = no cap), so long prompts share steps with decodes.
+    - `num_history_tokens`: tokens before each chunk passed along for Engram (max n-gram - 1).
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    max_model_len: int = 65536
+    block_size: int = 256
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_history_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 1")
+        for name in ("long_prefill_token_threshold", "num_history_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
+                             f" must be >= max_num_seqs={self.max_num_seqs} so that every "
+                             "running request can decode each step")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
+                             f" must be >= max_model_len={self.max_model_len} when "
+                             "enable_chunked_prefill=False (a prompt is prefilled whole); "
+                             "enable chunked prefill or raise the budget")
+
+
+class Scheduler:
+    """Plans steps over a fixed pool of `num_blocks` KV blocks and `num_slots` request slots."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, num_slots: int) -> None:
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, num_slots)
+        self.max_running = min(config.max_num_seqs, num_slots)
+        self.requests: dict[str, Request] = {}  # every request not yet returned by update()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self._finished_for_plan: list[str] = []  # ids for the next plan's finished_ids
+        self._finished_for_update: list[Request] = []  # returned by the next update()
+        self._outstanding: StepPlan | None = None
+        self._next_arrival = 0
+        self._next_admission = 0
+        self._next_step = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> Request:
+        """Queue `request` (FIFO). Invalid input finishes it at once with `error` / `kv_capacity`
+        (status FINISHED_ERROR, message in `request.error`); it is returned by the next update().
+        A duplicate live request_id raises ValueError (an engine bug, not user input)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} must be new (status WAITING, "
+                             "nothing computed)")
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        self.requests[request.request_id] = request
+        error, reason = self._validate(request)
+        if error is not None:
+            self._finish(request, reason, error)
+        else:
+            self.waiting.append(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if unknown or already finished."""
+        return self.finish_request(request_id, FINISH_ABORT)
+
+    def finish_request(self, request_id: str, reason: str = FINISH_STOP) -> bool:
+        """Finish a live request from outside (stop strings, aborts); frees its resources now.
+        Returns False if the request is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or finished without being returned by update()."""
+        return bool(self.waiting or self.running or self._finished_for_update)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def usage(self) -> KVCacheUsage:
+        return self.kv.usage()
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring for the policy)."""
+        if self._outstanding is not None:
+            raise RuntimeError("schedule() called again before update() of the previous plan")
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) > \
+                    self.kv.num_blocks:
+                self._finish(request, FINISH_KV_CAPACITY, self._capacity_message(request))
+                continue  # _finish removed it from running; the same index is the next one
+            while not self.kv.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: it was the last running request
+            self.kv.allocate(request, num_new)
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            self._admit_waiting(budget, scheduled)
+
+        if not scheduled and not self.running and self.waiting:
+            # Defensive: nothing runs and the head cannot start; never spin on it.
+            head = self.waiting[0]
+            self._finish(head, FINISH_KV_CAPACITY, self._capacity_message(head))
+
+        plan = StepPlan(
+            step_id=self._next_step, scheduled=tuple(scheduled),
+            preempted_ids=tuple(preempted), finished_ids=tuple(self._finished_for_plan),
+            num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
+            block_size=self.config.block_size,
+        )
+        self._finished_for_plan = []
+        self._next_step += 1
+        self._outstanding = plan
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply the runner's result: advance progress, append sampled tokens, stop checks.
+
+        Returns every request finished since the previous update() (stopped here, or
+        aborted / rejected / out of KV capacity in between), in finishing order; the scheduler
+        forgets them afterwards.
+        """
+        if plan is not self._outstanding:
+            raise RuntimeError(f"update() for plan {plan.step_id}, which is not the outstanding "
+                               "plan of the last schedule()")
+        self._outstanding = None
+        for item in plan.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue  # aborted or finished from outside after schedule()
+            assert request.num_computed_tokens == item.start_position, item.request_id
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.sample:
+                continue
+            tokens = result.sampled_token_ids.get(item.request_id)
+            if not tokens:
+                raise RuntimeError(f"StepResult has no sampled token for {item.request_id!r}, "
+                                   "which was scheduled with sample=True")
+            for token in tokens:
+                request.output_token_ids.append(int(token))
+                reason = self._stop_reason(request, int(token))
+                if reason is not None:
+                    self._finish(request, reason)
+                    break
+        finished, self._finished_for_update = self._finished_for_update, []
+        for request in finished:
+            self.requests.pop(request.request_id, None)
+        return finished
+
+    # ---- internals -------------------------------------------------------------------------
+    def _validate(self, request: Request) -> tuple[str | None, str]:
+        max_len = self.config.max_model_len
+        n_prompt = request.num_prompt_tokens
+        if n_prompt < 1:
+            return "prompt_token_ids is empty; a prompt needs at least one token", FINISH_ERROR
+        if request.max_tokens is not None and request.max_tokens < 1:
+            return f"max_tokens={request.max_tokens}: expected >= 1", FINISH_ERROR
+        if request.min_tokens < 0:
+            return f"min_tokens={request.min_tokens}: expected >= 0", FINISH_ERROR
+        if request.max_tokens is not None and request.min_tokens > request.max_tokens:
+            return (f"min_tokens={request.min_tokens} exceeds max_tokens="
+                    f"{request.max_tokens}", FINISH_ERROR)
+        wanted = n_prompt + (request.max_tokens if request.max_tokens is not None else 1)
+        if wanted > max_len:
+            what = (f"+ max_tokens {request.max_tokens}" if request.max_tokens is not None
+                    else "+ 1 output token")
+            return (f"prompt of {n_prompt} tokens {what} = {wanted} exceeds max_model_len="
+                    f"{max_len}; shorten the prompt or lower max_tokens", FINISH_ERROR)
+        if self.kv.blocks_for_tokens(n_prompt) > self.kv.num_blocks:
+            return self._capacity_message(request), FINISH_KV_CAPACITY
+        return None, ""
+
+    def _capacity_message(self, request: Request) -> str:
+        capacity = self.kv.num_blocks * self.kv.block_size
+        return (f"request needs KV for {request.num_tokens} tokens but the whole cache holds "
+                f"{capacity} ({self.kv.num_blocks} blocks of {self.kv.block_size}); "
+                "raise the KV memory budget or shorten the request")
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        cap = self.config.long_prefill_token_threshold
+        if self.config.enable_chunked_prefill and cap and num_new > cap:
+            num_new = cap
+        return min(num_new, budget)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new < remaining:
+                break  # whole-prompt mode: wait for a step with enough budget (strict FIFO)
+            if not self.kv.can_allocate(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.admission_index = self._next_admission
+            self._next_admission += 1
+            request.prefill_len = request.num_tokens
+            request.needs_slot_reset = True
+            self.kv.allocate(request, num_new)
+            self.running.append(request)
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        history_start = max(0, start - self.config.num_history_tokens)
+        assert request.slot is not None
+        item = ScheduledRequest(
+            request_id=request.request_id, slot=request.slot,
+            token_ids=tuple(request.token_ids(start, end)), start_position=start,
+            num_new_tokens=num_new, block_ids=tuple(request.block_ids),
+            prefill_len=request.prefill_len, num_prompt_tokens=request.num_prompt_tokens,
+            sample=end == request.num_tokens, is_new_in_slot=request.needs_slot_reset,
+            history_token_ids=tuple(request.token_ids(history_start, start)),
+        )
+        request.needs_slot_reset = False
+        return item
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free everything, keep outputs, go to the front of the queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.needs_slot_reset = False
+        self.waiting.appendleft(request)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        """Checks after appending `token`; eos / stop ids win over length when both hold."""
+        if request.num_output_tokens >= request.min_tokens:
+            is_eos = (not request.ignore_eos and request.eos_token_id is not None
+                      and token == request.eos_token_id)
+            if is_eos or token in request.stop_token_ids:
+                request.stop_token_id = token
+                return FINISH_STOP
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            return FINISH_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        status = status_for_reason(reason)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.finish_reason = reason
+        request.error = error
+        request.needs_slot_reset = False
+        self._finished_for_plan.append(request.request_id)
+        self._finished_for_update.append(request)
+
+    def check_invariants(self) -> None:
+        """Consistency of queues, statuses and the KV manager (tests)."""
+        self.kv.check_invariants()
+        assert len(self.running) <= self.max_running
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING and request.slot is not None
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.slot is None and not request.block_ids
+            assert request.num_computed_tokens == 0
+        admissions = [r.admission_index for r in self.running]
+        assert admissions == sorted(admissions), "running list out of admission order"
