@@ -1,0 +1,377 @@
+"""The sampler: logits [B, V] fp32 + per-row parameters -> one token per row (+ logprobs).
+
+Owns: `SamplingBatch` (per-row parameters as device tensors, built once per step from
+`SamplingParams`), `Sampler` and the prompt-logprobs helper.
+
+Order (as vLLM): penalties (repetition over prompt + output; frequency and presence over output)
+-> min_tokens suppression of EOS / stop ids -> allowed-token mask (structured output) -> greedy
+argmax for temperature 0 (ties to the lowest id) | temperature -> min_p -> top_k -> top_p -> Gumbel
+max with the counter RNG (`rng.gumbel_noise`, keyed by each row's seed and position).
+
+Invariants: a row's token depends only on its own logits, parameters, seed and position (never on
+the batch); the input logits are not modified; no Python loop runs over the vocabulary, and the
+per-row Python work is limited to building `SamplingBatch`. Ties at a top-k / top-p boundary keep
+every token with the boundary's value, so the support set does not depend on sort order.
+Logprobs are those of the raw model logits by default (vLLM's `raw_logprobs`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from shoal.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from shoal.sampling.rng import STREAM_SAMPLE, gumbel_noise, seed_to_int64
+
+
+class LogprobsMode(enum.Enum):
+    """Which distribution logprobs report."""
+
+    RAW = "raw_logprobs"  # log_softmax of the model logits (vLLM default)
+    PROCESSED = "processed_logprobs"  # after penalties, masks, temperature and top-k/p, min_p
+
+
+def _pad(rows: Sequence[Sequence[int]], fill: int) -> Tensor:
+    """[len(rows), max_len] int64 padded with `fill` (max_len may be 0)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling state for one step; all tensors on the sampling device.
+
+    Token-id tensors are padded with -1. Build with `from_params`; the host flags let the sampler
+    skip whole stages without a device sync.
+    """
+
+    temperature: Tensor  # [B] f32; 1.0 on greedy rows
+    greedy: Tensor  # [B] bool
+    top_k: Tensor  # [B] int64 in [1, V]; V = off
+    top_p: Tensor  # [B] f32 in (0, 1]; 1 = off
+    min_p: Tensor  # [B] f32 in [0, 1]; 0 = off
+    repetition_penalty: Tensor  # [B] f32
+    presence_penalty: Tensor  # [B] f32
+    frequency_penalty: Tensor  # [B] f32
+    seeds: Tensor  # [B] int64
+    positions: Tensor  # [B] int64, position of the token being sampled
+    output_token_ids: Tensor  # [B, L] int64 (-1 pad); rows without penalties are empty
+    prompt_token_ids: Tensor  # [B, P] int64 (-1 pad); rows without repetition penalty empty
+    suppressed_token_ids: Tensor  # [B, S] int64 (-1 pad): banned by min_tokens this step
+    allowed_mask: Tensor | None  # [B, V] bool, True = allowed (structured output)
+    num_logprobs: tuple[int, ...]  # per row, -1 = off
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    any_penalties: bool
+    any_min_p: bool
+    any_top_k_or_p: bool
+
+    @property
+    def max_num_logprobs(self) -> int:
+        """Largest requested top-N in the batch, -1 when no row asks for logprobs."""
+        return max(self.num_logprobs, default=-1)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        allowed_mask: Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Build the batch for one step.
+
+        Args:
+            params: one `SamplingParams` per row (already validated).
+            seeds: per-row resolved seed (`rng.request_seed`), any int in [-2**63, 2**64).
+            positions: per-row position of the token being sampled (prompt_len + num_output).
+            output_token_ids: per-row tokens generated so far (penalties and min_tokens).
+            prompt_token_ids: per-row prompt tokens; needed only for repetition_penalty rows.
+            vocab_size: V, the logits width.
+            eos_token_ids: the model's EOS ids; banned below min_tokens unless ignore_eos.
+            allowed_mask: optional [B, V] bool (True = allowed); see `bitmask_to_bool`.
+            device: where the tensors live (the logits' device).
+        """
+        num_rows = len(params)
+        if not (len(seeds) == len(positions) == len(output_token_ids) == num_rows):
+            raise ValueError(
+                f"SamplingBatch: seeds ({len(seeds)}), positions ({len(positions)}) and "
+                f"output_token_ids ({len(output_token_ids)}) must have one entry per row "
+                f"({num_rows})"
+            )
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_rows:
+            raise ValueError(
+                f"SamplingBatch: prompt_token_ids has {len(prompt_token_ids)} rows, "
+                f"expected {num_rows}"
+            )
+        if allowed_mask is not None and (
+            allowed_mask.dtype != torch.bool or tuple(allowed_mask.shape) != (num_rows, vocab_size)
+        ):
+            raise ValueError(
+                f"SamplingBatch: allowed_mask must be bool [{num_rows}, {vocab_size}], got "
+                f"{allowed_mask.dtype} {tuple(allowed_mask.shape)}"
+            )
+        greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+        penalised = [p.has_penalties for p in params]
+        repeated = [p.repetition_penalty != 1.0 for p in params]
+        if any(repeated) and prompt_token_ids is None:
+            raise ValueError("SamplingBatch: repetition_penalty needs prompt_token_ids")
+        suppressed: list[Sequence[int]] = []
+        for p, out in zip(params, output_token_ids, strict=True):
+            if len(out) < p.min_tokens:
+                eos = () if p.ignore_eos else tuple(eos_token_ids)
+                suppressed.append(tuple(p.stop_token_ids) + eos)  # type: ignore[arg-type]
+            else:
+                suppressed.append(())
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32)
+
+        host = {
+            "temperature": f32(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+            ),
+            "greedy": torch.tensor(greedy, dtype=torch.bool),
+            "top_k": torch.tensor(
+                [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                dtype=torch.int64,
+            ),
+            "top_p": f32([p.top_p for p in params]),
+            "min_p": f32([p.min_p for p in params]),
+            "repetition_penalty": f32([p.repetition_penalty for p in params]),
+            "presence_penalty": f32([p.presence_penalty for p in params]),
+            "frequency_penalty": f32([p.frequency_penalty for p in params]),
+            "seeds": torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64),
+            "positions": torch.tensor(list(positions), dtype=torch.int64),
+            "output_token_ids": _pad(
+                [o if pen else () for o, pen in zip(output_token_ids, penalised, strict=True)], -1
+            ),
+            "prompt_token_ids": _pad(
+                [
+                    q if rep else ()
+                    for q, rep in zip(prompt_token_ids or [()] * num_rows, repeated, strict=True)
+                ],
+                -1,
+            ),
+            "suppressed_token_ids": _pad(suppressed, -1),
+        }
+        on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+        return cls(
+            **on_device,
+            allowed_mask=None if allowed_mask is None else allowed_mask.to(device),
+            num_logprobs=tuple(-1 if p.logprobs is None else p.logprobs for p in params),
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_penalties=any(penalised),
+            any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True)),
+            any_top_k_or_p=any(
+                (0 < p.top_k < vocab_size or p.top_p < 1.0) and not g
+                for p, g in zip(params, greedy, strict=True)
+            ),
+        )
+
+
+def bitmask_to_bool(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """Unpack an int32 token bitmask [B, ceil(V/32)] (bit j of word w = token 32w+j, 1 = allowed,
+    the llguidance/xgrammar layout) to a bool mask [B, V]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    return bits.flatten(1)[:, :vocab_size].to(torch.bool)
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Logprobs of the chosen token and the top N (vLLM layout).
+
+    token_ids: [R, 1 + N] int64, column 0 the chosen/target token, then the top N (descending).
+    logprobs: [R, 1 + N] f32, matching `token_ids`.
+    ranks: [R] int64, rank of the chosen token: 1 + #tokens with a strictly larger logprob.
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor
+    ranks: Tensor
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """token_ids: [B] int64. valid: [B] bool, False where the row's logits had a NaN or no token
+    survived the masks (its token is then 0 and meaningless: the engine should finish that request
+    with an error). logprobs: present when any row asked for them (N = the batch maximum; slice
+    each row to its own `logprobs`)."""
+
+    token_ids: Tensor
+    valid: Tensor
+    logprobs: LogprobsTensors | None
+
+
+def _gather_logprobs(logprobs: Tensor, chosen: Tensor, num_top: int) -> LogprobsTensors:
+    """logprobs [R, V] f32, chosen [R] int64 -> LogprobsTensors with N = num_top."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [R, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    if num_top > 0:
+        top_lp, top_ids = logprobs.topk(num_top, dim=1)
+        return LogprobsTensors(
+            token_ids=torch.cat([chosen.unsqueeze(1), top_ids], dim=1),
+            logprobs=torch.cat([chosen_lp, top_lp], dim=1),
+            ranks=ranks,
+        )
+    return LogprobsTensors(token_ids=chosen.unsqueeze(1), logprobs=chosen_lp, ranks=ranks)
+
+
+def _scatter_flags(ids: Tensor, vocab_size: int) -> Tensor:
+    """ids [B, L] int64 (-1 pad) -> [B, V] bool, True where an id occurs."""
+    flags = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    if ids.shape[1]:
+        flags.scatter_(1, ids.masked_fill(ids < 0, vocab_size), True)
+    return flags[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition (vLLM: divide positive / multiply negative logits of every token in the prompt or
+    output), then frequency (- f * count) and presence (- p * [count > 0]) over the output.
+    logits [B, V] f32 -> new tensor [B, V] f32."""
+    vocab = batch.vocab_size
+    out_ids = batch.output_token_ids
+    counts = torch.zeros(out_ids.shape[0], vocab + 1, dtype=torch.float32, device=logits.device)
+    if out_ids.shape[1]:
+        index = out_ids.masked_fill(out_ids < 0, vocab)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    counts = counts[:, :vocab]  # [B, V]
+    in_output = counts > 0
+    seen = in_output | _scatter_flags(batch.prompt_token_ids, vocab)
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    return logits - batch.presence_penalty.unsqueeze(1) * in_output.to(torch.float32)
+
+
+def apply_min_p_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Filter temperature-scaled logits [B, V] f32 in the order min_p -> top_k -> top_p, each on the
+    renormalised survivors of the previous one; removed tokens become -inf (new tensor).
+
+    min_p keeps p_i >= min_p * max_j p_j (as z_i >= max z + log min_p). top_k keeps z_i >= the k-th
+    largest value. top_p keeps the smallest descending prefix whose mass reaches top_p, plus every
+    token tied with its last element.
+    """
+    neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+    if batch.any_min_p:
+        top = logits.max(dim=1, keepdim=True).values
+        threshold = top + torch.log(batch.min_p).unsqueeze(1)  # log 0 = -inf: off
+        logits = torch.where(logits < threshold, neg_inf, logits)
+    if batch.any_top_k_or_p:
+        ordered = logits.sort(dim=1, descending=True).values  # [B, V]
+        kth = ordered.gather(1, (batch.top_k - 1).unsqueeze(1))  # [B, 1]
+        ordered = torch.where(ordered < kth, neg_inf, ordered)
+        mass = torch.softmax(ordered, dim=1).cumsum(dim=1)  # [B, V]
+        last = (mass < batch.top_p.unsqueeze(1)).sum(dim=1).clamp(max=batch.vocab_size - 1)
+        boundary = ordered.gather(1, last.unsqueeze(1))
+        boundary = torch.where(batch.top_p.unsqueeze(1) >= 1.0, neg_inf, boundary)
+        logits = torch.where(logits < torch.maximum(kth, boundary), neg_inf, logits)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row; stateless apart from the logprobs mode."""
+
+    def __init__(self, logprobs_mode: LogprobsMode = LogprobsMode.RAW) -> None:
+        self.logprobs_mode = logprobs_mode
+
+    def process(self, logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
+        """Penalties and masks, then temperature and filters.
+
+        Returns (masked [B, V] f32: penalised and masked logits at temperature 1, used for greedy
+        rows; scaled [B, V] f32: masked / T with min_p/top_k/top_p applied, -inf = removed). The
+        sampling distribution of a random row is softmax(scaled)."""
+        masked = logits.to(torch.float32)
+        if batch.any_penalties:
+            masked = apply_penalties(masked, batch)
+        if batch.suppressed_token_ids.shape[1]:
+            ban = _scatter_flags(batch.suppressed_token_ids, batch.vocab_size)
+            masked = masked.masked_fill(ban, -math.inf)
+        if batch.allowed_mask is not None:
+            masked = masked.masked_fill(~batch.allowed_mask, -math.inf)
+        if batch.all_greedy:
+            return masked, masked
+        scaled = masked / batch.temperature.unsqueeze(1)
+        return masked, apply_min_p_top_k_top_p(scaled, batch)
+
+    def sample(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] (fp32, or any float dtype: converted) -> SamplerOutput."""
+        if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
+            raise ValueError(
+                f"Sampler.sample: logits shape {tuple(logits.shape)} does not match "
+                f"[B, vocab_size={batch.vocab_size}]"
+            )
+        masked, scaled = self.process(logits, batch)
+        token_ids = masked.argmax(dim=1)  # first maximum: ties go to the lowest id
+        if not batch.all_greedy:
+            noise = gumbel_noise(batch.seeds, batch.positions, batch.vocab_size, STREAM_SAMPLE)
+            random_ids = (scaled + noise).argmax(dim=1)
+            token_ids = torch.where(batch.greedy, token_ids, random_ids)
+        valid = ~torch.isnan(masked).any(dim=1) & (masked > -math.inf).any(dim=1)
+        token_ids = torch.where(valid, token_ids, torch.zeros_like(token_ids))
+        logprobs = None
+        if batch.max_num_logprobs >= 0:
+            if self.logprobs_mode is LogprobsMode.RAW:
+                source = logits.to(torch.float32)
+            else:
+                source = torch.where(batch.greedy.unsqueeze(1), masked, scaled)
+            logprobs = _gather_logprobs(
+                torch.log_softmax(source, dim=1), token_ids, batch.max_num_logprobs
+            )
+        return SamplerOutput(token_ids=token_ids, valid=valid, logprobs=logprobs)
+
+
+def compute_prompt_logprobs(
+    logits: Tensor, target_ids: Tensor, num_logprobs: int, chunk_rows: int = 1024
+) -> LogprobsTensors:
+    """Prompt logprobs from raw logits, in row chunks to bound the fp32 temporaries.
+
+    Args:
+        logits: [T, V] logits at prompt positions 0..T-1 (any float dtype).
+        target_ids: [T] int64, the prompt token that follows each position (position t's target
+            is prompt[t + 1]; the first prompt token has no logprob, as in vLLM).
+        num_logprobs: top N per position (0 = only the target's logprob and rank).
+    Returns:
+        LogprobsTensors with R = T.
+    """
+    if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"compute_prompt_logprobs: logits {tuple(logits.shape)} and target_ids "
+            f"{tuple(target_ids.shape)} must be [T, V] and [T]"
+        )
+    parts = [
+        _gather_logprobs(
+            torch.log_softmax(logits[start : start + chunk_rows].to(torch.float32), dim=1),
+            target_ids[start : start + chunk_rows].to(device=logits.device, dtype=torch.int64),
+            num_logprobs,
+        )
+        for start in range(0, logits.shape[0], chunk_rows)
+    ]
+    if not parts:
+        empty = torch.zeros(0, 1 + num_logprobs, device=logits.device)
+        return LogprobsTensors(empty.long(), empty, torch.zeros(0, dtype=torch.int64))
+    return LogprobsTensors(
+        token_ids=torch.cat([p.token_ids for p in parts]),
+        logprobs=torch.cat([p.logprobs for p in parts]),
+        ranks=torch.cat([p.ranks for p in parts]),
+    )
