@@ -1,0 +1,213 @@
+"""KV cache sizes derived from a ModelConfig, and the split of a memory budget into blocks/slots.
+
+Owns: `CacheLayout` (record sizes, rows per block, bytes per block / context token / slot) and
+`plan_memory` (how many KV blocks and request slots a byte budget holds). Plain arithmetic: no
+torch, no CUDA; the scheduler receives only `num_blocks`, `block_size` and `num_slots`.
+
+Two kinds of KV memory (model.md §4):
+
+- **Paged global KV**, per kv-source layer (role FULL) with ratio r: compressed-KV rows
+  (`head_dim // 2` e2m1 bytes + `head_dim // 16` e4m3 scales; 288 B at d = 512) and index-K rows
+  (`index_head_dim // 2` + `index_head_dim // 32` UE8M0 scales; 68 B at 128). One block covers
+  `block_size` context tokens, i.e. `block_size // r` rows of every source; one block id names
+  the same page in every source's planes. Flash: 3 x (288 + 68) / 2 + (288 + 68) = **890 B/token**.
+- **Request slots** (fixed per request): an SWA ring of `sliding_window + slack` records of
+  `head_dim + head_dim // 32` bytes (528 B) for **every** layer incl. the draft layers, and the
+  fp32 compressor pending state of each gated source (`r` rows x [kv | score] x head_dim x 4 B,
+  the slot-`p % r` layout of model.md §2.6). Engram history (3 ids) lives in the request, not here.
+
+Invariant: `block_size` is a multiple of 128 and of lcm(source ratios) * candidate_block_size, so
+every source's rows and every 8-row candidate block stay whole inside a page.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shoal.model.config import ModelConfig
+
+BLOCK_ALIGN = 128  # tokens; page sizes are multiples of this (kernel tiles, ratio-1/2 alignment)
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SourceCacheSpec:
+    """Paged compressed-KV and index-K planes of one kv-source layer (per block = page)."""
+
+    layer_id: int
+    compress_ratio: int
+    rows_per_block: int  # block_size // compress_ratio
+    compressed_value_bytes: int  # head_dim // 2: e2m1 pairs, low nibble = even dim
+    compressed_scale_bytes: int  # head_dim // 16: one e4m3 scale per 16 dims
+    index_value_bytes: int  # index_head_dim // 2: e2m1 pairs
+    index_scale_bytes: int  # index_head_dim // 32: one UE8M0 scale per 32 dims
+
+    @property
+    def compressed_record_bytes(self) -> int:
+        return self.compressed_value_bytes + self.compressed_scale_bytes
+
+    @property
+    def index_record_bytes(self) -> int:
+        return self.index_value_bytes + self.index_scale_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.rows_per_block * (self.compressed_record_bytes + self.index_record_bytes)
+
+
+@dataclass(frozen=True)
+class CompressorStateSpec:
+    """fp32 pending-group state of one gated (ratio >= 2) source: [rows, 2 (kv | score), dim]."""
+
+    layer_id: int
+    compress_ratio: int
+    rows: int
+    head_dim: int
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * 2 * self.head_dim * FP32_BYTES
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Every cache size the runner allocates and the memory planner divides."""
+
+    block_size: int
+    sources: tuple[SourceCacheSpec, ...]
+    swa_layer_ids: tuple[int, ...]  # every layer, backbone and draft
+    swa_ring_len: int  # sliding_window + speculative slack
+    swa_value_bytes: int  # head_dim e4m3
+    swa_scale_bytes: int  # head_dim // 32 UE8M0
+    compressor_states: tuple[CompressorStateSpec, ...]
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, block_size: int = 256,
+                          swa_slack: int | None = None,
+                          compressor_state_rows: int | None = None) -> CacheLayout:
+        """Derive the layout. `swa_slack` defaults to `dspark_block_size` when the model has
+        draft layers (room for verified drafts), else 0. `compressor_state_rows` defaults to
+        the source's ratio r (override for a rollback ring under speculative decoding)."""
+        sources = [spec for spec in config.layers if spec.is_kv_source]
+        ratios = sorted({spec.compress_ratio for spec in sources})
+        align = math.lcm(BLOCK_ALIGN, math.lcm(*ratios) * config.candidate_block_size) \
+            if ratios else BLOCK_ALIGN
+        if block_size < 1 or block_size % align:
+            raise ValueError(f"block_size={block_size}: expected a positive multiple of {align} "
+                             f"(lcm of {BLOCK_ALIGN} and lcm(source ratios {ratios}) x "
+                             f"candidate_block_size {config.candidate_block_size})")
+        if swa_slack is None:
+            swa_slack = config.dspark_block_size if config.num_draft_layers else 0
+        if swa_slack < 0:
+            raise ValueError(f"swa_slack={swa_slack}: expected >= 0")
+        if compressor_state_rows is not None and compressor_state_rows < 1:
+            raise ValueError(f"compressor_state_rows={compressor_state_rows}: expected >= 1")
+        d, di = config.head_dim, config.index_head_dim
+        return cls(
+            block_size=block_size,
+            sources=tuple(SourceCacheSpec(
+                layer_id=spec.layer_id, compress_ratio=spec.compress_ratio,
+                rows_per_block=block_size // spec.compress_ratio,
+                compressed_value_bytes=d // 2, compressed_scale_bytes=d // 16,
+                index_value_bytes=di // 2, index_scale_bytes=di // 32,
+            ) for spec in sources),
+            swa_layer_ids=tuple(spec.layer_id for spec in config.layers),
+            swa_ring_len=config.sliding_window + swa_slack,
+            swa_value_bytes=d, swa_scale_bytes=d // 32,
+            compressor_states=tuple(CompressorStateSpec(
+                layer_id=spec.layer_id, compress_ratio=spec.compress_ratio,
+                rows=compressor_state_rows or spec.compress_ratio, head_dim=d,
+            ) for spec in sources if spec.compressor_gated),
+        )
+
+    # ---- paged global KV -----------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """One page in every source's compressed-KV and index-K planes."""
+        return sum(source.bytes_per_block for source in self.sources)
+
+    def bytes_per_context_token(self) -> float:
+        """Global KV bytes per context token (890.0 for Flash, 534.0 mini, 106.0 tiny)."""
+        return self.bytes_per_block / self.block_size
+
+    # ---- per-request slot ---------------------------------------------------------------------
+    @property
+    def swa_record_bytes(self) -> int:
+        return self.swa_value_bytes + self.swa_scale_bytes
+
+    @property
+    def swa_bytes_per_slot(self) -> int:
+        return len(self.swa_layer_ids) * self.swa_ring_len * self.swa_record_bytes
+
+    @property
+    def compressor_bytes_per_slot(self) -> int:
+        return sum(state.bytes for state in self.compressor_states)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.swa_bytes_per_slot + self.compressor_bytes_per_slot
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a KV budget is split: `num_blocks` pages of `block_size` tokens + `num_slots` slots."""
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    bytes_per_block: int
+    bytes_per_slot: int
+    max_blocks_per_request: int  # ceil(max_model_len / block_size)
+    budget_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.slot_bytes
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Context tokens the whole pool holds (over all requests)."""
+        return self.num_blocks * self.block_size
+
+
+def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
+                max_model_len: int) -> MemoryPlan:
+    """Split `budget_bytes` into request slots and KV blocks.
+
+    1. Reserve one max-length request: `ceil(max_model_len / block_size)` blocks + one slot;
+       if the budget cannot hold that, raise ValueError.
+    2. Slots: `max_num_seqs`, or fewer if they would not fit beside that one request (then
+       `num_slots < max_num_seqs` and the engine should say so).
+    3. Blocks: the rest of the budget, but no more than `num_slots` max-length requests can use.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}: expected >= 1")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len}: expected >= 1")
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes}: expected >= 0")
+    per_block, per_slot = layout.bytes_per_block, layout.bytes_per_slot
+    max_blocks = -(-max_model_len // layout.block_size)
+    one_request = per_slot + max_blocks * per_block
+    if budget_bytes < one_request:
+        raise ValueError(
+            f"KV budget of {budget_bytes} B cannot hold one request of max_model_len="
+            f"{max_model_len}: that needs {one_request} B ({max_blocks} blocks x {per_block} B "
+            f"+ one slot of {per_slot} B); raise the memory budget or lower max_model_len")
+    num_slots = max_num_seqs
+    if per_slot:
+        num_slots = min(max_num_seqs, (budget_bytes - max_blocks * per_block) // per_slot)
+    num_blocks = (budget_bytes - num_slots * per_slot) // per_block if per_block else max_blocks
+    num_blocks = min(num_blocks, num_slots * max_blocks)
+    return MemoryPlan(block_size=layout.block_size, num_blocks=num_blocks, num_slots=num_slots,
+                      bytes_per_block=per_block, bytes_per_slot=per_slot,
+                      max_blocks_per_request=max_blocks, budget_bytes=budget_bytes)
