@@ -1,0 +1,71 @@
+"""Engram ops (model.md §2.10): FP8 table row gather with UE8M0 dequantisation, and the gated
+mix of the n-gram value into each residual stream. (The hash itself is host-side metadata,
+computed before the forward from token ids: `shoal.model.engram_hash`.)
+
+Invariant: the gate is a normalised per-(token, stream) dot product with eps 1e-20, a signed
+square root clamped at 1e-6 before the sigmoid, and 0 at masked (image) tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.ops.reference._cases import randn
+from shoal.ops.registry import REGISTRY, OpCase, Tolerance
+from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
+
+
+def _gather_case(t: int, n: int, dim: int, rows: int) -> OpCase:
+    def make(g: torch.Generator, d: torch.device) -> dict:
+        codes, scales = quant_fp8_act(randn(g, rows, dim, dtype=torch.float32), 32)
+        return {"table": codes.to(d), "table_scale": scales.to(d),
+                "row_ids": torch.randint(0, rows, (t, n), generator=g).to(d)}
+
+    return OpCase(f"T{t}xN{n}xD{dim}", make)
+
+
+@REGISTRY.define("engram_gather", tolerances={torch.bfloat16: Tolerance()},
+                 cases=[_gather_case(1, 6, 32, 50), _gather_case(7, 6, 32, 300),
+                        _gather_case(0, 6, 32, 10), _gather_case(83, 24, 256, 1000)])
+def engram_gather(*, table: torch.Tensor, table_scale: torch.Tensor,
+                  row_ids: torch.Tensor) -> torch.Tensor:
+    """table [rows, Dh] float8_e4m3fn + table_scale [rows, Dh/32] uint8 UE8M0; row_ids [T, n]
+    int (on the table's device) -> [T, n * Dh] bf16 (rows concatenated in (order, head) order)."""
+    t, n = row_ids.shape
+    flat = row_ids.reshape(-1).long()
+    vals = dequant_fp8_act(table[flat], table_scale[flat], 32)
+    return vals.to(torch.bfloat16).view(t, n * table.shape[1])
+
+
+def _mix_case(t: int, d: int) -> OpCase:
+    def make(g: torch.Generator, dev: torch.device) -> dict:
+        return {"stream": randn(g, t, 4, d, device=dev), "kv": randn(g, t, 5 * d, device=dev),
+                "q_weight": randn(g, 4, d, scale=0.1, device=dev) + 1,
+                "k_weight": randn(g, 4, d, scale=0.1, device=dev) + 1, "eps": 1e-20,
+                "gate_mask": (torch.rand(t, generator=g) > 0.2).to(dev)}
+
+    return OpCase(f"T{t}xD{d}", make)
+
+
+@REGISTRY.define("engram_mix", tolerances={torch.bfloat16: Tolerance(atol=1e-2, rtol=1e-2)},
+                 cases=[_mix_case(1, 32), _mix_case(7, 128), _mix_case(0, 32), _mix_case(83, 256)])
+def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor,
+               k_weight: torch.Tensor, eps: float,
+               gate_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """R_i <- bf16(R_i + gate_i * value) per stream i.
+
+    stream [T, hc, D] bf16; kv [T, (hc+1) D] bf16 = engram.wkv . rows (key = first hc*D values
+    viewed [hc, D], value = last D); q_weight, k_weight [hc, D] bf16 (only their product is
+    used); gate_mask [T] bool (False = image token: gate 0) or None.
+    """
+    t, hc, d = stream.shape
+    key = kv[:, : hc * d].float().view(t, hc, d)
+    value = kv[:, hc * d:].float()
+    w = q_weight.float() * k_weight.float()
+    h = stream.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * w * key).sum(-1) * rstd * d**-0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if gate_mask is not None:
+        gate = gate.masked_fill(~gate_mask.unsqueeze(-1), 0)
+    return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(torch.bfloat16)

@@ -1,0 +1,114 @@
+"""MoE ops (model.md §2.9): the sqrtsoftplus router with a selection-only bias, the clamped
+SwiGLU, and the routed MXFP4 experts with FP8 activations.
+
+Invariants: the routing weight multiplies h *before* bf16(h) and w2 (w2 re-quantises its input
+per 32); renormalisation uses the literal 1e-20; ties in the biased top-k go to the lower expert
+id (the reference's torch.topk leaves ties implementation-defined; we pin them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.ops.reference._cases import fp4_weight, randn
+from shoal.ops.registry import REGISTRY, OpCase, Tolerance
+from shoal.quant.fp4 import dequant_mxfp4
+from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
+
+
+def _router_case(t: int, d: int, e: int, k: int) -> OpCase:
+    return OpCase(f"T{t}xD{d}xE{e}k{k}", lambda g, dev: {
+        "x": randn(g, t, d, device=dev), "weight": randn(g, e, d, scale=d**-0.5, device=dev),
+        "bias": randn(g, e, scale=0.1, dtype=torch.float32, device=dev), "k": k,
+        "route_scale": 1.5, "gate_temp": 1.0})
+
+
+@REGISTRY.define("router", tolerances={torch.float32: Tolerance(atol=1e-5, rtol=1e-5)},
+                 cases=[_router_case(1, 32, 8, 2), _router_case(7, 128, 8, 2),
+                        _router_case(0, 32, 8, 2), _router_case(83, 256, 384, 6)])
+def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+           route_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] bf16, weight [E, D] bf16, bias [E] fp32 -> (ids [T, k] int64, w [T, k] fp32).
+
+    s = sqrt(softplus(fp32(x) . fp32(W)^T / gate_temp)); ids = top-k of s + bias (ties: lower
+    id); w = s[ids] / (sum s[ids] + 1e-20) * route_scale (the unbiased scores).
+    """
+    logits = (x.float() @ weight.float().t()) / gate_temp
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
+    ids = order[:, :k]
+    w = scores.gather(1, ids)
+    if k > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, w * route_scale
+
+
+@REGISTRY.define("swiglu_clamp", tolerances={torch.bfloat16: Tolerance(atol=1e-2, rtol=1e-2)},
+                 cases=[OpCase(f"T{t}xI{i}", (lambda t, i: lambda g, d: {
+                     "gate": randn(g, t, i, scale=6.0, dtype=torch.float32, device=d),
+                     "up": randn(g, t, i, scale=6.0, dtype=torch.float32, device=d),
+                     "weight": torch.rand(t, generator=g).to(d), "limit": 10.0})(t, i))
+                     for t, i in ((1, 32), (7, 64), (0, 32), (83, 2304))])
+def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
+                 limit: float) -> torch.Tensor:
+    """h = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) [* w]) ; g, u [T, I] fp32,
+    w [T] fp32 routing weight or None (shared expert)."""
+    up = up.float().clamp(-limit, limit)
+    gate = gate.float().clamp(max=limit)
+    h = torch.nn.functional.silu(gate) * up
+    if weight is not None:
+        h = weight.float().unsqueeze(-1) * h
+    return h.to(torch.bfloat16)
+
+
+def _fp8_act_qdq(x: torch.Tensor) -> torch.Tensor:
+    codes, scales = quant_fp8_act(x, 32)
+    return dequant_fp8_act(codes, scales, 32)
+
+
+def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False) -> OpCase:
+    def make(g: torch.Generator, dev: torch.device) -> dict:
+        w13 = [fp4_weight(g, 2 * inter, d, dev) for _ in range(e)]
+        w2 = [fp4_weight(g, d, inter, dev) for _ in range(e)]
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else \
+            torch.zeros(0, k, dtype=torch.long)
+        return {"x": randn(g, t, d, device=dev), "ids": ids.to(dev),
+                "weights": torch.rand(t, k, generator=g).to(dev),
+                "w13": torch.stack([w for w, _ in w13]), "w13_scale": torch.stack(
+                    [s for _, s in w13]),
+                "w2": torch.stack([w for w, _ in w2]), "w2_scale": torch.stack([s for _, s in w2]),
+                "limit": 10.0}
+
+    return OpCase(f"T{t}xD{d}xI{inter}xE{e}k{k}", make, heavy=heavy)
+
+
+@REGISTRY.define("moe_mxfp4", tolerances={torch.float32: Tolerance(atol=2e-2, rtol=2e-2)},
+                 cases=[_moe_case(1, 64, 32, 4, 2), _moe_case(7, 128, 64, 8, 2),
+                        _moe_case(0, 64, 32, 4, 2), _moe_case(83, 128, 64, 8, 3),
+                        _moe_case(16, 5120, 2304, 8, 6, heavy=True)])
+def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+              w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+              limit: float) -> torch.Tensor:
+    """Routed experts: sum_k bf16(expert_{ids[t,k]}(x_t, w[t,k])) in fp32 -> [T, D] fp32.
+
+    x [T, D] bf16; ids [T, k] int64; weights [T, k] fp32; w13 [E, 2I, D/2] uint8 MXFP4 (rows
+    0..I-1 = w1, I..2I-1 = w3; low nibble = even K element) with w13_scale [E, 2I, D/32] uint8;
+    w2 [E, D, I/2] uint8 with w2_scale [E, D, I/32]. Per expert: g, u = bf16 outputs of the
+    FP8-activation x FP4-weight GEMMs, read as fp32; h = swiglu_clamp(g, u, w); out = w2 . h
+    (h re-quantised per 32) rounded to bf16.
+    """
+    t, d = x.shape
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    inter = w2.shape[2] * 2
+    xq = _fp8_act_qdq(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        w13_e = dequant_mxfp4(w13[e], w13_scale[e], 32)
+        gu = (xq[tok] @ w13_e.t()).to(torch.bfloat16).float()
+        h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
+                         limit=limit)
+        y = _fp8_act_qdq(h) @ dequant_mxfp4(w2[e], w2_scale[e], 32).t()
+        out.index_add_(0, tok, y.to(torch.bfloat16).float())
+    return out

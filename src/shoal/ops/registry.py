@@ -1,0 +1,212 @@
+"""The op contract: definitions (reference functions), backends, and the resolved op table.
+
+Owns: the catalogue of ops (model.md §7). Each op has exactly one *reference* implementation,
+which is its definition (a typed PyTorch function; the docstring states shapes, dtypes, byte
+layouts and in-place behaviour), a tolerance per output dtype, and a grid of cases used by the
+generated conformance suite. Backends (``triton``, later others) register implementations with
+the same signature plus a ``supports(**kwargs)`` predicate.
+
+Invariant: the model never calls a backend directly. An `OpTable` is resolved **once** at
+start-up for a backend priority list; the hot path then calls plain functions (no dispatch), so
+CUDA graphs capture fixed functions. A backend without an op falls back to the reference, and
+the table says so (``report()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Allowed |a - b| <= atol + rtol * |b|, per output dtype (exact match for integer outputs)."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One conformance case: `make(generator, device) -> kwargs` builds fresh random inputs.
+
+    `heavy` cases (the real Flash shapes) run only on an accelerator or with SHOAL_HEAVY=1.
+    `inplace` names the kwargs an op writes into (compared after the call, poisoned before).
+    """
+
+    name: str
+    make: Callable[[torch.Generator, torch.device], dict[str, Any]]
+    heavy: bool = False
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    reference: Callable[..., Any]
+    tolerances: dict[torch.dtype, Tolerance]
+    cases: tuple[OpCase, ...]
+    inplace: tuple[str, ...] = ()  # kwargs written by the op
+    # Optional custom comparison (a, b, case) -> None or raise AssertionError; for outputs whose
+    # equality is defined modulo ties (top-k sets) or that are byte records.
+    compare: Callable[..., None] | None = None
+
+
+@dataclass(frozen=True)
+class BackendImpl:
+    fn: Callable[..., Any]
+    supports: Callable[..., bool]
+
+
+class OpRegistry:
+    """Catalogue of op definitions and backend implementations (filled at import time)."""
+
+    def __init__(self) -> None:
+        self._defs: dict[str, OpDef] = {}
+        self._impls: dict[str, dict[str, BackendImpl]] = {}
+
+    def define(self, name: str, *, tolerances: dict[torch.dtype, Tolerance] | None = None,
+               cases: Iterable[OpCase] = (), inplace: tuple[str, ...] = (),
+               compare: Callable[..., None] | None = None):
+        """Decorator registering `fn` as the reference definition of op `name`."""
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._defs:
+                raise ValueError(f"op {name!r} is defined twice")
+            self._defs[name] = OpDef(name, fn, dict(tolerances or {}), tuple(cases), inplace,
+                                     compare)
+            return fn
+
+        return wrap
+
+    def implement(self, backend: str, name: str, *,
+                  supports: Callable[..., bool] | None = None):
+        """Decorator registering a backend implementation of op `name` (same signature)."""
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if backend == REFERENCE:
+                raise ValueError("the reference backend is defined with define()")
+            self._impls.setdefault(backend, {})[name] = BackendImpl(fn, supports or _always)
+            return fn
+
+        return wrap
+
+    def add_cases(self, name: str, cases: Iterable[OpCase]) -> None:
+        op = self._defs[name]
+        self._defs[name] = OpDef(op.name, op.reference, op.tolerances, op.cases + tuple(cases),
+                                 op.inplace, op.compare)
+
+    @property
+    def ops(self) -> dict[str, OpDef]:
+        return dict(self._defs)
+
+    def backends(self) -> list[str]:
+        return [REFERENCE, *sorted(self._impls)]
+
+    def impl(self, backend: str, name: str) -> BackendImpl | None:
+        if backend == REFERENCE:
+            op = self._defs.get(name)
+            return None if op is None else BackendImpl(op.reference, _always)
+        return self._impls.get(backend, {}).get(name)
+
+    def resolve(self, backends: Iterable[str]) -> OpTable:
+        """Pick, for every op, the first backend in priority order that implements it."""
+        order = [b for b in backends if b != REFERENCE] + [REFERENCE]
+        chosen: dict[str, Callable[..., Any]] = {}
+        origin: dict[str, str] = {}
+        for name, op in sorted(self._defs.items()):
+            for backend in order:
+                impl = self.impl(backend, name)
+                if impl is not None:
+                    chosen[name] = impl.fn if backend == REFERENCE else _guarded(
+                        name, impl, op.reference)
+                    origin[name] = backend
+                    break
+        requested = order[0]
+        table = OpTable(chosen, origin, requested)
+        fallbacks = table.fallbacks()
+        if requested != REFERENCE and fallbacks:
+            logger.warning("backend %r lacks %d ops, using the reference for: %s", requested,
+                           len(fallbacks), ", ".join(fallbacks))
+        return table
+
+
+def _always(**_: Any) -> bool:
+    return True
+
+
+def _guarded(name: str, impl: BackendImpl, reference: Callable[..., Any]):
+    """Call the backend when `supports(**kwargs)` holds, else the reference (never silently
+    wrong; the predicate is cheap and shape-only)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError(f"op {name}: call with keyword arguments only")
+        if impl.supports(**kwargs):
+            return impl.fn(**kwargs)
+        return reference(**kwargs)
+
+    call.__name__ = f"{name}[{getattr(impl.fn, '__module__', '?')}]"
+    return call
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """The resolved (op -> function) table; attribute access returns the function."""
+
+    fns: dict[str, Callable[..., Any]]
+    origin: dict[str, str]
+    requested: str = REFERENCE
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        try:
+            return self.fns[name]
+        except KeyError:
+            raise AttributeError(f"no op named {name!r} in the op table") from None
+
+    def fallbacks(self) -> list[str]:
+        return sorted(n for n, b in self.origin.items() if b == REFERENCE
+                      and self.requested != REFERENCE)
+
+    def report(self) -> str:
+        width = max((len(n) for n in self.origin), default=4)
+        lines = [f"{'op'.ljust(width)}  backend"]
+        for name in sorted(self.origin):
+            mark = "  (fallback)" if name in self.fallbacks() else ""
+            lines.append(f"{name.ljust(width)}  {self.origin[name]}{mark}")
+        return "\n".join(lines)
+
+
+REGISTRY = OpRegistry()
+
+
+def load_backends() -> None:
+    """Import every backend module so its registrations run (reference always; triton if
+    importable with a CUDA device)."""
+    from shoal.ops import reference  # noqa: F401
+
+    if torch.cuda.is_available():
+        try:
+            from shoal.ops import triton as _triton  # noqa: F401
+        except ImportError as exc:  # triton missing: the reference serves
+            logger.warning("triton backend unavailable: %s", exc)
+
+
+def default_backends(device: torch.device) -> list[str]:
+    """Backend priority for a device: triton on CUDA sm_90+, else the reference."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return ["triton", REFERENCE]
+    return [REFERENCE]
+
+
+def resolve_ops(device: torch.device | str = "cpu", backends: list[str] | None = None) -> OpTable:
+    load_backends()
+    device = torch.device(device)
+    return REGISTRY.resolve(backends or default_backends(device))
