@@ -1,6 +1,7 @@
 """Stop-string detection on incrementally decoded text, with hold-back for streaming.
 
-Owns: `check_stop` (pure) and `StopStringMatcher` (its per-request state: the held-back tail).
+Owns: `check_stop` (pure) and `StopStringMatcher` (its per-request state: the held-back tail
+and a lookback of emitted text, where a stop string may begin when it is emitted eagerly).
 
 Invariant: text is emitted only when no stop string can begin inside it, so a stop string that
 spans any number of token / chunk boundaries is found, and the emitted text plus the final result
@@ -28,12 +29,15 @@ class StopCheck:
     emit: text to append to the visible output now (truncated at the stop string, which is
         included iff include_stop_str_in_output).
     held: text withheld because it may begin a stop string; pass it to the next call.
+    lookback: the last (longest stop - 1) characters already emitted; pass it to the next call
+        (a stop string may begin there when include_stop_str_in_output emits eagerly).
     """
 
     stopped: bool
     stop_str: str | None
     emit: str
     held: str
+    lookback: str
 
 
 def _longest_partial(text: str, stops: Sequence[str]) -> int:
@@ -53,8 +57,9 @@ def check_stop(
     stops: Sequence[str],
     include_stop_str_in_output: bool = False,
     final: bool = False,
+    lookback: str = "",
 ) -> StopCheck:
-    """Look for the first stop string in `held + new_text`.
+    """Look for the first stop string that ends inside `new_text`.
 
     Args:
         held: the previous call's `held` ("" at the start); it was not emitted.
@@ -62,41 +67,56 @@ def check_stop(
         stops: the request's stop strings (non-empty strings).
         include_stop_str_in_output: keep the stop string at the end of the emitted text.
         final: the request ends now for another reason (EOS, max_tokens): emit everything.
+        lookback: the previous call's `lookback` ("" at the start).
     """
-    window = held + new_text
+    window = lookback + held + new_text
+    first_new = len(lookback) + len(held)
     best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop in stops:
-        # A match must end inside new_text: the held text alone cannot contain a whole stop string.
-        start = window.find(stop, max(0, len(held) - len(stop) + 1))
-        if start >= 0:
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
+        # Only matches that end inside new_text are new: earlier ones would have stopped already.
+        start = window.find(stop, max(0, first_new - len(stop) + 1))
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
     if best is not None:
         end, start, stop = best
-        return StopCheck(True, stop, window[: end if include_stop_str_in_output else start], "")
-    if final or include_stop_str_in_output:
-        return StopCheck(False, None, window, "")
-    keep = _longest_partial(window, stops)
+        cut = end if include_stop_str_in_output else max(start, len(lookback))
+        return StopCheck(True, stop, window[len(lookback) : cut], "", "")
+    keep = 0 if final or include_stop_str_in_output else _longest_partial(window, stops)
     split = len(window) - keep
-    return StopCheck(False, None, window[:split], window[split:])
+    context = max((len(s) for s in stops), default=1) - 1
+    return StopCheck(
+        stopped=False,
+        stop_str=None,
+        emit=window[len(lookback) : split],
+        held=window[split:],
+        lookback=window[max(0, split - context) : split] if context else "",
+    )
 
 
 class StopStringMatcher:
-    """Per-request wrapper around `check_stop` that carries the held-back text."""
+    """Per-request wrapper around `check_stop` that carries the held-back text and lookback."""
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stops = tuple(stops)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.held = ""
+        self.lookback = ""
         self.stopped = False
 
     def feed(self, new_text: str, final: bool = False) -> StopCheck:
         """Feed the next decoded delta; see `check_stop`. No more text is accepted once stopped."""
         if self.stopped:
             raise RuntimeError("StopStringMatcher.feed called after a stop string matched")
-        result = check_stop(self.held, new_text, self.stops, self.include_stop_str_in_output, final)
+        result = check_stop(
+            self.held,
+            new_text,
+            self.stops,
+            self.include_stop_str_in_output,
+            final,
+            self.lookback,
+        )
         self.held = result.held
+        self.lookback = result.lookback
         self.stopped = result.stopped
         return result
 
