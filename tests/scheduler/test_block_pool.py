@@ -91,3 +91,25 @@ def test_manager_refuses_over_allocation() -> None:
     with pytest.raises(RuntimeError, match="not enough free blocks"):
         kv.allocate(a, 13)
     assert a.slot is None and kv.pool.num_free == 3
+
+
+def test_scheduler_package_imports_only_stdlib_and_itself() -> None:
+    """The scheduler must run on a CPU-only box: no torch, nothing from model/runner/ops."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    import shoal.scheduler
+
+    allowed = set(sys.stdlib_module_names) | {"__future__"}
+    for path in Path(shoal.scheduler.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed or name.startswith("shoal.scheduler"), \
+                    f"{path.name} imports {name}"
