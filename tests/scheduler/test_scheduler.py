@@ -58,7 +58,9 @@ def test_single_request_exact_plans() -> None:
         num_new_tokens=10, block_ids=(0, 1, 2), prefill_len=10, num_prompt_tokens=10,
         sample=True, is_new_in_slot=True, history_token_ids=()),)
     assert plan.num_scheduled_tokens == 10 and finished == []
+    assert plan.scheduled[0].is_prefill and plan.num_sampled_requests == 1
     plan, _ = run_step(s)
+    assert not plan.scheduled[0].is_prefill
     assert plan.scheduled[0] == ScheduledRequest(
         request_id="a", slot=0, token_ids=(t0,), start_position=10, num_new_tokens=1,
         block_ids=(0, 1, 2), prefill_len=10, num_prompt_tokens=10, sample=True,
@@ -144,6 +146,7 @@ def test_preemption_recompute_and_resumption() -> None:
     ]
     assert trace[3][0].preempted_ids == ("b",)
     resumed = trace[6][0].scheduled[0]
+    assert resumed.is_prefill and not trace[7][0].scheduled[0].is_prefill
     assert (resumed.slot, resumed.prefill_len, resumed.is_new_in_slot) == (0, 9, True)
     assert resumed.token_ids == tuple(range(6)) + tuple(fake_token("b", p) for p in (6, 7, 8))
     assert trace[6][0].finished_ids == ("a",)
