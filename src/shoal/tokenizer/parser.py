@@ -181,7 +181,7 @@ class OutputParser:
             cut = held.find("<｜DSML")
             if cut != -1:
                 self.warnings.append(f"dropped a truncated DSML marker at the end: {held[cut:]!r}")
-                held = held[:cut]
+                held = held[:cut].removesuffix("\n\n")
             self._emit_text(held, events)
         elif self.state is ParserState.TOOLS:
             if held.strip():
