@@ -217,3 +217,31 @@ def test_encode_then_parse_round_trip(reasoning, content, calls, sizes):
     assert [c["name"] for c in out.tool_calls] == [n for n, _ in calls]
     assert [json.loads(c["arguments"]) for c in out.tool_calls] == [a for _, a in calls]
     assert out.errors == [] and out.warnings == [] and out.finished
+
+
+def test_token_stream_through_synthetic_tokenizer():
+    """Prompt/completion tokenised by the synthetic tokenizer, detokenised id by id with special
+    tokens kept, parse to the original assistant message."""
+    from shoal.model.presets import get_preset
+    from shoal.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+    tok = Tokenizer(build_synthetic_tokenizer(get_preset("tiny")))
+    msgs = [{"role": "user", "content": "q"}]
+    args = {"x": [1, "<｜DSML｜ invoke"], "s": "é </think>"}
+    assistant = {
+        "role": "assistant",
+        "reasoning_content": "think <b>",
+        "content": "Hi there",
+        "tool_calls": [{"function": {"name": "f", "arguments": args}}],
+    }
+    prompt = encode_messages(msgs)
+    completion = encode_messages(msgs + [assistant], add_generation_prompt=False)[len(prompt) :]
+    detok = tok.incremental(tok.encode(prompt))
+    parser = OutputParser.for_prompt(prompt)
+    for token_id in tok.encode(completion):
+        parser.feed(detok.step(token_id))
+    parser.feed(detok.flush())
+    out = parser.finish()
+    assert (out.reasoning_content, out.content) == ("think <b>", "Hi there")
+    assert out.tool_calls[0]["name"] == "f" and json.loads(out.tool_calls[0]["arguments"]) == args
+    assert out.finished and not out.errors and not out.warnings

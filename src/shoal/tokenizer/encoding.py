@@ -8,15 +8,14 @@ Invariant: for any accepted input the output is byte-identical to the release re
 ``deepseek_v41_encoding.py``), except for two documented decisions: the effort alias table is the
 release one (configurable, :class:`EffortTable`), and images are an error unless asked for.
 
-Example (thinking mode, default effort)::
+Example (thinking mode, default effort 75), ``[{"role": "user", "content": "Hi"}]`` renders as::
 
-    >>> encode_messages([{"role": "user", "content": "Hi"}])
-    '<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value,
-     the more thorough the reasoning)\\n\\n<｜User｜>Hi<｜Assistant｜><think>'   # (one line)
+    <｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value,
+    the more thorough the reasoning)\n\n<｜User｜>Hi<｜Assistant｜><think>
 
-Chat mode (``reasoning_effort="none"``)::
+(one line; ``\n\n`` are two newlines). Chat mode (``reasoning_effort="none"``)::
 
-    '<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>'
+    <｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>
 """
 
 from __future__ import annotations
