@@ -86,12 +86,17 @@ def _rotl32(x: Tensor, r: int) -> Tensor:
     return ((x << r) | (x >> (32 - r))) & _M32
 
 
-def _absorb(h: Tensor, k: Tensor) -> Tensor:
-    k = _mul32(k, _C1)
-    k = _rotl32(k, 15)
-    k = _mul32(k, _C2)
-    h = _rotl32(h ^ k, 13)
+def _scramble(k: Tensor) -> Tensor:
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _mix(h: Tensor, scrambled: Tensor) -> Tensor:
+    h = _rotl32(h ^ scrambled, 13)
     return (h * 5 + 0xE6546B64) & _M32
+
+
+def _absorb(h: Tensor, k: Tensor) -> Tensor:
+    return _mix(h, _scramble(k))
 
 
 def _finalize(h: Tensor) -> Tensor:
@@ -125,7 +130,9 @@ def counter_bits(seeds: Tensor, positions: Tensor, indices: Tensor, stream: int 
     indices = indices.to(device=seeds.device, dtype=torch.int64) & _M32
     if indices.dim() == 1:
         indices = indices.unsqueeze(0)
-    h = _absorb(h.unsqueeze(1), indices)  # [B, N]
+    # The last word's scramble depends on the index only: for [N] indices it is computed once and
+    # broadcast over the rows, which halves the [B, N] integer work.
+    h = _mix(h.unsqueeze(1), _scramble(indices))  # [B, N]
     return _finalize(h)
 
 
