@@ -3,7 +3,8 @@
 Owns: `check_stop` (pure) and `StopStringMatcher` (its per-request state: the held-back tail
 and a lookback of emitted text, where a stop string may begin when it is emitted eagerly).
 
-Invariant: text is emitted only when no stop string can begin inside it, so a stop string that
+Invariant: text is emitted only when no stop string can begin inside it (or, with
+include_stop_str_in_output, when emitting it is right either way), so a stop string that
 spans any number of token / chunk boundaries is found, and the emitted text plus the final result
 does not depend on how the text was split into chunks. The held-back tail is the longest suffix of
 the unemitted text that is a proper prefix of some stop string (empty when
