@@ -16,9 +16,11 @@ Quantisers (reference ``fp4_act_quant``):
 
 NaN/inf: e2m1 has no NaN or inf. :func:`e2m1_encode` maps NaN to a zero code (sign bit kept) and
 +/-inf to +/-6. In the quantisers a NaN anywhere in a block makes the block's scale NaN (UE8M0 0xFF
-or e4m3 0x7F), so the whole block dequantises to NaN. An inf makes an MXFP4 scale +inf (byte 0xFF,
-block NaN); an NVFP4 scale saturates at 448 like the reference's satfinite cast, so the inf element
-becomes +/-6*448 and the rest of the block quantises against s = 448.
+or an e4m3 NaN byte), so the whole block dequantises to NaN and its codes are unspecified. An inf
+makes an MXFP4 scale +inf (byte 0xFF, block NaN); an NVFP4 scale saturates at 448 like the
+reference's satfinite cast, so the inf element becomes +/-6*448 and the rest of the block
+quantises against s = 448. MXFP4 overflow: near the fp32 maximum, ``e2m1 * s`` can reach 2^128 and
+dequantise to inf (e.g. the bf16 maximum), as in the reference.
 
 All functions are pure, work on CPU and CUDA, on any leading shape and on empty tensors.
 Invariant: for finite input, every dequantised value is ``e2m1 * s``, exact in bf16.

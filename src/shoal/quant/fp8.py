@@ -11,13 +11,15 @@ Owns the reference definitions of
 Codes are ``torch.float8_e4m3fn`` tensors, scales are uint8 UE8M0 bytes. All functions are pure,
 work on CPU and CUDA, on any leading shape and on empty tensors; inputs are computed on as fp32.
 
-NaN/inf: a block whose amax is NaN gets scale NaN (byte 0xFF) and its NaN elements get the e4m3
-NaN code; a block holding +/-inf gets scale +inf, also byte 0xFF. Either way the whole block
-dequantises to NaN (the reference's QDQ of such a block is also non-finite garbage, and a healthy
-forward never produces one). Finite values never saturate the scale.
+NaN/inf: a block containing NaN gets scale NaN and one containing +/-inf gets scale +inf; both
+encode to the UE8M0 byte 0xFF, so the whole block dequantises to NaN, and the codes of such a
+block are unspecified. (A deliberate choice: the reference's bit trick would turn a NaN amax into
+a -0.0 scale, and its CUDA max-reduction may skip NaNs; a healthy forward has none.)
+Overflow: near the fp32 maximum a code can round up so that ``q * s = 2^128``, which dequantises
+to +/-inf (e.g. the bf16 maximum 3.39e38), as in the reference.
 
-Invariant: for finite input, ``dequant(quant(x))`` is ``q * s`` with ``|q| <= 448`` and is exact in
-bf16, and ``qdq_fp8_act(x)`` equals the reference's in-place ``act_quant`` bit for bit.
+Invariant: for finite input, ``dequant(quant(x))`` is ``q * s`` with ``|q| <= 448``, exact in bf16
+(barring the overflow above), and ``qdq_fp8_act(x)`` equals the reference's in-place ``act_quant``.
 """
 
 from __future__ import annotations
