@@ -86,7 +86,7 @@ def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: t
     t, g, k = o.shape
     w = dequant_fp8_weight(weight, weight_scale, block).view(g, -1, k)
     z = torch.einsum("tgk,grk->tgr", o.float(), w)
-    return z.to(torch.bfloat16).reshape(t, -1)
+    return z.to(torch.bfloat16).reshape(t, z.shape[1] * z.shape[2])
 
 
 def _bf16_case(t: int, n: int, k: int, x_dtype, out_dtype) -> OpCase:

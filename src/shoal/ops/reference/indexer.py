@@ -72,6 +72,17 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     return logits.masked_fill(j.unsqueeze(0) >= n_visible.unsqueeze(1), -torch.inf)
 
 
+def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim with exact ties broken towards the lower index.
+
+    The official reference leaves ties to torch.topk (implementation-defined, and they are
+    common: a row whose every head is rectified to 0 scores exactly 0). Pinning them makes the
+    selection independent of the tensor width, so chunked, decode and batched runs agree.
+    """
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
 def _logits_case(t: int, rows: int) -> OpCase:
     def make(g: torch.Generator, d: torch.device) -> dict:
         n = torch.randint(0, rows + 1, (t,), generator=g)
@@ -93,7 +104,7 @@ def candidate_mask(*, logits: torch.Tensor, n_visible: torch.Tensor, block_size:
 
     Block score = max logit of its `block_size` rows (last block padded with -inf); the block of
     the newest visible row (n_p - 1) // block_size is pinned (+inf); blocks that come back -inf
-    are dropped. Returns a bool mask [T, N] over rows.
+    are dropped; exact ties go to the lower block. Returns a bool mask [T, N] over rows.
     """
     t, width = logits.shape
     pad = (-width) % block_size
@@ -103,9 +114,8 @@ def candidate_mask(*, logits: torch.Tensor, n_visible: torch.Tensor, block_size:
     newest = (n_visible - 1).div(block_size, rounding_mode="floor")
     scores = scores.masked_fill(torch.arange(n_blocks, device=logits.device) == newest.unsqueeze(1),
                                 torch.inf)
-    top = scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices,
-                                                               top.values > -torch.inf)
+    top_vals, top_idx = _stable_topk(scores, min(topk_blocks, n_blocks))
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top_idx, top_vals > -torch.inf)
     return keep.repeat_interleave(block_size, dim=-1)[:, :width]
 
 
@@ -130,14 +140,14 @@ def _topk_compare(out, ref, case) -> None:
 def topk_rows(*, logits: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
     """Select the top min(k, n_p) rows per query, ascending, -1 padded -> [T, k] int32.
 
-    Rows scoring -inf (invisible or filtered out) are never selected. Fast path: when
+    Exact ties go to the lower row. Rows scoring -inf (invisible or filtered out) are never selected. Fast path: when
     n_p <= k the result is rows 0 .. n_p - 1 regardless of the scores.
     """
     t, width = logits.shape
     if width < k:
         logits = torch.nn.functional.pad(logits, (0, k - width), value=-torch.inf)
-    top = logits.topk(k, dim=-1)
-    idx = torch.where(top.values > -torch.inf, top.indices, torch.iinfo(torch.int64).max)
+    top_vals, top_idx = _stable_topk(logits, k)
+    idx = torch.where(top_vals > -torch.inf, top_idx, torch.iinfo(torch.int64).max)
     idx = idx.sort(dim=-1).values
     idx = torch.where(idx == torch.iinfo(torch.int64).max, -1, idx)
     return idx.to(torch.int32)

@@ -1,0 +1,85 @@
+"""Attention sublayer of every layer (model.md §2.5): q / SWA kv projections, the compressed
+path of its role (compressor for kv sources, indexer for index sources, shared top-k for the
+rest), sparse MQA with sink over the SWA ring + selected compressed rows, inverse RoPE and the
+grouped low-rank output projection.
+
+Rows: the layer input `x` covers `rows.prod`; SWA kv is written for `rows.kv`; the rest runs for
+`rows.full` (tail-only prefill, see batch.py). Invariant: the SWA keys of the step are written to
+scratch rows before attention and committed to the rings after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.model.batch import LayerRows
+from shoal.model.compressor import run_compressor
+from shoal.model.config import LayerRole, LayerSpec
+from shoal.model.context import StepContext, rope_params, select
+from shoal.model.indexer import run_indexer
+
+
+def _local(sub: torch.Tensor | None, sup: torch.Tensor | None) -> torch.Tensor | None:
+    """Positions of row set `sub` inside row set `sup` (sorted index tensors; None = all)."""
+    if sup is None:
+        return sub
+    assert sub is not None, "a row subset cannot cover more than its superset"
+    return torch.searchsorted(sup, sub)
+
+
+def swa_kv(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
+           rows: torch.Tensor | None) -> None:
+    """kv = RoPE(kv_norm(wkv . x)) at p, stored as MXFP8 records in the scratch rows."""
+    ops, p, cfg = ctx.ops, ctx.params, ctx.config
+    kv = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wkv.weight"],
+                      weight_scale=p[prefix + "attn.wkv.scale"])
+    kv = ops.rmsnorm(x=kv, weight=p[prefix + "attn.kv_norm.weight"], eps=cfg.norm_eps)
+    kv = ops.rope_tail(x=kv, positions=select(ctx.batch.positions, rows),
+                       params=rope_params(cfg, spec))
+    t = ctx.batch.num_tokens
+    scratch = ctx.caches.scratch_base + (torch.arange(t, device=kv.device) if rows is None
+                                         else rows)
+    ops.swa_write(x=kv, cache=ctx.caches.swa[spec.layer_id], rows=scratch)
+
+
+def attention(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
+              rows: LayerRows) -> torch.Tensor:
+    """x [P, D] bf16 (normed collapse of rows.prod) -> y [F, D] bf16 for rows.full."""
+    ops, p, cfg, b = ctx.ops, ctx.params, ctx.config, ctx.batch
+    layer = spec.layer_id
+    prefix = f"layers.{layer}."
+    swa_kv(ctx, prefix, spec, select(x, _local(rows.kv, rows.prod)), rows.kv)
+    if spec.role is LayerRole.FULL:
+        run_compressor(ctx, spec, x, rows.prod)
+    full = rows.full
+    xf = select(x, _local(full, rows.prod))
+    pos = select(b.positions, full)
+    f = pos.shape[0]
+    qr = ops.gemm_fp8(x=xf, weight=p[prefix + "attn.wq_a.weight"],
+                      weight_scale=p[prefix + "attn.wq_a.scale"])
+    qr = ops.rmsnorm(x=qr, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
+    q = ops.gemm_fp8(x=qr, weight=p[prefix + "attn.wq_b.weight"],
+                     weight_scale=p[prefix + "attn.wq_b.scale"])
+    rope = rope_params(cfg, spec)
+    q = ops.rope_tail(x=q.view(f, cfg.num_heads, cfg.head_dim), positions=pos, params=rope)
+    comp_cache = comp_idx = None
+    if spec.compress_ratio > 0:
+        if spec.owns_index_query:
+            run_indexer(ctx, spec, xf, qr, full)
+        top = select(ctx.topk[spec.topk_source], full)  # [F, K] logical rows
+        req = select(b.req_index, full).unsqueeze(1).expand_as(top)
+        phys = ctx.paged_rows(spec.kv_source, top.clamp_min(0).long(), req)
+        comp_idx = torch.where(top >= 0, phys, -1).to(torch.int32)
+        comp_cache = ctx.caches.compressed[spec.kv_source]
+    swa_rows = ctx.swa_rows_decoder if spec.is_decoder else ctx.swa_rows_encoder
+    o = ops.sparse_attn_sink(q=q, swa_cache=ctx.caches.swa[layer],
+                             swa_idx=select(swa_rows, full), comp_cache=comp_cache,
+                             comp_idx=comp_idx, sink=p[prefix + "attn.attn_sink"],
+                             scale=cfg.head_dim ** -0.5)
+    ctx.commit_swa(layer, rows.kv)
+    o = ops.rope_tail(x=o, positions=pos, params=rope, inverse=True)
+    z = ops.gemm_grouped_w8a16(o=o.view(f, cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.head_dim),
+                               weight=p[prefix + "attn.wo_a.weight"],
+                               weight_scale=p[prefix + "attn.wo_a.scale"])
+    return ops.gemm_fp8(x=z, weight=p[prefix + "attn.wo_b.weight"],
+                        weight_scale=p[prefix + "attn.wo_b.scale"])

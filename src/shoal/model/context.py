@@ -1,0 +1,88 @@
+"""Per-step context shared by all layers of one forward: the batch, the caches, the op table,
+precomputed index metadata (SWA rows for encoder/decoder layers, visible compressed rows) and
+the CSA2 shared state (top-k per index source, the published candidates).
+
+Invariant (model.md §2.8): sources write before consumers read; top-k and candidates are kept as
+full-size [T, ...] tensors so a consumer running on a subset of rows (tail-only prefill) reads
+exactly the rows its source computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.model.batch import ForwardBatch
+from shoal.model.config import LayerSpec, ModelConfig
+from shoal.model.params import ModelParams
+from shoal.model.state import KVCaches
+from shoal.ops.reference.rope import RopeParams
+from shoal.ops.registry import OpTable
+
+
+def rope_params(config: ModelConfig, spec: LayerSpec) -> RopeParams:
+    """Ratio-0 layers: theta 10000, no YaRN; every ratio != 0 layer: compress theta + YaRN."""
+    if spec.uses_compress_rope:
+        return RopeParams(config.rope_head_dim, config.compress_rope_theta, config.rope_factor,
+                          config.original_max_position_embeddings, config.beta_fast,
+                          config.beta_slow)
+    return RopeParams(config.rope_head_dim, config.rope_theta)
+
+
+def select(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x[rows]
+
+
+@dataclass
+class StepContext:
+    config: ModelConfig
+    params: ModelParams
+    caches: KVCaches
+    ops: OpTable
+    batch: ForwardBatch
+    swa_rows_encoder: torch.Tensor  # [T, W] int32 physical SWA rows (floor 0)
+    swa_rows_decoder: torch.Tensor  # [T, W] int32 (floored at the decoder floor)
+    token_slot: torch.Tensor  # [T] request slot of each row
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [T, K] int32
+    candidates: torch.Tensor | None = None  # [T, Nmax] bool (candidate source)
+
+    @classmethod
+    def build(cls, config: ModelConfig, params: ModelParams, caches: KVCaches, ops: OpTable,
+              batch: ForwardBatch) -> StepContext:
+        t = batch.num_tokens
+        if t > caches.max_tokens:
+            raise ValueError(f"step has {t} tokens, more than the caches' scratch "
+                             f"({caches.max_tokens})")
+        token_slot = batch.slots[batch.req_index]
+        common = dict(positions=batch.positions,
+                      token_index=torch.arange(t, device=batch.positions.device),
+                      chunk_start=batch.chunk_start[batch.req_index],
+                      ring_base=token_slot * caches.ring_size, window=config.sliding_window,
+                      ring_size=caches.ring_size, scratch_base=caches.scratch_base)
+        enc = ops.swa_indices(floor=torch.zeros_like(batch.positions), **common)
+        dec = ops.swa_indices(floor=batch.decoder_floor, **common)
+        return cls(config, params, caches, ops, batch, enc, dec, token_slot)
+
+    def n_visible(self, ratio: int, rows: torch.Tensor | None) -> torch.Tensor:
+        return (select(self.batch.positions, rows) + 1) // ratio
+
+    def paged_rows(self, source: int, logical: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+        """Physical rows of logical compressed rows `logical` [..] of requests `req` [..]."""
+        rpb = self.caches.rows_per_block(source)
+        blk = self.batch.block_table[req, logical // rpb].long()
+        return blk * rpb + logical % rpb
+
+    def commit_swa(self, layer: int, rows: torch.Tensor | None) -> None:
+        """Copy the step's scratch keys of `rows` into the rings (the last ring_size positions
+        of each request only, so every ring slot is written at most once)."""
+        b = self.batch
+        r = torch.arange(b.num_tokens, device=b.positions.device) if rows is None else rows
+        pos = b.positions[r]
+        end = torch.full((b.num_requests,), -1, dtype=pos.dtype, device=pos.device)
+        end = end.scatter_reduce(0, b.req_index[r], pos, reduce="amax")
+        keep = pos > end[b.req_index[r]] - self.caches.ring_size
+        r, pos = r[keep], pos[keep]
+        dst = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
+        plane = self.caches.swa[layer]
+        plane[dst] = plane[self.caches.scratch_base + r]

@@ -1,0 +1,114 @@
+"""DeepSeek-V4.1 text model: the table of contents of one forward step (model.md §2).
+
+    ids -> embed -> 4 streams, pre_prev = one-hot
+    for each backbone layer L (rows per the tail-only plan):
+        [Engram mix]                       (Engram layers, every row)
+        [DSpark capture: mean of streams]  (target layers)
+        attn coeffs (pre_a, post_a, C_a) = hc_coeffs(R)
+        x = attn_norm(collapse(R, pre_prev));  R = post(attention(x), R, post_a, C_a)
+        ffn coeffs (pre_f, post_f, C_f) = hc_coeffs(R)
+        x = ffn_norm(collapse(R, pre_a));      R = post(moe(x), R, post_f, C_f)
+        pre_prev = pre_f
+    logits = head(norm(collapse(R, pre_prev)))   only for the rows that are sampled
+
+Invariant: the model holds no per-request state; everything lives in the `KVCaches` passed in,
+and every computation goes through the resolved op table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.model.attention import attention
+from shoal.model.batch import ForwardBatch
+from shoal.model.config import ModelConfig
+from shoal.model.context import StepContext, select
+from shoal.model.engram import engram
+from shoal.model.engram_hash import EngramConstants, engram_constants, engram_hash
+from shoal.model.moe import moe
+from shoal.model.params import ModelParams
+from shoal.model.state import KVCaches
+from shoal.ops.registry import OpTable
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T', V] fp32 for batch.logits_rows
+    captures: torch.Tensor | None = None  # [T, n_targets * D] bf16 DSpark capture (if asked)
+
+
+class DeepseekV41:
+    """The backbone forward over explicit caches. Build once; call `forward` per step."""
+
+    def __init__(self, config: ModelConfig, params: ModelParams, ops: OpTable,
+                 token_map: torch.Tensor | None = None) -> None:
+        self.config = config
+        self.params = params
+        self.ops = ops
+        self.engram_consts: EngramConstants | None = None
+        self.token_map = token_map
+        if config.engram_layer_ids:
+            if token_map is None:
+                raise ValueError("an Engram model needs the token map (engram_hash.token_map_for)")
+            self.engram_consts = engram_constants(config, token_map)
+
+    def engram_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Row ids [T, L, n] of every Engram layer (host-side metadata, before the forward)."""
+        if self.engram_consts is None:
+            return None
+        dead = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+        return engram_hash(batch.input_ids, batch.positions, batch.engram_history, dead,
+                           self.token_map, self.engram_consts)
+
+    def forward(self, batch: ForwardBatch, caches: KVCaches,
+                capture: bool = False) -> ForwardOutput:
+        cfg, ops, p = self.config, self.ops, self.params
+        ctx = StepContext.build(cfg, p, caches, ops, batch)
+        t = batch.num_tokens
+        hc = cfg.hc_mult
+        emb = ops.embed(ids=batch.input_ids, table=p["embed.weight"])
+        stream = emb.unsqueeze(1).expand(t, hc, cfg.hidden_size).contiguous()
+        pre_prev = torch.zeros(t, hc, dtype=torch.float32, device=emb.device)
+        pre_prev[:, 0] = 1.0
+        erows = self.engram_rows(batch)
+        captures = []
+        for spec in cfg.backbone:
+            layer = spec.layer_id
+            pre = f"layers.{layer}."
+            rows = batch.rows(layer)
+            if spec.has_engram:
+                idx = cfg.engram_layer_ids.index(layer)
+                stream = engram(ctx, layer, stream, erows[:, idx])
+            if capture and layer in cfg.dspark_target_layer_ids:
+                captures.append(ops.stream_mean(stream=stream))
+            full = rows.full
+            r_full = select(stream, full)
+            pre_a, post_a, comb_a = ops.hc_coeffs(
+                stream=r_full, fn=p[pre + "hc_attn_fn"], scale=p[pre + "hc_attn_scale"],
+                base=p[pre + "hc_attn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
+                iters=cfg.hc_sinkhorn_iters)
+            x = ops.hc_collapse_norm(stream=select(stream, rows.prod),
+                                     pre=select(pre_prev, rows.prod),
+                                     weight=p[pre + "attn_norm.weight"], eps=cfg.norm_eps)
+            y = attention(ctx, spec, x, rows)
+            r_full = ops.hc_post(y=y, stream=r_full, post=post_a, comb=comb_a)
+            pre_f, post_f, comb_f = ops.hc_coeffs(
+                stream=r_full, fn=p[pre + "hc_ffn_fn"], scale=p[pre + "hc_ffn_scale"],
+                base=p[pre + "hc_ffn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
+                iters=cfg.hc_sinkhorn_iters)
+            x = ops.hc_collapse_norm(stream=r_full, pre=pre_a, weight=p[pre + "ffn_norm.weight"],
+                                     eps=cfg.norm_eps)
+            r_full = ops.hc_post(y=moe(ctx, pre, x, cfg.num_experts_per_tok), stream=r_full,
+                                 post=post_f, comb=comb_f)
+            if full is None:
+                stream, pre_prev = r_full, pre_f
+            else:
+                stream = stream.index_copy(0, full, r_full)
+                pre_prev = pre_prev.index_copy(0, full, pre_f)
+        rows = batch.logits_rows
+        h = ops.hc_collapse_norm(stream=stream[rows], pre=pre_prev[rows], weight=p["norm.weight"],
+                                 eps=cfg.norm_eps)
+        logits = ops.lm_head(h=h, weight=p["head.weight"])
+        return ForwardOutput(logits, torch.cat(captures, dim=-1) if captures else None)

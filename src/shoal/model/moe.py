@@ -1,0 +1,25 @@
+"""Mixture of experts of a block (model.md §2.9): router, routed MXFP4 experts (FP8
+activations) and the FP8 shared expert; y = bf16(sum_k routed_k + shared) in fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.model.context import StepContext
+
+
+def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int) -> torch.Tensor:
+    """x [F, D] bf16 (ffn_norm output) -> [F, D] bf16. prefix: 'layers.L.' or 'mtp.i.'."""
+    ops, p, cfg = ctx.ops, ctx.params, ctx.config
+    ffn = prefix + "ffn."
+    ids, weights = ops.router(x=x, weight=p[ffn + "gate.weight"], bias=p[ffn + "gate.bias"],
+                              k=num_experts_per_tok, route_scale=cfg.routed_scaling_factor,
+                              gate_temp=cfg.gate_temp)
+    routed = ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit,
+                           **p.experts(prefix))
+    se = ffn + "shared_experts."
+    gate = ops.gemm_fp8(x=x, weight=p[se + "w1.weight"], weight_scale=p[se + "w1.scale"])
+    up = ops.gemm_fp8(x=x, weight=p[se + "w3.weight"], weight_scale=p[se + "w3.scale"])
+    h = ops.swiglu_clamp(gate=gate.float(), up=up.float(), weight=None, limit=cfg.swiglu_limit)
+    shared = ops.gemm_fp8(x=h, weight=p[se + "w2.weight"], weight_scale=p[se + "w2.scale"])
+    return (routed + shared.float()).to(torch.bfloat16)

@@ -1,0 +1,128 @@
+"""Model parameters: the checkpoint's tensors by their official names, validated against the
+inventory, with the routed experts stacked per layer for the grouped MoE op.
+
+Invariant: the name map is total (model.md §6): every inventory tensor must arrive with its
+shape and dtype, unknown names are an error that names them, the vision tower is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shoal.model.config import ModelConfig
+from shoal.model.weights import checkpoint_inventory, is_vision_name
+
+EXPERT_PARTS = ("w13", "w13_scale", "w2", "w2_scale")
+
+
+class WeightError(ValueError):
+    """A weight is missing, unknown or of the wrong shape/dtype; the message names it."""
+
+
+class ModelParams:
+    """name -> tensor (official names), plus `experts(prefix)` -> stacked MXFP4 experts."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor],
+                 experts: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._tensors = tensors
+        self._experts = experts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"weight {name!r} is not loaded") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self._tensors.get(name)
+
+    def experts(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Stacked experts of a layer prefix ('layers.3.' or 'mtp.0.'): w13 [E, 2I, D/2] u8
+        (w1 rows then w3 rows), w13_scale [E, 2I, D/32], w2 [E, D, I/2], w2_scale [E, D, I/32]."""
+        return self._experts[prefix]
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    @classmethod
+    def load(cls, config: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             device: torch.device | str = "cpu") -> ModelParams:
+        inventory = checkpoint_inventory(config)
+        tensors: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[str, torch.Tensor]] = {}
+        unknown = []
+        for name, tensor in named_tensors:
+            spec = inventory.get(name)
+            if spec is None:
+                if not is_vision_name(name):
+                    unknown.append(name)
+                continue
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise WeightError(f"weight {name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"expected {spec.shape} {spec.dtype}")
+            tensor = tensor.to(device)
+            placed = _place_expert(config, name, tensor, experts, device)
+            if not placed:
+                tensors[name] = tensor
+        if unknown:
+            raise WeightError(f"{len(unknown)} unknown weight(s): {', '.join(unknown[:10])}")
+        loaded = set(tensors) | _expert_names(config, experts)
+        missing = sorted(set(inventory) - loaded)
+        if missing:
+            raise WeightError(f"{len(missing)} missing weight(s): {', '.join(missing[:10])}")
+        return cls(tensors, {p: {k: v for k, v in e.items() if k != "_seen"}
+                             for p, e in experts.items()})
+
+
+def _split_expert(name: str) -> tuple[str, int, str] | None:
+    """'layers.3.ffn.experts.7.w1.scale' -> ('layers.3.', 7, 'w1.scale')."""
+    marker = "ffn.experts."
+    at = name.find(marker)
+    if at < 0:
+        return None
+    prefix = name[:at]
+    rest = name[at + len(marker):]
+    idx, _, part = rest.partition(".")
+    return prefix, int(idx), part
+
+
+def _num_experts(config: ModelConfig, prefix: str) -> int:
+    return config.dspark_n_routed_experts if prefix.startswith("mtp.") else \
+        config.n_routed_experts
+
+
+def _place_expert(config: ModelConfig, name: str, tensor: torch.Tensor,
+                  experts: dict[str, dict], device) -> bool:
+    split = _split_expert(name)
+    if split is None:
+        return False
+    prefix, idx, part = split
+    inter = config.moe_intermediate_size
+    slot = experts.setdefault(prefix, {"_seen": set()})
+    n = _num_experts(config, prefix)
+    if part in ("w1.weight", "w3.weight", "w1.scale", "w3.scale"):
+        key = "w13" if part.endswith("weight") else "w13_scale"
+        if key not in slot:
+            slot[key] = torch.empty(n, 2 * inter, tensor.shape[1], dtype=tensor.dtype,
+                                    device=device)
+        rows = slice(0, inter) if part.startswith("w1") else slice(inter, 2 * inter)
+        slot[key][idx, rows] = tensor
+    else:
+        key = "w2" if part == "w2.weight" else "w2_scale"
+        if key not in slot:
+            slot[key] = torch.empty(n, *tensor.shape, dtype=tensor.dtype, device=device)
+        slot[key][idx] = tensor
+    slot["_seen"].add(name)
+    return True
+
+
+def _expert_names(config: ModelConfig, experts: dict[str, dict]) -> set[str]:
+    out: set[str] = set()
+    for slot in experts.values():
+        out |= slot["_seen"]
+    return out

@@ -1,0 +1,72 @@
+"""Explicit model state: the KV caches and per-request fixed state, as plain tensors.
+
+Owns `KVCaches`: per layer an SWA plane (request rings + a scratch tail for the step's own
+keys), per kv source paged compressed-KV and index-K planes, and per gated source the pending
+compressor group. Invariant: the model never hides state in modules; one `KVCaches` serves
+whole-prompt forwards, chunked prefill and decode, and the engine pages it (block ids, slots).
+
+SWA plane of every layer: rows [slot * ring_size + p % ring_size] hold the request's last
+`ring_size` keys; rows [num_slots * ring_size + t] are scratch for row t of the current step
+(written before attention, copied into the ring after it), so a chunk longer than the window
+never overwrites keys that its own queries still read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.model.config import LayerRole, ModelConfig
+from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, swa_record_bytes
+
+
+@dataclass
+class KVCaches:
+    swa: list[torch.Tensor]  # per layer (backbone + draft): uint8 [slots*ring + max_tokens, rec]
+    compressed: dict[int, torch.Tensor]  # kv source -> uint8 [num_blocks * rows_per_block, 288]
+    index_k: dict[int, torch.Tensor]  # kv source -> uint8 [num_blocks * rows_per_block, 68]
+    comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]]  # gated source -> kv, score fp32
+    ratios: dict[int, int]  # kv source -> compress ratio
+    num_slots: int
+    ring_size: int
+    block_size: int
+    max_tokens: int
+
+    @property
+    def scratch_base(self) -> int:
+        return self.num_slots * self.ring_size
+
+    def rows_per_block(self, source: int) -> int:
+        return self.block_size // self.ratios[source]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, *, num_blocks: int, num_slots: int, max_tokens: int,
+                 block_size: int = 256, ring_slack: int = 8,
+                 device: torch.device | str = "cpu") -> KVCaches:
+        ring = config.sliding_window + ring_slack
+        swa_rec = swa_record_bytes(config.head_dim)
+        swa = [torch.zeros(num_slots * ring + max_tokens, swa_rec, dtype=torch.uint8,
+                           device=device) for _ in range(config.num_total_layers)]
+        compressed, index_k, state, ratios = {}, {}, {}, {}
+        for spec in config.backbone:
+            if spec.role is not LayerRole.FULL:
+                continue
+            r = spec.compress_ratio
+            if block_size % r:
+                raise ValueError(f"block_size: got {block_size}, expected a multiple of the "
+                                 f"compress ratio {r} of layer {spec.layer_id}")
+            rows = num_blocks * (block_size // r)
+            ratios[spec.layer_id] = r
+            compressed[spec.layer_id] = torch.zeros(
+                rows, compressed_record_bytes(config.head_dim), dtype=torch.uint8, device=device)
+            index_k[spec.layer_id] = torch.zeros(
+                rows, index_k_record_bytes(config.index_head_dim), dtype=torch.uint8,
+                device=device)
+            if spec.compressor_gated:
+                shape = (num_slots, r, config.head_dim)
+                state[spec.layer_id] = (
+                    torch.zeros(shape, dtype=torch.float32, device=device),
+                    torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
+        return cls(swa, compressed, index_k, state, ratios, num_slots, ring, block_size,
+                   max_tokens)

@@ -1,0 +1,209 @@
+"""Triton (sm_90) sparse MQA with sink over quantised KV records (`sparse_attn_sink`).
+
+One program owns one query token and all H heads (MQA: the heads share K = V, so the head axis
+is the matrix-unit M dimension) and a contiguous range of 64-index blocks: SWA blocks first,
+then compressed blocks. Records are read directly and dequantised in registers to bf16 (exact):
+- SWA record: D e4m3 bytes + D/32 UE8M0 bytes -> e4m3 * 2^(e - 127);
+- compressed record: D/2 bytes of e2m1 pairs (low nibble = even dim) + D/16 e4m3 scales ->
+  e2m1 value (bit-built fp32) * e4m3 scale (<= 6 significant bits: exact in bf16).
+Scores are fp32 (bf16 x bf16 wgmma), P is rounded to bf16 before P.V, as in the reference.
+
+Decode (few tokens) splits the index blocks of each token over NSPLIT programs so that the grid
+fills the SMs; a combine pass merges the fp32 partials (m, l, acc) and adds the sink. With
+NSPLIT = 1 (prefill, many tokens) the kernel finishes the row itself (no combine pass).
+
+Deviation from the reference (within its bf16 tolerance): P is rounded to bf16 relative to the
+running max *of its split* (the reference: of the whole row so far), the block partition follows
+each pool separately (the reference blocks the concatenated index list), and exp is the fast
+hardware exp2. All change P's bf16 rounding or fp32 summation order only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.ops.registry import REGISTRY
+
+
+@triton.jit
+def _e2m1_bits(c):
+    """e2m1 code (int32, 0..15) -> fp32 bit pattern of its value."""
+    mag = c & 7
+    ex = mag >> 1
+    man = mag & 1
+    normal = ((ex + 126) << 23) | (man << 22)
+    bits = tl.where(ex == 0, tl.where(man == 1, 126 << 23, 0), normal)
+    return bits | ((c & 8) << 28)
+
+
+@triton.jit
+def _block_step(q, k, valid, m_i, l_i, acc, scale):
+    s = tl.dot(q, tl.trans(k)) * scale  # [H, BLOCK_N] fp32
+    s = tl.where(valid[None, :], s, float("-inf"))
+    new_m = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - new_m)
+    p = tl.exp(s - new_m[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+    return new_m, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr, o_ptr,
+                        part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt, stride_qh,
+                        stride_si, stride_ci, H: tl.constexpr, HP: tl.constexpr,
+                        D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_COMP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    offs_h = tl.arange(0, HP)  # heads padded to a matrix-unit friendly size
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+    nb_swa = tl.cdiv(n_swa, BLOCK_N)
+    nb = nb_swa
+    if HAS_COMP:
+        nb += tl.cdiv(n_comp, BLOCK_N)
+    per = tl.cdiv(nb, NSPLIT)
+    b0 = split * per
+    b1 = tl.minimum(b0 + per, nb)
+    m_i = tl.full((HP,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((HP,), dtype=tl.float32)
+    acc = tl.zeros((HP, D), dtype=tl.float32)
+    swa_rec: tl.constexpr = D + D // 32
+    for b in range(b0, tl.minimum(b1, nb_swa)):
+        n = b * BLOCK_N + offs_n
+        idx = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
+        valid = idx >= 0
+        row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
+        codes = tl.load(swa_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+        e = tl.load(swa_ptr + row[:, None] + D + offs_d[None, :] // 32, mask=valid[:, None],
+                    other=127)
+        sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
+        m_i, l_i, acc = _block_step(q, k, valid, m_i, l_i, acc, scale)
+    if HAS_COMP:
+        comp_rec: tl.constexpr = D // 2 + D // 16
+        offs_p = tl.arange(0, D // 2)
+        for b in range(tl.maximum(b0, nb_swa), b1):
+            n = (b - nb_swa) * BLOCK_N + offs_n
+            idx = tl.load(comp_idx_ptr + t * stride_ci + n, mask=n < n_comp, other=-1)
+            valid = idx >= 0
+            row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
+            packed = tl.load(comp_ptr + row[:, None] + offs_p[None, :], mask=valid[:, None],
+                             other=0).to(tl.int32)
+            lo = _e2m1_bits(packed & 0xF).to(tl.float32, bitcast=True)
+            hi = _e2m1_bits(packed >> 4).to(tl.float32, bitcast=True)
+            v = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))
+            sb = tl.load(comp_ptr + row[:, None] + D // 2 + offs_d[None, :] // 16,
+                         mask=valid[:, None], other=0)
+            k = (v * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
+            m_i, l_i, acc = _block_step(q, k, valid, m_i, l_i, acc, scale)
+    if NSPLIT == 1:
+        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
+        denom = l_i + tl.exp(sink - m_i)
+        o = acc / denom[:, None]
+        tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
+                 mask=hmask[:, None])
+    else:
+        base = (t * NSPLIT + split) * H
+        tl.store(part_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
+                 mask=hmask[:, None])
+        tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr,
+                    NSPLIT: tl.constexpr, HB: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    hmask = offs_h < H
+    offs_s = tl.arange(0, NSPLIT)
+    offs_d = tl.arange(0, D)
+    ml = ml_ptr + ((t * NSPLIT + offs_s[:, None]) * H + offs_h[None, :]) * 2  # [S, HB]
+    m = tl.load(ml, mask=hmask[None, :], other=0.0)
+    l_s = tl.load(ml + 1, mask=hmask[None, :], other=0.0)
+    m_all = tl.max(m, axis=0)  # [HB]
+    w = tl.exp(m - m_all[None, :])
+    sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
+    denom = tl.sum(l_s * w, axis=0) + tl.exp(sink - m_all)
+    acc = tl.zeros((HB, D), dtype=tl.float32)
+    for s in tl.static_range(NSPLIT):
+        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)
+        part = tl.load(part_ptr + ((t * NSPLIT + s) * H + offs_h[:, None]) * D + offs_d[None, :],
+                       mask=hmask[:, None], other=0.0)
+        acc += part * w_s[:, None]
+    o = acc / denom[:, None]
+    tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
+             mask=hmask[:, None])
+
+
+def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
+    """Index-dimension split so that num_tokens * split programs cover about one wave."""
+    split = 1
+    while num_tokens * split * 2 <= sms and split * 2 <= num_blocks and split < 8:
+        split *= 2
+    return split
+
+
+def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
+                comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
+                sink: torch.Tensor, scale: float, *, split: int | None = None,
+                block_n: int = 64, num_warps: int = 8) -> torch.Tensor:
+    """The op with tuning knobs exposed (split=None: chosen from the SM count)."""
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
+    if t == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    has_comp = comp_idx is not None and comp_idx.shape[1] > 0
+    n_swa = swa_idx.shape[1]
+    n_comp = comp_idx.shape[1] if has_comp else 0
+    swa_idx = swa_idx.to(torch.int32)
+    if swa_idx.stride(1) != 1:
+        swa_idx = swa_idx.contiguous()
+    if has_comp:
+        comp_idx = comp_idx.to(torch.int32)
+        if comp_idx.stride(1) != 1:
+            comp_idx = comp_idx.contiguous()
+    else:
+        comp_idx, comp_cache = swa_idx, swa_cache  # unused
+    nb = triton.cdiv(n_swa, block_n) + triton.cdiv(n_comp, block_n)
+    if split is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        split = choose_split(t, nb, sms)
+    sink = sink.float().contiguous()
+    if split > 1:
+        part = torch.empty(t, split, h, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(t, split, h, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out
+    _sparse_attn_kernel[(t, split)](
+        q, swa_cache, swa_idx, comp_cache, comp_idx, sink, out, part, ml, n_swa, n_comp,
+        float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0), H=h,
+        HP=max(16, triton.next_power_of_2(h)), D=d,
+        BLOCK_N=block_n, NSPLIT=split, HAS_COMP=has_comp, num_warps=num_warps, num_stages=1)
+    if split > 1:
+        hb = 16
+        _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split, HB=hb,
+                                      num_warps=4)
+    return out
+
+
+def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, **_) -> bool:
+    t, h, d = q.shape
+    pow2_d = (d & (d - 1)) == 0
+    return q.is_cuda and pow2_d and 1 <= h <= 128 and 32 <= d <= 512 and q.dtype == torch.bfloat16
+
+
+@REGISTRY.implement("triton", "sparse_attn_sink", supports=_supports)
+def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
+                     comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
+                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as the reference op (q [T, H, D] bf16 -> o [T, H, D] bf16)."""
+    return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale)

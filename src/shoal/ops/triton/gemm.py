@@ -1,0 +1,344 @@
+"""Triton (sm_90) GEMMs: folded-scale FP8 GEMM (`gemm_fp8`), FP8 activation quantisation
+(`act_quant_fp8`) and the grouped W8A16 `wo_a` projection (`gemm_grouped_w8a16`).
+
+Invariant: the FP8 main loop is a pure `tl.dot(a, b, acc)` on e4m3 operands (native wgmma); all
+power-of-two (UE8M0) block scales are *folded* into the operands and only one fp32 scale per row
+(activations) and per column (weights) is applied in the epilogue (performance.md).
+
+Folding, exactly: a block with exponent e inside a row (activations) or a 32-row weight block
+whose largest block exponent is E is re-encoded as `e4m3(q * 2^(e - E))`. This is exact while
+`|q| * 2^(e - E) >= 2^-6` (e4m3's smallest normal) or the shifted value is a multiple of 2^-9;
+otherwise the low bits of small codes in blocks many binades below the row's largest are rounded
+(round-to-nearest-even) or flushed. Such blocks contribute below bf16 resolution of the output
+(each is at most 2^(e-E) of the largest block's contribution), so results stay inside the
+registered bf16 tolerance; the blockwise reference sum is otherwise reproduced up to fp32
+summation order. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.ops.registry import REGISTRY
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class PreparedFP8Weight:
+    """Load-time re-encoding of a 32x32-block FP8 weight.
+
+    codes [N, K] float8_e4m3fn (each block shifted to its 32-row block's largest exponent);
+    col_scale [N] fp32 = 2^(E[n // 32] - 127). `source_version` guards against in-place reloads.
+    """
+
+    codes: torch.Tensor
+    col_scale: torch.Tensor
+    source_version: int
+
+
+def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block: int = 32) -> PreparedFP8Weight:
+    """Fold the UE8M0 block scales of weight [N, K] e4m3 (scales [ceil(N/32), K/32] uint8)."""
+    n, k = weight.shape
+    if weight_scale.shape != (-(-n // block), -(-k // block)):
+        raise ValueError(f"prepare_fp8_weight: weight_scale.shape {tuple(weight_scale.shape)} "
+                         f"must be {(-(-n // block), -(-k // block))} for weight {n}x{k}")
+    e = weight_scale.to(torch.int32)  # [NB, KB]
+    top = e.amax(dim=1, keepdim=True)  # [NB, 1]
+    shift = (e - top).clamp_min(-126)
+    factor = torch.exp2(shift.float()).repeat_interleave(block, 0).repeat_interleave(block, 1)
+    codes = (weight.float() * factor[:n, :k]).to(torch.float8_e4m3fn).contiguous()
+    col = torch.exp2((top.squeeze(1) - 127).float()).repeat_interleave(block)[:n]
+    col = torch.where(top.squeeze(1).repeat_interleave(block)[:n] == 255, torch.nan, col)
+    return PreparedFP8Weight(codes, col.contiguous(), weight._version)
+
+
+class _PreparedCache:
+    """Weights prepared on first use, keyed weakly by the weight tensor (entries die with it)."""
+
+    def __init__(self) -> None:
+        self._map: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, weight: torch.Tensor, scale: torch.Tensor, block: int) -> PreparedFP8Weight:
+        hit = self._map.get(weight)
+        if hit is not None and hit[0] is scale and hit[1].source_version == weight._version:
+            return hit[1]
+        prepared = prepare_fp8_weight(weight, scale, block)
+        self._map[weight] = (scale, prepared)
+        return prepared
+
+
+_PREPARED = _PreparedCache()
+
+
+# --------------------------------------------------------------------------- activation quant
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk,
+                      FOLD: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nb = K // BLOCK
+    offs_b = tl.arange(0, NB_P2)
+    offs_e = tl.arange(0, BLOCK)
+    col = offs_b[:, None] * BLOCK + offs_e[None, :]
+    mask = offs_b[:, None] < nb
+    x = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    p = amax * (1.0 / 448.0)
+    bits = p.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of s
+    e = tl.minimum(e, 253)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # exact 1/s
+    q = tl.clamp(x * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    if FOLD:
+        top = tl.max(tl.where(offs_b < nb, e, 0), axis=0)
+        sh = tl.maximum(e - top, -126)
+        f = ((sh + 127) << 23).to(tl.float32, bitcast=True)
+        q = (q.to(tl.float32) * f[:, None]).to(tl.float8e4nv)
+        tl.store(s_ptr + row, (top << 23).to(tl.float32, bitcast=True))  # 2^(top - 127)
+    else:
+        tl.store(s_ptr + row * nb + offs_b, e.to(tl.uint8), mask=offs_b < nb)
+    tl.store(q_ptr + row * K + col, q, mask=mask)
+
+
+def _act_quant(x: torch.Tensor, block: int, fold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = (torch.empty(t, dtype=torch.float32, device=x.device) if fold else
+         torch.empty(t, k // block, dtype=torch.uint8, device=x.device))
+    if t:
+        nb = k // block
+        _act_quant_kernel[(t,)](x, q, s, k, x.stride(0), x.stride(1), FOLD=fold,
+                                NB_P2=triton.next_power_of_2(nb), BLOCK=block,
+                                num_warps=4 if k <= 2048 else 8)
+    return q, s
+
+
+def _supports_act(*, x: torch.Tensor, block: int = 32, **_) -> bool:
+    return x.is_cuda and x.dim() == 2 and block == 32 and x.shape[1] % block == 0
+
+
+@REGISTRY.implement("triton", "act_quant_fp8", supports=_supports_act)
+def act_quant_fp8(*, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as the reference: codes [T, K] e4m3, scales [T, K/32] uint8 (bit-exact)."""
+    return _act_quant(x, block, fold=False)
+
+
+# --------------------------------------------------------------------------- FP8 GEMM
+
+
+def _gemm_configs() -> list[triton.Config]:
+    out = []
+    for bm, bn, bk, warps, stages in [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+                                      (128, 128, 128, 8, 4), (128, 256, 64, 8, 4),
+                                      (64, 128, 128, 4, 4), (64, 128, 256, 4, 3),
+                                      (64, 64, 256, 4, 4)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                 num_warps=warps, num_stages=stages))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    m_bucket, k = named_args["M_BUCKET"], named_args["K"]
+    split = kwargs.get("SPLIT_K", named_args.get("SPLIT_K", 1))
+    keep = []
+    for c in configs:
+        bm, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"]
+        if (m_bucket <= 64) != (bm == 64):
+            continue
+        if bk > max(32, k // max(split, 1)) and bk > 32:
+            continue
+        keep.append(c)
+    if not keep:
+        keep = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8},
+                              num_warps=4, num_stages=2)]
+    return keep
+
+
+@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % (a["BLOCK_K"] * a["SPLIT_K"]) == 0})
+@triton.jit
+def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k0 = pid_k * k_per
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None] * K + offs_k[None, :]
+    b_ptrs = b_ptr + rn[None, :] * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.minimum(k0 + k_per, K)
+    for kk in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        rs = tl.load(rs_ptr + offs_m, mask=offs_m < M, other=0.0)
+        cs = tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
+        out = acc * rs[:, None] * cs[None, :]
+        tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], out.to(tl.bfloat16),
+                 mask=mask)
+    else:
+        ws = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    rs = tl.load(rs_ptr + offs // N, mask=mask, other=0.0)
+    cs = tl.load(cs_ptr + offs % N, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, (acc * rs * cs).to(tl.bfloat16), mask=mask)
+
+
+def _split_k(m: int, n: int, k: int, sms: int) -> int:
+    if m > 64:
+        return 1
+    tiles = triton.cdiv(n, 128)
+    split = 1
+    while tiles * split * 2 <= 2 * sms and k // (split * 2) >= 512:
+        split *= 2
+    return split
+
+
+def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor,
+                    w: PreparedFP8Weight) -> torch.Tensor:
+    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T."""
+    m, k = q.shape
+    n = w.codes.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    split = _split_k(m, n, k, sms)
+    ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
+    m_bucket = min(triton.next_power_of_2(m), 4096)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
+
+    _gemm_fp8_kernel[grid](q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket,
+                           SPLIT_K=split)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
+                                                            SPLIT_K=split, BLOCK=block)
+    return out
+
+
+def _supports_gemm(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   block: int = 32, **_) -> bool:
+    return (x.is_cuda and x.dim() == 2 and block == 32 and x.shape[1] % 32 == 0
+            and weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.dim() == 2)
+
+
+@REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm)
+def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             block: int = 32) -> torch.Tensor:
+    """Same contract as the reference op; the weight is folded on first use (weakly cached)."""
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    prepared = _PREPARED.get(weight, weight_scale, block)
+    q, rs = _act_quant(x, block, fold=True)
+    return gemm_fp8_folded(q, rs, prepared)
+
+
+# --------------------------------------------------------------------------- grouped W8A16
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                                        num_warps=w, num_stages=s)
+                          for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+                                                   (128, 256, 64, 8, 3), (64, 64, 128, 4, 3)]],
+                 key=["M_BUCKET", "R", "K"])
+@triton.jit
+def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_om, stride_og,
+                          stride_ok, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    kb = tl.cdiv(K, 32)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rm = (offs_m % M).to(tl.int64)
+    rows = (g * R + offs_n % R).to(tl.int64)  # weight rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(o_ptr + rm[:, None] * stride_om + g * stride_og + kk[None, :] * stride_ok,
+                    mask=kk[None, :] < K, other=0.0)
+        wq = tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=kk[:, None] < K, other=0.0)
+        e = tl.load(s_ptr + (rows // 32)[None, :] * kb + (kk // 32)[:, None],
+                    mask=kk[:, None] < K, other=127)
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(e == 255, float("nan"), scale)
+        b = (wq.to(tl.float32) * scale).to(tl.bfloat16)
+        acc = tl.dot(a.to(tl.bfloat16), b, acc)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < R)
+    z = z_ptr + offs_m[:, None].to(tl.int64) * (G * R) + g * R + offs_n[None, :]
+    tl.store(z, acc.to(tl.bfloat16), mask=mask)
+
+
+def _supports_grouped(*, o: torch.Tensor, weight: torch.Tensor, block: int = 32, **_) -> bool:
+    return o.is_cuda and o.dim() == 3 and block == 32 and (weight.shape[0] // o.shape[1]) % 32 == 0
+
+
+@REGISTRY.implement("triton", "gemm_grouped_w8a16", supports=_supports_grouped)
+def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block: int = 32) -> torch.Tensor:
+    """Same contract as the reference: o [T, G, Kg] bf16 -> z [T, G * R] bf16 (exact dequant)."""
+    t, g, k = o.shape
+    r = weight.shape[0] // g
+    z = torch.empty(t, g * r, dtype=torch.bfloat16, device=o.device)
+    if t == 0:
+        return z
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    weight = weight.contiguous()
+    scale = weight_scale.contiguous()
+    m_bucket = min(triton.next_power_of_2(t), 4096)
+
+    def grid(meta):
+        return (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(r, meta["BLOCK_N"]), g)
+
+    _grouped_w8a16_kernel[grid](o, weight, scale, z, t, r, k, m_bucket, o.stride(0), o.stride(1),
+                                o.stride(2), G=g)
+    return z
