@@ -1,0 +1,240 @@
+"""Op benchmarks for the Triton (sm_90) kernels at V4.1-Flash (mini) shapes.
+
+For each kernel and batch size: median time (triton.testing.do_bench after warm-up, inputs
+rotated so that decode-sized working sets do not sit in L2), FLOPs, bytes, the floor
+max(bytes / HBM, FLOPs / peak) and the fraction of floor; the FP8 GEMM also against
+torch._scaled_mm (per-tensor FP8) on the same shape. Ceilings are re-measured in the run.
+A correctness line (relative error vs the reference op, run in fp32 on the GPU) precedes each
+kernel. Prints a table, ends with one JSON line, and writes a dated copy to --out.
+
+Run: PYTHONPATH=src python3 benchmarks/bench_ops.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import subprocess
+
+import torch
+import triton
+
+from shoal.ops.reference import attention as ref_attn
+from shoal.ops.reference import gemm as ref_gemm
+from shoal.ops.triton import attention as tri_attn
+from shoal.ops.triton import gemm as tri_gemm
+from shoal.quant.fp8 import quant_fp8_weight
+from shoal.quant.records import pack_compressed_record, pack_swa_record
+
+HBM = 4.24e12
+BF16_PEAK = 760e12
+FP8_PEAK = 1343e12
+L2_ROTATE_BYTES = 256 << 20
+
+GEMM_SHAPES = {"wq_a|wkv": (1280 + 512, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
+               "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
+LINES: list[str] = []
+RESULTS: list[dict] = []
+
+
+def log(s: str) -> None:
+    print(s, flush=True)
+    LINES.append(s)
+
+
+def bench(calls: list, warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of cycling through `calls` (each a zero-arg callable)."""
+    it = itertools.cycle(calls)
+    return triton.testing.do_bench(lambda: next(it)(), warmup=warmup, rep=rep,
+                                   return_mode="median")
+
+
+def copies(nbytes: int) -> int:
+    return max(1, min(16, -(-L2_ROTATE_BYTES // max(nbytes, 1))))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def record(kernel: str, shape: str, ms: float, flops: float, nbytes: float, peak: float,
+           **extra) -> None:
+    floor_s = max(nbytes / HBM, flops / peak)
+    frac = floor_s / (ms * 1e-3)
+    tfs = flops / (ms * 1e-3) / 1e12
+    extra_s = " ".join(f"{k}={v}" for k, v in extra.items())
+    log(f"{kernel:<22} {shape:<34} {ms * 1e3:9.1f} us {tfs:8.1f} TF/s "
+        f"{nbytes / (ms * 1e-3) / 1e12:6.2f} TB/s  floor {floor_s * 1e6:8.1f} us  "
+        f"frac {frac:5.2f} {extra_s}")
+    RESULTS.append({"kernel": kernel, "shape": shape, "us": round(ms * 1e3, 2),
+                    "tflops": round(tfs, 1), "frac_floor": round(frac, 3), **extra})
+
+
+def measure_ceilings() -> None:
+    global HBM, BF16_PEAK, FP8_PEAK
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench([lambda: dst.copy_(src)], rep=50)
+    hbm = 2 * src.numel() / (ms * 1e-3)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * n**3 / (bench([lambda: a @ b], rep=200) * 1e-3)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * n**3 / (bench([lambda: torch._scaled_mm(a8, b8, one, one,
+                                                      out_dtype=torch.bfloat16)],
+                            rep=200) * 1e-3)
+    log(f"ceilings measured: HBM {hbm / 1e12:.2f} TB/s, bf16 {bf16 / 1e12:.0f} TF/s, "
+        f"fp8 {fp8 / 1e12:.0f} TF/s (design figures 4.24 / 760 / 1343; floors use the design "
+        f"figures unless the measurement is higher)")
+    HBM, BF16_PEAK, FP8_PEAK = max(HBM, hbm), max(BF16_PEAK, bf16), max(FP8_PEAK, fp8)
+
+
+def bench_gemm_fp8(ms_list: list[int]) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+        codes, scales = quant_fp8_weight(w)
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
+        ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
+        log(f"check gemm_fp8 {name} M=64: rel err {rel_err(got, ref):.2e}")
+        n_copies = copies(n * k)
+        prepared = [tri_gemm.prepare_fp8_weight(codes, scales)]
+        prepared += [tri_gemm.PreparedFP8Weight(prepared[0].codes.clone(),
+                                                prepared[0].col_scale.clone(), 0)
+                     for _ in range(n_copies - 1)]
+        for m in ms_list:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            qs = [tri_gemm._act_quant(xi, 32, fold=True) for xi in xs]
+            pairs = list(zip(itertools.cycle(qs), prepared, strict=False))
+            flops = 2.0 * m * n * k
+            t_kernel = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p)
+                              for q, p in pairs])
+            pairs_x = list(zip(itertools.cycle(xs), prepared, strict=False))
+
+            def op(xi, p):
+                q, rs = tri_gemm._act_quant(xi, 32, fold=True)
+                return tri_gemm.gemm_fp8_folded(q, rs, p)
+
+            t_op = bench([lambda xi=xi, p=p: op(xi, p) for xi, p in pairs_x])
+            one = torch.ones((), device="cuda")
+            mats = [(q[0], p.codes.t()) for q, p in pairs]
+            t_ref = bench([lambda a=a, b=b: torch._scaled_mm(a, b, one, one,
+                                                             out_dtype=torch.bfloat16)
+                           for a, b in mats])
+            shape = f"{name} M{m}xN{n}xK{k}"
+            record("gemm_fp8 (kernel)", shape, t_kernel, flops, m * k + n * k + 2 * m * n,
+                   FP8_PEAK, vs_scaled_mm=round(t_kernel / t_ref, 3),
+                   scaled_mm_us=round(t_ref * 1e3, 1))
+            record("gemm_fp8 (op+act_quant)", shape, t_op, flops, 2 * m * k + n * k + 2 * m * n,
+                   FP8_PEAK)
+
+
+def bench_grouped(ts: list[int]) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    g, r, k = 8, 1024, 4096
+    w = torch.randn(g * r, k, generator=gen, device="cuda") / k**0.5
+    codes, scales = quant_fp8_weight(w)
+    o = torch.randn(64, g, k, device="cuda", dtype=torch.bfloat16)
+    got = tri_gemm.gemm_grouped_w8a16(o=o, weight=codes, weight_scale=scales)
+    ref = ref_gemm.gemm_grouped_w8a16(o=o, weight=codes, weight_scale=scales)
+    log(f"check gemm_grouped_w8a16 T=64: rel err {rel_err(got, ref):.2e}")
+    ws = [(codes.clone(), scales.clone()) for _ in range(copies(g * r * k))]
+    for t in ts:
+        os_ = [torch.randn(t, g, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        calls = [lambda oi=oi, wi=wi: tri_gemm.gemm_grouped_w8a16(
+            o=oi, weight=wi[0], weight_scale=wi[1]) for oi, wi in
+            zip(itertools.cycle(os_), ws, strict=False)]
+        ms = bench(calls)
+        record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, 2.0 * t * g * r * k,
+               t * g * k * 2 + g * r * k + t * g * r * 2, BF16_PEAK)
+
+
+def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=None):
+    """Decode-like inputs: every token reads its own SWA rows and distinct compressed rows."""
+    dev = torch.device("cuda")
+    swa = pack_swa_record(torch.randn(t * n_swa, d, device=dev, generator=gen))
+    comp_pool = max(4 * n_comp, 1)
+    comp = pack_compressed_record(torch.randn(t * comp_pool, d, device=dev, generator=gen))
+    swa_idx = torch.arange(t * n_swa, dtype=torch.int32, device=dev).view(t, n_swa)
+    sel = torch.rand(t, comp_pool, device=dev, generator=gen).argsort(dim=1)[:, :n_comp]
+    sel = (sel + torch.arange(t, device=dev)[:, None] * comp_pool).to(torch.int32)
+    q = (torch.randn(t, h, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, device=dev, generator=gen)
+    return dict(q=q, swa_cache=swa, swa_idx=swa_idx, comp_cache=comp, comp_idx=sel, sink=sink,
+                scale=d**-0.5)
+
+
+def bench_attention(batches: list[int]) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h, d, n_swa, n_comp = 64, 512, 128, 512
+    kw = attn_inputs(8, n_swa, n_comp, gen=gen)
+    ref = ref_attn.sparse_attn_sink(**kw)
+    for split in (1, 4):
+        got = tri_attn.sparse_attn(**kw, split=split)
+        log(f"check sparse_attn_sink T=8 split={split}: rel err {rel_err(got, ref):.2e}, "
+            f"max abs {float((got.float() - ref.float()).abs().max()):.2e}")
+    variants = [("auto", dict()), ("split1", dict(split=1)), ("auto-w16", dict(num_warps=16)),
+                ("auto-bn32", dict(block_n=32))]
+    for t in batches:
+        rec_bytes = t * (n_swa * 528 + n_comp * 288)
+        sets = [attn_inputs(t, n_swa, n_comp, gen=gen) for _ in range(copies(rec_bytes))]
+        flops = 4.0 * t * h * (n_swa + n_comp) * d
+        nbytes = rec_bytes + 2 * t * h * d * 2 + t * (n_swa + n_comp) * 4
+        for vname, opts in variants:
+            if t >= 1024 and vname != "auto":
+                continue
+            try:
+                ms = bench([lambda s=s: tri_attn.sparse_attn(**s, **opts) for s in sets])
+            except Exception as exc:  # a variant that fails to compile is reported, not fatal
+                log(f"sparse_attn_sink {vname} T{t}: failed: {type(exc).__name__}: {exc}"[:300])
+                continue
+            split = opts.get("split") or tri_attn.choose_split(t, 2 + 8, 132)
+            record(f"sparse_attn[{vname}]", f"T{t}xH{h}xD{d} swa{n_swa}+comp{n_comp}", ms,
+                   flops, nbytes, BF16_PEAK, split=split,
+                   frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--only", default="ceil,gemm,grouped,attn")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    props = torch.cuda.get_device_properties(0)
+    log(f"GPU {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+        f"triton {triton.__version__}")
+    if "ceil" in only:
+        measure_ceilings()
+    if "gemm" in only:
+        bench_gemm_fp8([1, 16, 4096] if args.quick else [1, 16, 4096, 8192])
+    if "grouped" in only:
+        bench_grouped([1, 64, 4096])
+    if "attn" in only:
+        bench_attention([1, 16, 64, 256] if args.quick else [1, 16, 64, 256, 4096])
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    summary = {"bench": "ops", "commit": commit or "?", "gpu": props.name,
+               "date": datetime.date.today().isoformat(),
+               "ceilings": {"hbm": HBM, "bf16": BF16_PEAK, "fp8": FP8_PEAK}, "results": RESULTS}
+    line = json.dumps(summary)
+    print(line)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_ops_{summary['date']}.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(LINES) + "\n" + line + "\n")
+
+
+if __name__ == "__main__":
+    main()
