@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import fp8_weight, randn
+from shoal.ops.reference._math import einsum, matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp8 import dequant_fp8_act, dequant_fp8_weight, quant_fp8_act
 
@@ -59,7 +60,7 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     codes, scales = quant_fp8_act(x, block)
     a = dequant_fp8_act(codes, scales, block)
     w = dequant_fp8_weight(weight, weight_scale, block)
-    return (a @ w.t()).to(torch.bfloat16)
+    return matmul_nt(a, w).to(torch.bfloat16)
 
 
 def _grouped_case(t: int, groups: int, rank: int, k: int, heavy: bool = False) -> OpCase:
@@ -85,7 +86,7 @@ def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: t
     """
     t, g, k = o.shape
     w = dequant_fp8_weight(weight, weight_scale, block).view(g, -1, k)
-    z = torch.einsum("tgk,grk->tgr", o.float(), w)
+    z = einsum("tgk,grk->tgr", o.float(), w)
     return z.to(torch.bfloat16).reshape(t, z.shape[1] * z.shape[2])
 
 
@@ -109,4 +110,4 @@ def gemm_bf16(*, x: torch.Tensor, weight: torch.Tensor,
     Used by the router (fp32 out), the ratio-2 compressor (fp32 in and out: the reference
     promotes those weights to fp32), `weights_proj`, `indexer.wk` and ratio-1 `wkv` (bf16 out).
     """
-    return (x.float() @ weight.float().t()).to(out_dtype)
+    return matmul_nt(x.float(), weight.float()).to(out_dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._math import matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 F32_TOL = {torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
@@ -20,7 +21,7 @@ F32_TOL = {torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
         t, d, v)) for t, d, v in ((1, 32, 97), (7, 128, 512), (0, 32, 16), (3, 5120, 129280))])
 def lm_head(*, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """h [T', D] bf16 (normed) x head [V, D] bf16 -> logits [T', V] fp32."""
-    return h.float() @ weight.float().t()
+    return matmul_nt(h.float(), weight.float())
 
 
 @REGISTRY.define("markov_bias", tolerances=F32_TOL, cases=[
@@ -32,7 +33,7 @@ def markov_bias(*, prev: torch.Tensor, embed: torch.Tensor,
                 head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DSpark Markov head: e = embed[prev] [B, r] bf16; bias = fp32(e) . fp32(head)^T [B, V]."""
     e = embed[prev.long()]
-    return e.float() @ head.float().t(), e
+    return matmul_nt(e.float(), head.float()), e
 
 
 @REGISTRY.define("confidence", tolerances=F32_TOL, cases=[
@@ -45,4 +46,4 @@ def confidence(*, hidden: torch.Tensor, markov_embed: torch.Tensor,
     """DSpark confidence logit: proj . [h ; e] in fp32. hidden [B, n, D] bf16 (collapsed,
     pre-norm), markov_embed [B, n, r] bf16, proj [1, D + r] bf16 -> [B, n] fp32."""
     cat = torch.cat([hidden, markov_embed], dim=-1).float()
-    return (cat @ proj.float().t()).squeeze(-1)
+    return matmul_nt(cat, proj.float()).squeeze(-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._math import einsum, matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 F32_TOL = {torch.float32: Tolerance(atol=1e-5, rtol=1e-4)}
@@ -53,7 +54,7 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     hc = stream.shape[1]
     f = stream.flatten(1).float()
     rstd = torch.rsqrt(f.square().mean(-1, keepdim=True) + norm_eps)
-    m = (f @ fn.float().t()) * rstd
+    m = matmul_nt(f, fn.float()) * rstd
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
@@ -110,7 +111,7 @@ def _post_case(t: int, d: int) -> OpCase:
 def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
             comb: torch.Tensor) -> torch.Tensor:
     """R'_j = bf16(post_j * y + sum_i comb[i][j] * X_i) in fp32; y [T, D], stream [T, hc, D]."""
-    mixed = torch.einsum("tij,tid->tjd", comb.float(), stream.float())
+    mixed = einsum("tij,tid->tjd", comb.float(), stream.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(torch.bfloat16)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import fp4_weight, randn
+from shoal.ops.reference._math import matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import dequant_mxfp4
 from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
@@ -33,7 +34,7 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     s = sqrt(softplus(fp32(x) . fp32(W)^T / gate_temp)); ids = top-k of s + bias (ties: lower
     id); w = s[ids] / (sum s[ids] + 1e-20) * route_scale (the unbiased scores).
     """
-    logits = (x.float() @ weight.float().t()) / gate_temp
+    logits = matmul_nt(x.float(), weight.float()) / gate_temp
     scores = torch.nn.functional.softplus(logits).sqrt()
     order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
     ids = order[:, :k]
@@ -106,9 +107,9 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         w13_e = dequant_mxfp4(w13[e], w13_scale[e], 32)
-        gu = (xq[tok] @ w13_e.t()).to(torch.bfloat16).float()
+        gu = matmul_nt(xq[tok], w13_e).to(torch.bfloat16).float()
         h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
                          limit=limit)
-        y = _fp8_act_qdq(h) @ dequant_mxfp4(w2[e], w2_scale[e], 32).t()
+        y = matmul_nt(_fp8_act_qdq(h), dequant_mxfp4(w2[e], w2_scale[e], 32))
         out.index_add_(0, tok, y.to(torch.bfloat16).float())
     return out
