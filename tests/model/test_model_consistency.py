@@ -54,8 +54,8 @@ def test_batch_of_requests_equals_each_alone(tiny_model, seed):
     prompts = [_prompt(seed + i, rng.randint(5, 40)) for i in range(4)]
     alone = [run_steps(tiny_model, p, [(0, len(p))], slot=1, blocks=(5,))[-1] for p in prompts]
     caches = new_caches()
-    chunks = [RequestChunk(p, 0, len(p), slot=i, block_ids=(2 * i, 2 * i + 1),
-                           prefill_len=len(p), logits="last") for i, p in enumerate(prompts)]
+    chunks = [RequestChunk(p, 0, slot=i, block_ids=(2 * i, 2 * i + 1), prefill_len=len(p))
+              for i, p in enumerate(prompts)]
     batch = build_forward_batch(TINY, chunks)
     together = tiny_model.forward(batch, caches).logits
     torch.testing.assert_close(together, torch.stack(alone), atol=TOL, rtol=0)
@@ -76,7 +76,7 @@ def test_staircase_prefill_is_exact_and_decode_continues(tiny_model, seed):
 
 def test_staircase_skips_decoder_rows():
     n = 60
-    batch = build_forward_batch(TINY, [RequestChunk(list(range(3, 3 + n)), 0, n, 0, (0,), n)],
+    batch = build_forward_batch(TINY, [RequestChunk(list(range(3, 3 + n)), 0, 0, (0,), n)],
                                 prefill_mode="staircase")
     w, m = TINY.sliding_window, TINY.num_layers - TINY.decoder_start
     for k, layer in enumerate(range(TINY.decoder_start, TINY.num_layers)):

@@ -26,7 +26,8 @@ def run_steps(model: DeepseekV41, ids: list[int], steps: list[tuple[int, int]], 
     out = []
     for start, n in steps:
         batch = build_forward_batch(
-            TINY, [RequestChunk(ids, start, n, slot, blocks, prefill_len or len(ids), logits)],
+            TINY, [RequestChunk.from_sequence(ids, start, n, slot, blocks, prefill_len or len(ids),
+                                       logits)],
             prefill_mode=mode, replay_window=replay_window)
         out.append(model.forward(batch, caches).logits)
     return torch.cat(out)

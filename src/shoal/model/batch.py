@@ -25,20 +25,32 @@ PREFILL_MODES = ("full", "staircase", "bounded")
 class RequestChunk:
     """What one request contributes to a step (plain data, built by the runner or a test).
 
-    token_ids: every token id known for the request (prompt + outputs so far); the step computes
-    positions start .. start + num_new - 1. prefill_len: tokens known when this (re)prefill
-    began (the tail-only plan is relative to it). logits: which of the step's rows need logits:
-    "last" (the last row, when it is the end of the known tokens), "all" (prompt logprobs) or
-    "none".
+    token_ids: the tokens at positions start .. start + len - 1 (computed in this step);
+    history: the ids just before `start` (up to max_ngram - 1, oldest first) for the Engram
+    n-grams. prefill_len: tokens known when this (re)prefill began (the tail-only plan is
+    relative to it). logits: which rows need logits: "last" (the chunk reaches the end of the
+    known tokens), "all" (prompt logprobs: forces every decoder row) or "none".
     """
 
     token_ids: Sequence[int]
     start: int
-    num_new: int
     slot: int
     block_ids: Sequence[int]
     prefill_len: int
     logits: str = "last"
+    history: Sequence[int] = ()
+
+    @classmethod
+    def from_sequence(cls, ids: Sequence[int], start: int, num_new: int, slot: int,
+                      block_ids: Sequence[int], prefill_len: int, logits: str = "last",
+                      lookback: int = 3) -> RequestChunk:
+        """Chunk of a full token list (tests and simple drivers)."""
+        return cls(list(ids[start:start + num_new]), start, slot, block_ids, prefill_len,
+                   logits, list(ids[max(0, start - lookback):start]))
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -111,13 +123,9 @@ def decoder_thresholds(config: ModelConfig, prefill_len: int, mode: str,
 
 def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                         device: torch.device | str = "cpu", prefill_mode: str = "full",
-                        replay_window: int = 140,
-                        decoder_floors: Sequence[int] | None = None) -> ForwardBatch:
-    """Flatten request chunks into a ForwardBatch.
-
-    decoder_floors: per request, the SWA floor fixed when its prefill was planned (bounded mode
-    keeps applying it to later decode steps); default: derived from this step's plan.
-    """
+                        replay_window: int = 140) -> ForwardBatch:
+    """Flatten request chunks into a ForwardBatch. The bounded-mode SWA floor derives from
+    prefill_len, so later decode steps of the same request keep the floor of its prefill."""
     if replay_window < config.sliding_window:
         raise ValueError(f"replay_window: got {replay_window}, expected >= sliding_window "
                          f"({config.sliding_window})")
@@ -128,15 +136,16 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
     kv_mask: list[list[torch.Tensor]] = [[] for _ in dec_layers]
     row = 0
     for r, ch in enumerate(chunks):
-        if ch.num_new <= 0 or ch.start + ch.num_new > len(ch.token_ids):
-            raise ValueError(f"request chunk {r}: start {ch.start} + num_new {ch.num_new} "
-                             f"exceeds the {len(ch.token_ids)} known tokens")
-        thresholds, floor = decoder_thresholds(config, ch.prefill_len, prefill_mode,
-                                               replay_window)
-        if decoder_floors is not None:
-            floor = decoder_floors[r]
-        lo = max(ch.start - n_hist, 0)
-        known = torch.tensor(list(ch.token_ids[lo: ch.start + ch.num_new]), dtype=torch.int64)
+        if ch.num_new <= 0:
+            raise ValueError(f"request chunk {r}: no tokens to compute")
+        mode = "full" if ch.logits == "all" else prefill_mode
+        thresholds, floor = decoder_thresholds(config, ch.prefill_len, mode, replay_window)
+        hist_ids = list(ch.history)[-n_hist:] if n_hist else []
+        lo = ch.start - len(hist_ids)
+        if lo < 0 or (lo > 0 and len(hist_ids) < n_hist):
+            raise ValueError(f"request chunk {r}: history has {len(hist_ids)} ids before "
+                             f"position {ch.start}, expected {min(ch.start, n_hist)}")
+        known = torch.tensor(hist_ids + list(ch.token_ids), dtype=torch.int64)
         p = torch.arange(ch.start, ch.start + ch.num_new)
         ids.append(known[ch.start - lo:])
         pos.append(p)
