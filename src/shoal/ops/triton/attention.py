@@ -39,30 +39,57 @@ def _e2m1_bits(c):
 
 
 @triton.jit
-def _block_step(q, k, valid, m_i, l_i, acc, scale):
-    s = tl.dot(q, tl.trans(k)) * scale  # [H, BLOCK_N] fp32
-    s = tl.where(valid[None, :], s, float("-inf"))
+def _swa_keys(swa_ptr, row, valid, cols, D: tl.constexpr):
+    """Dequantise SWA records (row byte offsets [N]) at columns cols -> bf16 [N, len(cols)]."""
+    codes = tl.load(swa_ptr + row[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    e = tl.load(swa_ptr + row[:, None] + D + cols[None, :] // 32, mask=valid[:, None], other=127)
+    sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
+
+
+@triton.jit
+def _comp_keys(comp_ptr, row, valid, col0, BLOCK_N: tl.constexpr, NCOL: tl.constexpr,
+               D: tl.constexpr):
+    """Dequantise compressed records at columns col0 .. col0 + NCOL -> bf16 [N, NCOL]."""
+    pcols = col0 // 2 + tl.arange(0, NCOL // 2)
+    packed = tl.load(comp_ptr + row[:, None] + pcols[None, :], mask=valid[:, None],
+                     other=0).to(tl.int32)
+    lo = _e2m1_bits(packed & 0xF).to(tl.float32, bitcast=True)
+    hi = _e2m1_bits(packed >> 4).to(tl.float32, bitcast=True)
+    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, NCOL))
+    cols = col0 + tl.arange(0, NCOL)
+    sb = tl.load(comp_ptr + row[:, None] + D // 2 + cols[None, :] // 16, mask=valid[:, None],
+                 other=0)
+    return (v * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i, acc, scale):
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
     new_m = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - new_m)
     p = tl.exp(s - new_m[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
-    return new_m, l_i, acc
+    return new_m, l_i, acc * alpha[:, None], p.to(tl.bfloat16)
 
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr, o_ptr,
                         part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt, stride_qh,
                         stride_si, stride_ci, H: tl.constexpr, HP: tl.constexpr,
-                        D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_COMP: tl.constexpr):
+                        D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                        DSPLIT: tl.constexpr, HAS_COMP: tl.constexpr, Q_IN_LOOP: tl.constexpr):
+    DV: tl.constexpr = D // DSPLIT  # output columns owned by this program
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    dv0 = tl.program_id(2) * DV
     offs_h = tl.arange(0, HP)  # heads padded to a matrix-unit friendly size
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
+    offs_v = dv0 + tl.arange(0, DV)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=hmask[:, None], other=0.0)
+    q_ptrs = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
     nb_swa = tl.cdiv(n_swa, BLOCK_N)
     nb = nb_swa
     if HAS_COMP:
@@ -72,46 +99,47 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
     b1 = tl.minimum(b0 + per, nb)
     m_i = tl.full((HP,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((HP,), dtype=tl.float32)
-    acc = tl.zeros((HP, D), dtype=tl.float32)
+    acc = tl.zeros((HP, DV), dtype=tl.float32)
     swa_rec: tl.constexpr = D + D // 32
     for b in range(b0, tl.minimum(b1, nb_swa)):
         n = b * BLOCK_N + offs_n
         idx = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
         valid = idx >= 0
         row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
-        codes = tl.load(swa_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
-        e = tl.load(swa_ptr + row[:, None] + D + offs_d[None, :] // 32, mask=valid[:, None],
-                    other=127)
-        sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
-        m_i, l_i, acc = _block_step(q, k, valid, m_i, l_i, acc, scale)
+        k = _swa_keys(swa_ptr, row, valid, offs_d, D)
+        if Q_IN_LOOP:
+            q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
+        m_i, l_i, acc, p = _softmax_step(tl.dot(q, tl.trans(k)), valid, m_i, l_i, acc, scale)
+        if DSPLIT == 1:
+            acc = tl.dot(p, k, acc)
+        else:
+            acc = tl.dot(p, _swa_keys(swa_ptr, row, valid, offs_v, D), acc)
     if HAS_COMP:
         comp_rec: tl.constexpr = D // 2 + D // 16
-        offs_p = tl.arange(0, D // 2)
         for b in range(tl.maximum(b0, nb_swa), b1):
             n = (b - nb_swa) * BLOCK_N + offs_n
             idx = tl.load(comp_idx_ptr + t * stride_ci + n, mask=n < n_comp, other=-1)
             valid = idx >= 0
             row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
-            packed = tl.load(comp_ptr + row[:, None] + offs_p[None, :], mask=valid[:, None],
-                             other=0).to(tl.int32)
-            lo = _e2m1_bits(packed & 0xF).to(tl.float32, bitcast=True)
-            hi = _e2m1_bits(packed >> 4).to(tl.float32, bitcast=True)
-            v = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))
-            sb = tl.load(comp_ptr + row[:, None] + D // 2 + offs_d[None, :] // 16,
-                         mask=valid[:, None], other=0)
-            k = (v * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
-            m_i, l_i, acc = _block_step(q, k, valid, m_i, l_i, acc, scale)
+            k = _comp_keys(comp_ptr, row, valid, 0, BLOCK_N, D, D)
+            if Q_IN_LOOP:
+                q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
+            m_i, l_i, acc, p = _softmax_step(tl.dot(q, tl.trans(k)), valid, m_i, l_i, acc, scale)
+            if DSPLIT == 1:
+                acc = tl.dot(p, k, acc)
+            else:
+                acc = tl.dot(p, _comp_keys(comp_ptr, row, valid, dv0, BLOCK_N, DV, D), acc)
     if NSPLIT == 1:
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
         denom = l_i + tl.exp(sink - m_i)
         o = acc / denom[:, None]
-        tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
+        tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_v[None, :], o.to(tl.bfloat16),
                  mask=hmask[:, None])
     else:
         base = (t * NSPLIT + split) * H
-        tl.store(part_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
+        tl.store(part_ptr + (base + offs_h[:, None]) * D + offs_v[None, :], acc,
                  mask=hmask[:, None])
+        # every D-slice program computes the same m, l; they store identical values
         tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
         tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
 
@@ -153,7 +181,8 @@ def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
 def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, scale: float, *, split: int | None = None,
-                block_n: int = 64, num_warps: int = 8) -> torch.Tensor:
+                block_n: int = 64, num_warps: int = 8, dsplit: int = 1,
+                q_in_loop: bool = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: chosen from the SM count)."""
     t, h, d = q.shape
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -176,18 +205,19 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     nb = triton.cdiv(n_swa, block_n) + triton.cdiv(n_comp, block_n)
     if split is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        split = choose_split(t, nb, sms)
+        split = choose_split(t * dsplit, nb, sms)
     sink = sink.float().contiguous()
     if split > 1:
         part = torch.empty(t, split, h, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(t, split, h, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    _sparse_attn_kernel[(t, split)](
+    _sparse_attn_kernel[(t, split, dsplit)](
         q, swa_cache, swa_idx, comp_cache, comp_idx, sink, out, part, ml, n_swa, n_comp,
         float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0), H=h,
         HP=max(16, triton.next_power_of_2(h)), D=d,
-        BLOCK_N=block_n, NSPLIT=split, HAS_COMP=has_comp, num_warps=num_warps, num_stages=1)
+        BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit, HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop,
+        num_warps=num_warps, num_stages=1)
     if split > 1:
         hb = 16
         _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split, HB=hb,
