@@ -1,0 +1,119 @@
+"""Engine configuration: `EngineConfig` = model + cache + scheduler + runner configs, each a
+frozen dataclass owning one concern. `LLM(**kwargs)` and the CLI flags come from their fields;
+an unknown keyword raises with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.model.batch import PREFILL_MODES
+from shoal.model.config import ModelConfig
+from shoal.model.presets import PRESETS
+from shoal.scheduler.scheduler import SchedulerConfig
+
+
+class ShoalError(ValueError):
+    """A user-facing configuration or input error (the message names the culprit)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache sizing. block_size: context tokens per paged block (multiple of 128).
+    kv_cache_memory_gb: bytes for KV + request slots (None: 0.5 GB on CPU, or
+    gpu_memory_utilization of the free device memory after weights)."""
+
+    block_size: int = 256
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 128:
+            raise ShoalError(f"block_size: got {self.block_size}, expected a multiple of 128")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ShoalError(f"kv_cache_memory_gb: got {self.kv_cache_memory_gb}, expected > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ShoalError(f"gpu_memory_utilization: got {self.gpu_memory_utilization}, "
+                             "expected in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runs. device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1'.
+    backends: op backend priority (None: triton on sm_90+, else the reference).
+    prefill_mode: decoder tail-only prefill, 'full' | 'staircase' (both exact) | 'bounded'
+    (approximate, replay_window rows). load_format: 'auto' (checkpoint weights; random for a
+    preset), 'dummy' (random weights created on the device), 'safetensors'.
+    seed: engine seed for weights of presets and for requests without a seed."""
+
+    device: str = "auto"
+    backends: tuple[str, ...] | None = None
+    prefill_mode: str = "bounded"
+    replay_window: int = 140
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ShoalError(f"prefill_mode: got {self.prefill_mode!r}, expected one of "
+                             f"{PREFILL_MODES}")
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise ShoalError(f"load_format: got {self.load_format!r}, expected 'auto', "
+                             "'dummy' or 'safetensors'")
+        if self.replay_window < 1:
+            raise ShoalError(f"replay_window: got {self.replay_window}, expected >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    model_config: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @property
+    def is_preset(self) -> bool:
+        return self.model in PRESETS
+
+    @classmethod
+    def create(cls, model: str = "tiny", **kwargs: Any) -> EngineConfig:
+        """Route each keyword to the config that owns the field; unknown keywords raise."""
+        model_config = resolve_model_config(model)
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "runner": {}}
+        owners = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+        valid = {f.name: g for g, c in owners.items() for f in dataclasses.fields(c)}
+        for key, value in kwargs.items():
+            if key not in valid:
+                raise ShoalError(f"unknown engine option {key!r}; valid options: "
+                                 f"{', '.join(sorted(valid))}")
+            groups[valid[key]][key] = value
+        if "backends" in groups["runner"] and groups["runner"]["backends"] is not None:
+            groups["runner"]["backends"] = tuple(groups["runner"]["backends"])
+        sched = groups["scheduler"]
+        sched.setdefault("max_model_len", min(model_config.max_position_embeddings, 65536))
+        sched.setdefault("block_size", groups["cache"].get("block_size", 256))
+        try:
+            return cls(model, model_config, CacheConfig(**groups["cache"]),
+                       SchedulerConfig(**sched), RunnerConfig(**groups["runner"]))
+        except ShoalError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ShoalError(str(exc)) from None
+
+
+def resolve_model_config(model: str) -> ModelConfig:
+    """A preset name or a checkpoint directory with config.json."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if not path.exists():
+        raise ShoalError(f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor an "
+                         "existing checkpoint directory")
+    try:
+        return ModelConfig.from_file(path)
+    except ValueError as exc:
+        raise ShoalError(f"model {model!r}: {exc}") from None

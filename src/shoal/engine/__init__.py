@@ -1,0 +1,1 @@
+"""The step loop: requests in, plans to the runner, outputs out."""

@@ -1,0 +1,252 @@
+"""The engine step loop.
+
+One step:
+1. `Scheduler.schedule() -> StepPlan`: every request's num_computed_tokens catches up with its
+   known tokens under a token budget (chunked prefill, continuous batching, preemption by
+   recompute, block and slot allocation).
+2. `ModelRunner.execute(plan, rows) -> RunnerOutput`: one ForwardBatch, the model through the op
+   table, logits only for sampled rows (and prompt-logprob rows), sampling.
+3. `Scheduler.update(plan, result)`: append tokens, eos / stop ids / max_tokens, free finished
+   requests. The engine then detokenises incrementally and checks stop strings.
+
+Invariant: a bad request never reaches the runner (it finishes with `error` set), and every
+request added ends with exactly one output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.config import EngineConfig, ShoalError
+from shoal.engine.outputs import Logprob, RequestOutput
+from shoal.engine.request import EngineRequest
+from shoal.runner.model_runner import ModelRunner, RunnerOutput, SampleRow
+from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
+from shoal.scheduler.request import Request
+from shoal.scheduler.scheduler import Scheduler
+from shoal.scheduler.step_plan import StepResult
+from shoal.tokenizer.synthetic import build_synthetic_tokenizer
+from shoal.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_requests: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    forward_time: float = 0.0
+    prepare_time: float = 0.0
+    decoder_rows_skipped: int = 0
+    decoder_rows_total: int = 0
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer:
+    vocab = config.model_config.vocab_size
+    if config.is_preset:
+        return Tokenizer(build_synthetic_tokenizer(config.model_config), vocab)
+    path = Path(config.model) / "tokenizer.json"
+    if not path.exists():
+        raise ShoalError(f"model {config.model!r}: no tokenizer.json in the checkpoint directory")
+    return Tokenizer.from_file(path, vocab)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.runner = ModelRunner(config, self.tokenizer)
+        self.scheduler = Scheduler(config.scheduler, self.runner.memory.num_blocks,
+                                   self.runner.memory.num_slots)
+        self.requests: dict[str, EngineRequest] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._structured = None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def structured_backend(self):
+        if self._structured is None:
+            from shoal.sampling.structured import StructuredOutputBackend
+
+            self._structured = StructuredOutputBackend(
+                self.tokenizer.backend, eos_token_id=self.config.model_config.eos_token_id,
+                vocab_size=self.config.model_config.vocab_size)
+        return self._structured
+
+    def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None,
+                    *, prompt_token_ids: Sequence[int] | None = None,
+                    error: str | None = None) -> str:
+        """Queue one user request (n sequences); returns its id. Invalid input does not raise:
+        the request finishes at once with `error` set."""
+        index = next(self._ids)
+        group = str(index)
+        params = params or SamplingParams()
+        self.stats.num_requests += 1
+        ids: list[int] = []
+        text = prompt if isinstance(prompt, str) else None
+        if error is None:
+            try:
+                ids, matcher_spec = self._validate(prompt, params, prompt_token_ids)
+            except ValueError as exc:
+                error = str(exc)
+        children = []
+        for i in range(params.n if error is None else 1):
+            rid = group if params.n == 1 else f"{group}-{i}"
+            seed = request_seed(params.seed, engine_seed=self.config.runner.seed,
+                                request_index=index, sample_index=i)
+            detok = self.tokenizer.incremental(ids, params.skip_special_tokens) \
+                if params.detokenize else None
+            req = EngineRequest(rid, group, i, text, ids, params, seed, detok,
+                                stop=StopStringMatcher(params.stop,
+                                                       params.include_stop_str_in_output)
+                                if params.stop else None,
+                                logprobs=[] if params.logprobs is not None else None)
+            children.append(rid)
+            self.requests[rid] = req
+            if error is not None:
+                req.finish("error", error)
+                continue
+            if matcher_spec is not None:
+                req.matcher = self.structured_backend().matcher(matcher_spec)
+            self.scheduler.add_request(Request(
+                rid, ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                eos_token_id=self.config.model_config.eos_token_id,
+                ignore_eos=params.ignore_eos, stop_token_ids=tuple(params.stop_token_ids)))
+        if error is not None:
+            self.stats.num_errors += 1
+        else:
+            self.stats.prompt_tokens += len(ids)
+        self.groups[group] = children
+        return group
+
+    def _validate(self, prompt, params: SamplingParams, prompt_token_ids):
+        cfg = self.config.model_config
+        params.validate(cfg.vocab_size)
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt: got {type(prompt).__name__}, expected a string or a "
+                             "list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {len(bad)} id(s) outside the vocabulary "
+                             f"[0, {cfg.vocab_size}), e.g. {bad[0]}")
+        if cfg.image_token_id is not None and cfg.image_token_id in ids:
+            raise ValueError("prompt contains the image token; this text engine does not take "
+                             "images")
+        limit = self.config.scheduler.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which "
+                             "leaves no room for an output token")
+        spec = params.structured
+        if spec is not None:
+            self.structured_backend().compile(spec)  # raises ValueError on a bad schema
+        return ids, spec
+
+    def abort(self, group: str) -> None:
+        for rid in self.groups.get(group, []):
+            self.scheduler.abort_request(rid)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[str]:
+        """Run one step; return the ids of user requests that completed in it."""
+        plan = self.scheduler.schedule()
+        rows = {}
+        for item in plan.scheduled:
+            req = self.requests[item.request_id]
+            if item.sample or req.params.prompt_logprobs is not None:
+                rows[item.request_id] = SampleRow(req.params, req.seed, req.prompt_token_ids,
+                                                  req.output_token_ids, req.matcher)
+        result = self.runner.execute(plan, rows) if plan.scheduled else RunnerOutput()
+        self._account(plan, result)
+        for rid in result.invalid:
+            self.scheduler.finish_request(rid, "error")
+            self.requests[rid].finish("error", "the model produced no valid token (NaN logits "
+                                      "or every token masked)")
+        finished = self.scheduler.update(plan, StepResult(
+            sampled_token_ids={r: [t] for r, t in result.sampled.items()}))
+        for rid, token in result.sampled.items():
+            req = self.requests[rid]
+            if req.finished:
+                continue
+            self._record_logprobs(req, token, result)
+            self.stats.output_tokens += 1
+            if req.append_token(token):
+                self.scheduler.finish_request(rid, "stop")
+                req.finish("stop")
+            elif req.matcher is not None and req.matcher.is_finished():
+                self.scheduler.finish_request(rid, "stop")
+                req.finish("stop")
+        for rid, entries in result.prompt_logprobs.items():
+            req = self.requests[rid]
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            for target, logprob, rank, top in entries:
+                d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}
+                d[target] = Logprob(logprob, rank)
+                req.prompt_logprobs.append(d)
+        for sreq in finished:
+            req = self.requests[sreq.request_id]
+            req.metrics.num_preemptions = sreq.num_preemptions
+            req.finish(sreq.finish_reason or "stop", sreq.error, sreq.stop_token_id)
+        return [g for g in {self.requests[r].group_id for r in self._just_finished(plan,
+                                                                                 finished)}
+                if all(self.requests[c].finished for c in self.groups[g])]
+
+    def _just_finished(self, plan, finished) -> set[str]:
+        ids = {r.request_id for r in finished}
+        ids |= {i.request_id for i in plan.scheduled if self.requests[i.request_id].finished}
+        ids |= {rid for rid, req in self.requests.items() if req.finished}
+        return ids
+
+    def _record_logprobs(self, req: EngineRequest, token: int, result: RunnerOutput) -> None:
+        if req.logprobs is None or req.request_id not in result.logprobs:
+            return
+        logprob, rank, top = result.logprobs[req.request_id]
+        entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}
+        entry[token] = Logprob(logprob, rank)
+        req.logprobs.append(entry)
+        req.cumulative_logprob += logprob
+
+    def _account(self, plan, result: RunnerOutput) -> None:
+        s = self.stats
+        s.steps += 1
+        s.forward_time += result.forward_time
+        s.prepare_time += result.prepare_time
+        s.decoder_rows_skipped += result.decoder_rows_skipped
+        cfg = self.config.model_config
+        s.decoder_rows_total += plan.num_scheduled_tokens * (cfg.num_layers - cfg.decoder_start)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def output(self, group: str) -> RequestOutput:
+        children = [self.requests[r] for r in self.groups[group]]
+        first = children[0]
+        errors = [c.error for c in children if c.error]
+        return RequestOutput(
+            request_id=group, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[] if first.finish_reason == "error" and len(children) == 1 and
+            not first.output_token_ids else [c.completion() for c in children],
+            finished=all(c.finished for c in children), error=errors[0] if errors else None,
+            prompt_logprobs=first.prompt_logprobs, metrics=first.metrics)
+
+    def release(self, group: str) -> None:
+        for rid in self.groups.pop(group, []):
+            self.requests.pop(rid, None)

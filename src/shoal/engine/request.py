@@ -1,0 +1,90 @@
+"""EngineRequest: one sequence's user-facing state (text, detokenizer, stop strings, logprobs,
+structured-output matcher), next to the scheduler's `Request`, which owns progress and KV.
+
+Invariant: the scheduler's output_token_ids are the source of truth for tokens; this object
+only turns them into text exactly once each (incremental detokenisation + stop strings).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine.outputs import CompletionOutput, Logprob, RequestMetrics
+from shoal.sampling import SamplingParams, StopStringMatcher
+from shoal.tokenizer.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    group_id: str  # the user's request (n > 1 fans out into several sequences)
+    index: int  # completion index inside the group
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer | None
+    matcher: Any = None
+    stop: StopStringMatcher | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token: int) -> bool:
+        """Record a sampled token; returns True when a stop string completed."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.time()
+        self.output_token_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        if self.detokenizer is None:
+            return False
+        delta = self.detokenizer.step(token)
+        if self.stop is None:
+            self.text += delta
+            return False
+        check = self.stop.feed(delta)
+        self.text += check.emit
+        if check.stopped:
+            self.stop_reason = check.stop_str
+            return True
+        return False
+
+    def finish(self, reason: str, error: str | None = None,
+               stop_token: int | None = None) -> None:
+        if self.finished:
+            return
+        self.finish_reason = reason
+        self.error = error
+        if stop_token is not None and self.stop_reason is None:
+            self.stop_reason = stop_token
+        stopped_by_string = isinstance(self.stop_reason, str)
+        if self.detokenizer is not None and reason != "error" and not stopped_by_string:
+            tail = self.detokenizer.flush()
+            if self.stop is None:
+                self.text += tail
+            else:  # release held-back text (or find a stop string completed by the tail)
+                check = self.stop.feed(tail, final=True)
+                self.text += check.emit
+                if check.stopped:
+                    self.stop_reason = check.stop_str
+        self.metrics.finished_time = time.time()
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None)

@@ -1,0 +1,213 @@
+"""ModelRunner: owns the device side (weights, op table, KV caches, sampler) and executes one
+`StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
+
+Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
+the plan); what it needs about a request's sampling arrives with each step (`SampleRow`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.checkpoint.reader import CheckpointReader
+from shoal.checkpoint.writer import generate_weights
+from shoal.config import EngineConfig, ShoalError
+from shoal.model.batch import RequestChunk, build_forward_batch
+from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.engram_hash import token_map_for
+from shoal.model.params import ModelParams, WeightError
+from shoal.model.state import KVCaches
+from shoal.ops.registry import resolve_ops
+from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
+from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
+from shoal.scheduler.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_GB = 0.5
+GPU_ACTIVATION_RESERVE_GB = 8.0
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """Per-request sampling inputs for a step (built by the engine for requests with
+    sample=True, and for requests asking for prompt logprobs)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    matcher: Any = None  # a structured-output matcher (fill_mask / accept), or None
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    invalid: list[str] = field(default_factory=list)  # NaN logits / no allowed token
+    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(
+        default_factory=dict)
+    forward_time: float = 0.0
+    prepare_time: float = 0.0
+    decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ShoalError(f"device: {name!r} requested but CUDA is not available")
+    return device
+
+
+def iter_weights(config: EngineConfig, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    fmt = config.runner.load_format
+    if fmt == "dummy" or (fmt == "auto" and config.is_preset):
+        yield from generate_weights(config.model_config, seed=config.runner.seed, device=device)
+        return
+    if config.is_preset:
+        raise ShoalError(f"load_format={fmt!r} needs a checkpoint directory, got the preset "
+                         f"{config.model!r}")
+    with CheckpointReader(config.model) as reader:
+        reader.check(config.model_config)
+        for name in reader.names():
+            yield name, reader.get(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        cfg = config.model_config
+        self.device = pick_device(config.runner.device)
+        self.ops = resolve_ops(self.device, list(config.runner.backends)
+                               if config.runner.backends else None)
+        logger.info("op table:\n%s", self.ops.report())
+        try:
+            params = ModelParams.load(cfg, iter_weights(config, self.device), self.device)
+        except WeightError as exc:
+            raise ShoalError(f"model {config.model!r}: {exc}") from None
+        backend = getattr(tokenizer, "backend", None)
+        token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
+        self.model = DeepseekV41(cfg, params, self.ops, token_map)
+        self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
+        self.memory = self._plan_memory()
+        self.caches = KVCaches.allocate(
+            cfg, num_blocks=self.memory.num_blocks, num_slots=self.memory.num_slots,
+            max_tokens=config.scheduler.max_num_batched_tokens,
+            block_size=config.cache.block_size,
+            ring_slack=self.layout.swa_ring_len - cfg.sliding_window, device=self.device)
+        self.sampler = Sampler()
+
+    def _plan_memory(self) -> MemoryPlan:
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.kv_cache_memory_gb is not None:
+            budget = cache.kv_cache_memory_gb * 1e9
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cache.gpu_memory_utilization - GPU_ACTIVATION_RESERVE_GB * 1e9
+        else:
+            budget = CPU_KV_BUDGET_GB * 1e9
+        try:
+            return plan_memory(self.layout, int(budget), sched.max_num_seqs, sched.max_model_len)
+        except ValueError as exc:
+            raise ShoalError(f"KV cache: {exc}") from None
+
+    # ---- one step ---------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, rows: Mapping[str, SampleRow]) -> RunnerOutput:
+        t0 = time.perf_counter()
+        out = RunnerOutput()
+        chunks, sample_ids, prompt_lp = [], [], []
+        for item in plan.scheduled:
+            row = rows.get(item.request_id)
+            want_prompt = (row is not None and row.params.prompt_logprobs is not None
+                           and item.start_position < item.num_prompt_tokens)
+            logits = "all" if want_prompt else ("last" if item.sample else "none")
+            chunks.append(RequestChunk(item.token_ids, item.start_position, item.slot,
+                                       item.block_ids, item.prefill_len, logits,
+                                       item.history_token_ids))
+            if want_prompt:
+                prompt_lp.append((item, len(chunks) - 1))
+            if item.sample:
+                sample_ids.append(item.request_id)
+        batch = build_forward_batch(self.config.model_config, chunks, device=self.device,
+                                    prefill_mode=self.config.runner.prefill_mode,
+                                    replay_window=self.config.runner.replay_window)
+        out.decoder_rows_skipped = sum(
+            batch.num_tokens - (r.full.numel() if r.full is not None else batch.num_tokens)
+            for r in batch.layer_rows.values())
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.caches).logits
+        out.forward_time = time.perf_counter() - t1
+        out.prepare_time = t1 - t0
+        # rows of `logits` follow the chunks: "all" chunks give every row, "last" one row
+        offsets, at = [], 0
+        for ch in chunks:
+            offsets.append(at)
+            at += ch.num_new if ch.logits == "all" else (1 if ch.logits == "last" else 0)
+        for item, index in prompt_lp:
+            self._prompt_logprobs(item, rows[item.request_id], chunks[index],
+                                  logits[offsets[index]: offsets[index] + chunks[index].num_new],
+                                  out)
+        if sample_ids:
+            last_rows = [offsets[i] + (ch.num_new - 1 if ch.logits == "all" else 0)
+                         for i, (ch, item) in enumerate(zip(chunks, plan.scheduled, strict=True))
+                         if item.sample]
+            self._sample(logits[torch.tensor(last_rows, device=logits.device)],
+                         [rows[r] for r in sample_ids], sample_ids, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], ids: list[str],
+                out: RunnerOutput) -> None:
+        vocab = self.config.model_config.vocab_size
+        mask = None
+        if any(r.matcher is not None for r in rows):
+            mask = torch.ones(len(rows), vocab, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                if r.matcher is not None:
+                    r.matcher.fill_mask(mask[i])
+            mask = mask.to(logits.device)
+        batch = SamplingBatch.from_params(
+            [r.params for r in rows], seeds=[r.seed for r in rows],
+            positions=[len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows], vocab_size=vocab,
+            eos_token_ids=(self.config.model_config.eos_token_id,), allowed_mask=mask,
+            device=logits.device)
+        result = self.sampler.sample(logits, batch)
+        tokens = result.token_ids.tolist()
+        valid = result.valid.tolist()
+        lp = result.logprobs
+        for i, request_id in enumerate(ids):
+            if not valid[i]:
+                out.invalid.append(request_id)
+                continue
+            out.sampled[request_id] = tokens[i]
+            n = rows[i].params.logprobs
+            if n is not None and lp is not None:
+                top = list(zip(lp.token_ids[i, 1:n + 1].tolist(), lp.logprobs[i, 1:n + 1].tolist(),
+                               strict=True))
+                out.logprobs[request_id] = (float(lp.logprobs[i, 0]), int(lp.ranks[i]), top)
+
+    def _prompt_logprobs(self, item, row: SampleRow, chunk: RequestChunk, logits: torch.Tensor,
+                         out: RunnerOutput) -> None:
+        """Logprob of each next prompt token (position p predicts p + 1)."""
+        prompt = row.prompt_token_ids
+        n = min(chunk.num_new, len(prompt) - 1 - chunk.start)
+        if n <= 0:
+            return
+        targets = torch.tensor(prompt[chunk.start + 1: chunk.start + 1 + n], device=logits.device)
+        lp = compute_prompt_logprobs(logits[:n], targets, row.params.prompt_logprobs)
+        k = row.params.prompt_logprobs
+        entries = out.prompt_logprobs.setdefault(item.request_id, [])
+        for i in range(n):
+            top = list(zip(lp.token_ids[i, 1:k + 1].tolist(), lp.logprobs[i, 1:k + 1].tolist(),
+                           strict=True))
+            entries.append((int(targets[i]), float(lp.logprobs[i, 0]), int(lp.ranks[i]), top))
