@@ -330,6 +330,35 @@ def test_index_scores_over_paged_keys(seed: int, t: int):
     np.testing.assert_allclose(_f64(out), ref, atol=1e-4, rtol=1e-4)
 
 
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _naive_e2m1(v: float) -> float:
+    """Nearest e2m1 value to v (|v| <= 6), ties to the even code; keeps the sign."""
+    a = abs(v)
+    best = min(range(8), key=lambda c: (abs(_E2M1[c] - a), c % 2))
+    return math.copysign(_E2M1[best], v)
+
+
+@pytest.mark.parametrize("t", [0, 1, 5])
+def test_index_q_quant_is_mxfp4_qdq(seed: int, t: int):
+    g = _gen(seed, t)
+    q = _randn(g, t, 3, 64, scale=2.0)
+    out = indexer.index_q_quant(q=q)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    qs = _f64(q)
+    for i in range(t):
+        for h in range(3):
+            for b in range(2):
+                blk = qs[i, h, 32 * b:32 * b + 32]
+                p = float(np.float32(max(np.abs(blk).max(), 6 * 2.0**-126))
+                          * np.float32(1 / 6))
+                mant, e = math.frexp(p)
+                s = 2.0 ** (e - 1 if mant == 0.5 else e)
+                want = [_naive_e2m1(max(-6.0, min(6.0, v / s))) * s for v in blk]
+                np.testing.assert_array_equal(_f64(out[i, h, 32 * b:32 * b + 32]), want)
+
+
 # ---------------------------------------------------------------- candidate_mask / mask / topk
 
 
