@@ -97,7 +97,6 @@ def measure_ceilings() -> None:
     dst = torch.empty_like(src)
     ms = bench([lambda: dst.copy_(src)], rep=50)
     hbm = 2 * src.numel() / (ms * 1e-3)
-    del src, dst
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -143,8 +142,8 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
             t_op = bench([lambda xi=xi, p=p: op(xi, p) for xi, p in pairs_x])
             one = torch.ones((), device="cuda")
             mats = [(q[0], p.codes.t()) for q, p in pairs]
-            t_ref = bench([lambda a=a, b=b: torch._scaled_mm(a, b, one, one,
-                                                             out_dtype=torch.bfloat16)
+            t_ref = bench([lambda a=a, b=b, one=one: torch._scaled_mm(
+                a, b, one, one, out_dtype=torch.bfloat16)
                            for a, b in mats])
             shape = f"{name} M{m}xN{n}xK{k}"
             record("gemm_fp8 (kernel)", shape, t_kernel, flops, m * k + n * k + 2 * m * n,
@@ -195,9 +194,7 @@ def bench_attention(batches: list[int]) -> None:
     kw = attn_inputs(8, n_swa, n_comp, gen=gen)
     ref = ref_attn.sparse_attn_sink(**kw)
     variants = [("auto", dict()), ("bn32", dict(block_n=32)),
-                ("bn32-qloop", dict(block_n=32, q_in_loop=True)),
-                ("bn32-d2", dict(block_n=32, dsplit=2)),
-                ("bn32-d2-qloop", dict(block_n=32, dsplit=2, q_in_loop=True)),
+                ("bcast", dict(scale_bcast=True)), ("bn32-bcast", dict(block_n=32, scale_bcast=True)),
                 ("bn64-d2-qloop", dict(block_n=64, dsplit=2, q_in_loop=True))]
     for vname, opts in variants:
         for split in (1, 4):
@@ -214,7 +211,7 @@ def bench_attention(batches: list[int]) -> None:
         flops = 4.0 * t * h * (n_swa + n_comp) * d
         nbytes = rec_bytes + 2 * t * h * d * 2 + t * (n_swa + n_comp) * 4
         for vname, opts in variants:
-            if t >= 1024 and vname not in ("auto", "bn32-d2-qloop"):
+            if t >= 1024 and vname not in ("auto", "bcast"):
                 continue
             try:
                 ms = bench([lambda s=s, o=opts: tri_attn.sparse_attn(**s, **o) for s in sets])

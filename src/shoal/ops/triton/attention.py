@@ -48,6 +48,18 @@ def _swa_keys(swa_ptr, row, valid, cols, D: tl.constexpr):
 
 
 @triton.jit
+def _swa_keys_bcast(swa_ptr, row, valid, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """As _swa_keys over all D columns, loading each scale byte once and broadcasting it."""
+    codes = tl.load(swa_ptr + row[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None],
+                    other=0)
+    e = tl.load(swa_ptr + row[:, None] + D + tl.arange(0, D // 32)[None, :],
+                mask=valid[:, None], other=127)
+    sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    v = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_N, D // 32, 32))
+    return tl.reshape(v * sc[:, :, None], (BLOCK_N, D)).to(tl.bfloat16)
+
+
+@triton.jit
 def _comp_keys(comp_ptr, row, valid, col0, BLOCK_N: tl.constexpr, NCOL: tl.constexpr,
                D: tl.constexpr):
     """Dequantise compressed records at columns col0 .. col0 + NCOL -> bf16 [N, NCOL]."""
@@ -78,7 +90,8 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
                         part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt, stride_qh,
                         stride_si, stride_ci, H: tl.constexpr, HP: tl.constexpr,
                         D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                        DSPLIT: tl.constexpr, HAS_COMP: tl.constexpr, Q_IN_LOOP: tl.constexpr):
+                        DSPLIT: tl.constexpr, HAS_COMP: tl.constexpr, Q_IN_LOOP: tl.constexpr,
+                        SCALE_BCAST: tl.constexpr):
     DV: tl.constexpr = D // DSPLIT  # output columns owned by this program
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -106,7 +119,10 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
         idx = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
         valid = idx >= 0
         row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
-        k = _swa_keys(swa_ptr, row, valid, offs_d, D)
+        if SCALE_BCAST:
+            k = _swa_keys_bcast(swa_ptr, row, valid, BLOCK_N, D)
+        else:
+            k = _swa_keys(swa_ptr, row, valid, offs_d, D)
         if Q_IN_LOOP:
             q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
         m_i, l_i, acc, p = _softmax_step(tl.dot(q, tl.trans(k)), valid, m_i, l_i, acc, scale)
@@ -182,7 +198,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, scale: float, *, split: int | None = None,
                 block_n: int = 64, num_warps: int = 8, dsplit: int = 1,
-                q_in_loop: bool = False) -> torch.Tensor:
+                q_in_loop: bool = False, scale_bcast: bool = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: chosen from the SM count)."""
     t, h, d = q.shape
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -217,7 +233,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
         float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0), H=h,
         HP=max(16, triton.next_power_of_2(h)), D=d,
         BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit, HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop,
-        num_warps=num_warps, num_stages=1)
+        SCALE_BCAST=scale_bcast,        num_warps=num_warps, num_stages=1)
     if split > 1:
         hb = 16
         _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split, HB=hb,
