@@ -193,8 +193,8 @@ def bench_attention(batches: list[int]) -> None:
     h, d, n_swa, n_comp = 64, 512, 128, 512
     kw = attn_inputs(8, n_swa, n_comp, gen=gen)
     ref = ref_attn.sparse_attn_sink(**kw)
-    variants = [("auto", dict()), ("bn32", dict(block_n=32)),
-                ("bcast", dict(scale_bcast=True)), ("bn32-bcast", dict(block_n=32, scale_bcast=True)),
+    variants = [("auto", dict()), ("bn32", dict(block_n=32, scale_bcast=False)),
+                ("no-bcast", dict(scale_bcast=False)), ("bn32-bcast", dict(block_n=32, scale_bcast=True)),
                 ("bn64-d2-qloop", dict(block_n=64, dsplit=2, q_in_loop=True))]
     for vname, opts in variants:
         for split in (1, 4):
@@ -211,7 +211,7 @@ def bench_attention(batches: list[int]) -> None:
         flops = 4.0 * t * h * (n_swa + n_comp) * d
         nbytes = rec_bytes + 2 * t * h * d * 2 + t * (n_swa + n_comp) * 4
         for vname, opts in variants:
-            if t >= 1024 and vname not in ("auto", "bcast"):
+            if t >= 1024 and vname not in ("auto", "no-bcast"):
                 continue
             try:
                 ms = bench([lambda s=s, o=opts: tri_attn.sparse_attn(**s, **o) for s in sets])

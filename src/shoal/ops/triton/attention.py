@@ -198,7 +198,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, scale: float, *, split: int | None = None,
                 block_n: int = 64, num_warps: int = 8, dsplit: int = 1,
-                q_in_loop: bool = False, scale_bcast: bool = False) -> torch.Tensor:
+                q_in_loop: bool = False, scale_bcast: bool = True) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: chosen from the SM count)."""
     t, h, d = q.shape
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -233,7 +233,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
         float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0), H=h,
         HP=max(16, triton.next_power_of_2(h)), D=d,
         BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit, HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop,
-        SCALE_BCAST=scale_bcast,        num_warps=num_warps, num_stages=1)
+        SCALE_BCAST=scale_bcast, num_warps=num_warps, num_stages=1)
     if split > 1:
         hb = 16
         _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split, HB=hb,
