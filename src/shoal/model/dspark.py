@@ -197,6 +197,8 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
                          f"{tuple(anchor_ids.shape)}, {tuple(positions.shape)}, "
                          f"{tuple(slots.shape)}")
     k = cfg.dspark_block_size
+    if k < 1:
+        raise ValueError(f"dspark_draft: dspark_block_size is {k}, expected >= 1")
     n = b * k
     if n > caches.max_tokens:
         raise ValueError(f"dspark_draft: {b} requests x block {k} = {n} rows, more than the "
@@ -246,7 +248,7 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
         embeds.append(e)
         prev = sample_fn(logits[:, i], positions.long() + 2 + i).long()
         drafts.append(prev)
-    draft_ids = torch.stack(drafts, dim=1) if drafts else anchor_ids.new_zeros(b, 0)
+    draft_ids = torch.stack(drafts, dim=1)
     conf = ops.confidence(hidden=h.view(b, k, d), markov_embed=torch.stack(embeds, dim=1),
                           proj=p[last + "confidence_head.proj.weight"])
     return DraftOutput(draft_ids, logits, conf)
