@@ -74,6 +74,11 @@ class PromptSet:
     def refs(self) -> list[Reference]:
         return reference_greedy(self.ids, REF_STEPS)
 
+    def engine_prompts(self) -> list[str | list[int]]:
+        """What the engine is given: the text where there is one, else the ids."""
+        return [t if t is not None else list(i) for t, i in zip(self.texts, self.ids,
+                                                                  strict=True)]
+
 
 @functools.cache
 def main_prompts() -> PromptSet:

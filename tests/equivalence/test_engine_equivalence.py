@@ -31,12 +31,6 @@ LOGPROBS, PROMPT_LOGPROBS = 3, 2
 LP_TOL = 1e-4
 
 
-def _engine_prompts():
-    """What the engine is given: the text where there is one, else the ids."""
-    ps = main_prompts()
-    return [t if t is not None else list(i) for t, i in zip(ps.texts, ps.ids, strict=True)]
-
-
 def _check_logprob_entry(entry, token: int, logits: torch.Tensor, top_n: int) -> None:
     """One position's logprob dict vs log_softmax of the reference logits at that position:
     the top N (up to ties within noise) plus the chosen / target token, values and its rank."""
@@ -68,7 +62,7 @@ def test_greedy_generate_equals_reference_loop(mode: str, budget: int, max_seqs:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             logprobs=LOGPROBS if with_lp else None,
                             prompt_logprobs=PROMPT_LOGPROBS if with_lp else None)
-    outs = llm.generate(_engine_prompts(), params, use_tqdm=False)
+    outs = llm.generate(ps.engine_prompts(), params, use_tqdm=False)
     assert len(outs) == len(refs)
     for out, ref in zip(outs, refs, strict=True):
         assert out.error is None
