@@ -427,7 +427,10 @@ def test_topk_rows_vs_explicit_sort(seed: int, width: int, k: int):
     out = indexer.topk_rows(logits=logits, n_visible=n_vis, k=k)
     assert out.shape == (t, k) and out.dtype == torch.int32
     for i in range(t):
-        assert out[i].tolist() == _naive_topk(logits[i].tolist(), k), (i, logits[i].tolist())
+        n = int(n_vis[i])
+        expected = (list(range(n)) + [-1] * (k - n) if n <= k  # the reference's fast path
+                    else _naive_topk(logits[i].tolist(), k))
+        assert out[i].tolist() == expected, (i, n, logits[i].tolist())
 
 
 def test_topk_rows_fast_path_and_empty(seed: int):
@@ -444,11 +447,6 @@ def test_topk_rows_fast_path_and_empty(seed: int):
     assert empty.shape == (0, k) and empty.dtype == torch.int32
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "topk_rows fast path: with n_p <= k the official reference (decode: width n_p, topk n_p) "
-    "returns rows 0..n_p-1 regardless of the scores, and the op docstring says so, but the op "
-    "drops visible rows scoring -inf. Unreachable when the candidate filter keeps every visible "
-    "block (model.md §10 trap 9), so low impact; docstring and code disagree."))
 def test_topk_rows_fast_path_ignores_minus_inf_visible_rows():
     k = 8
     logits = torch.tensor([[0.5, -math.inf, 0.25, -math.inf, 1.0]])

@@ -141,16 +141,21 @@ def _topk_compare(out, ref, case) -> None:
 def topk_rows(*, logits: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
     """Select the top min(k, n_p) rows per query, ascending, -1 padded -> [T, k] int32.
 
-    Exact ties go to the lower row. Rows scoring -inf (invisible or filtered out) are never selected. Fast path: when
-    n_p <= k the result is rows 0 .. n_p - 1 regardless of the scores.
+    Fast path (as the reference): when n_p <= k the result is rows 0 .. n_p - 1 regardless of
+    the scores. Otherwise rows scoring -inf (filtered out) are never selected, and exact ties
+    go to the lower row.
     """
     t, width = logits.shape
+    rows = torch.arange(max(width, k), device=logits.device)
+    fast = (rows.unsqueeze(0) < n_visible.unsqueeze(1))[:, :k]  # n_p <= k: rows 0 .. n_p - 1
     if width < k:
         logits = torch.nn.functional.pad(logits, (0, k - width), value=-torch.inf)
     top_vals, top_idx = _stable_topk(logits, k)
     idx = torch.where(top_vals > -torch.inf, top_idx, torch.iinfo(torch.int64).max)
     idx = idx.sort(dim=-1).values
     idx = torch.where(idx == torch.iinfo(torch.int64).max, -1, idx)
+    idx = torch.where((n_visible <= k).unsqueeze(1),
+                      torch.where(fast, rows[:k].unsqueeze(0), -1), idx)
     return idx.to(torch.int32)
 
 
