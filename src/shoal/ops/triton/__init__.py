@@ -4,4 +4,4 @@ Invariant: every implementation has the reference op's exact signature and a che
 `supports` predicate; anything it does not support falls back to the reference (registry.py).
 """
 
-from shoal.ops.triton import attention, gemm  # noqa: F401
+from shoal.ops.triton import attention, gemm, moe  # noqa: F401
