@@ -78,13 +78,15 @@ def routing(t: int, e: int, seed: int, dev: torch.device) -> dict:
             "weights": torch.rand(t, TOPK, generator=g, device=dev)}
 
 
-def correctness(dev: torch.device) -> dict:
+def correctness(dev: torch.device, keep: list[str]) -> dict:
     w = weights(8, dev)
     r = routing(16, 8, 1, dev)
     want = ref.moe_mxfp4(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in {**w, **r}.items()})
     out = {}
     for name, kw in (("asm", {"use_asm": True}), ("port", {"use_asm": False}),
                      ("w4a16", {"w4a8": False})):
+        if name not in keep:
+            continue
         got = tmoe.moe_experts(**r, **w, **kw).cpu()
         err = (got - want).abs()
         ok = bool((err <= 2e-2 + 2e-2 * want.abs()).all())
@@ -107,13 +109,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--variants", default="asm,port,w4a16")
     args = ap.parse_args()
     dev = torch.device("cuda")
     results: dict = {"gpu": torch.cuda.get_device_name(), "shape": [D, INTER, E, TOPK]}
-    results["correctness"] = correctness(dev)
+    keep = args.variants.split(",")
+    results["correctness"] = correctness(dev, keep)
     w = weights(E, dev)
     variants = {"asm": {"use_asm": True}, "port": {"use_asm": False},
                 "w4a16": {"w4a8": False}}
+    variants = {k: v for k, v in variants.items() if k in keep}
     big = [tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3)]
     rows = []
     for t in ([8192, 1, 64] if args.quick else [8192, 1, 16, 64]):

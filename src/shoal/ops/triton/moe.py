@@ -146,7 +146,7 @@ def _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK
             and.b32 g, g, 0x80808080;
             or.b32 $0, v, g;
             }""",
-            constraints="=r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+            constraints="=r," + ",".join(["r"] * 9), args=[wd, lut0, lut1], dtype=tl.uint8,
             is_pure=True, pack=4)
     else:
         par = (tl.arange(0, BK) % 2)[None, :]
