@@ -506,6 +506,8 @@ def _validate(c: ModelConfig) -> None:
         if not 0 <= c.engram_pad_id < c.engram_compressed_vocab_size:
             _fail("engram_pad_id", c.engram_pad_id, "an id of the compressed vocabulary")
     if c.num_draft_layers:
+        if c.dspark_block_size < 1:
+            _fail("dspark_block_size", c.dspark_block_size, ">= 1 when draft layers exist")
         for layer in c.dspark_target_layer_ids:
             if not 0 <= layer < c.num_layers:
                 _fail("dspark_target_layer_ids", list(c.dspark_target_layer_ids),

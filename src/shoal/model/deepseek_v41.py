@@ -36,7 +36,10 @@ from shoal.ops.registry import OpTable
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [T', V] fp32 for batch.logits_rows
-    captures: torch.Tensor | None = None  # [T, n_targets * D] bf16 DSpark capture (if asked)
+    # [T, n_targets * D] bf16 DSpark capture (if asked). Under tail-only prefill only the rows
+    # that run every target layer in full are exact (the last window rows of a prefill and
+    # every decode row): pass those to dspark_context (dspark_context_rows).
+    captures: torch.Tensor | None = None
 
 
 class DeepseekV41:
