@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +176,7 @@ class Engine:
                                                   req.output_token_ids, req.matcher)
         result = self.runner.execute(plan, rows) if plan.scheduled else RunnerOutput()
         self._account(plan, result)
+        newly = set(result.invalid)
         for rid in result.invalid:
             self.scheduler.finish_request(rid, "error")
             self.requests[rid].finish("error", "the model produced no valid token (NaN logits "
@@ -189,12 +189,11 @@ class Engine:
                 continue
             self._record_logprobs(req, token, result)
             self.stats.output_tokens += 1
-            if req.append_token(token):
+            if req.append_token(token) or (req.matcher is not None and
+                                           req.matcher.is_finished()):
                 self.scheduler.finish_request(rid, "stop")
                 req.finish("stop")
-            elif req.matcher is not None and req.matcher.is_finished():
-                self.scheduler.finish_request(rid, "stop")
-                req.finish("stop")
+                newly.add(rid)
         for rid, entries in result.prompt_logprobs.items():
             req = self.requests[rid]
             if req.prompt_logprobs is None:
@@ -204,18 +203,15 @@ class Engine:
                 d[target] = Logprob(logprob, rank)
                 req.prompt_logprobs.append(d)
         for sreq in finished:
-            req = self.requests[sreq.request_id]
+            req = self.requests.get(sreq.request_id)
+            if req is None or req.finished:  # already reported (stop string, invalid row)
+                continue
             req.metrics.num_preemptions = sreq.num_preemptions
             req.finish(sreq.finish_reason or "stop", sreq.error, sreq.stop_token_id)
-        return [g for g in {self.requests[r].group_id for r in self._just_finished(plan,
-                                                                                 finished)}
-                if all(self.requests[c].finished for c in self.groups[g])]
-
-    def _just_finished(self, plan, finished) -> set[str]:
-        ids = {r.request_id for r in finished}
-        ids |= {i.request_id for i in plan.scheduled if self.requests[i.request_id].finished}
-        ids |= {rid for rid, req in self.requests.items() if req.finished}
-        return ids
+            newly.add(sreq.request_id)
+        groups = {self.requests[r].group_id for r in newly if r in self.requests}
+        return sorted(g for g in groups if all(self.requests[c].finished
+                                                for c in self.groups[g]))
 
     def _record_logprobs(self, req: EngineRequest, token: int, result: RunnerOutput) -> None:
         if req.logprobs is None or req.request_id not in result.logprobs:
