@@ -1,0 +1,95 @@
+"""The `shoal` command line through `shoal.cli.main`: JSONL generate with bad lines (per-line
+errors, exit 0), start-up errors (exit 2), `info` (890 KV bytes per token for flash),
+`make-checkpoint` then generate from the directory (same tokens as the reference loop, whose
+weights are the preset's), and `demo`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.refloop import assert_greedy, main_prompts
+from shoal.checkpoint.writer import write_checkpoint
+from shoal.cli import main
+from shoal.model.presets import TINY
+from shoal.tokenizer.encoding import encode_messages
+
+MAX_TOKENS = 3
+GREEDY_ARGS = ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--quiet"]
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_generate_jsonl_with_bad_lines(tmp_path: Path) -> None:
+    ps = main_prompts()
+    ref = ps.refs()[0]
+    text = ps.texts[0]
+    messages = [{"role": "user", "content": "hello there"}]
+    lines = ['{"prompt": "unterminated', '{"temperature": 0.5}', json.dumps({"prompt": text}),
+             json.dumps({"messages": messages})]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rc = main(["generate", "--model", "tiny", "--device", "cpu", "--input", str(src),
+               "--output", str(dst), *GREEDY_ARGS])
+    assert rc == 0
+    records = _records(dst.read_text(encoding="utf-8"))
+    assert len(records) == len(lines)
+    errors = sorted(r["error"] for r in records if "error" in r)
+    assert len(errors) == 2
+    assert errors[0].startswith("line 1:") and errors[1].startswith("line 2:")
+    assert "prompt" in errors[1]  # names what the line lacks
+    (plain,) = [r for r in records if r.get("prompt") == text]
+    assert "error" not in plain
+    (c,) = plain["outputs"]
+    assert_greedy(c["token_ids"], c["finish_reason"], ref, MAX_TOKENS)
+    chat_prompt = encode_messages(messages)
+    (chat,) = [r for r in records if r.get("prompt") == chat_prompt]
+    assert "error" not in chat
+    (c,) = chat["outputs"]
+    assert len(c["token_ids"]) <= MAX_TOKENS
+    assert "reasoning_content" in c and "content" in c  # the thinking prompt's parse fields
+
+
+def test_bad_model_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", "no/such/model", "--device", "cpu", "--prompt", "x"])
+    assert rc == 2
+    assert "no/such/model" in capsys.readouterr().err
+
+
+def test_info_flash_kv_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--model", "flash"]) == 0
+    assert "KV bytes per context token: 890;" in capsys.readouterr().out
+
+
+def test_make_checkpoint_cli(tmp_path: Path) -> None:
+    ckpt = tmp_path / "tiny-ckpt"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(ckpt)]) == 0
+    assert (ckpt / "config.json").exists() and (ckpt / "tokenizer.json").exists()
+    assert list(ckpt.glob("*.safetensors"))
+
+
+def test_generate_from_checkpoint_dir(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint written with the preset's seed generates the reference loop's tokens."""
+    ps = main_prompts()
+    ckpt = write_checkpoint(TINY, tmp_path / "tiny-ckpt", seed=0)
+    rc = main(["generate", "--model", str(ckpt), "--device", "cpu", "--prompt", ps.texts[0],
+               *GREEDY_ARGS])
+    assert rc == 0
+    (record,) = _records(capsys.readouterr().out)
+    (c,) = record["outputs"]
+    assert_greedy(c["token_ids"], c["finish_reason"], ps.refs()[0], MAX_TOKENS)
+
+
+def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in records] == ["The quick brown fox", "Hello, shoal!",
+                                              "def add(a, b):"]
+    assert all(r["finish_reason"] in ("stop", "length") for r in records)
