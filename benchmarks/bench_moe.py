@@ -23,6 +23,7 @@ import torch
 
 from shoal.ops.reference import moe as ref
 from shoal.ops.triton import moe as tmoe
+from shoal.quant.fp4 import quant_mxfp4
 
 HBM = 4.24e12
 FP8_PEAK = 1343e12
@@ -78,8 +79,18 @@ def routing(t: int, e: int, seed: int, dev: torch.device) -> dict:
             "weights": torch.rand(t, TOPK, generator=g, device=dev)}
 
 
+def realistic_weights(e: int, dev: torch.device) -> dict:
+    """MXFP4 of randn / sqrt(K) (the conformance grid's weights; outputs of order 1)."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    out = {"limit": 10.0}
+    for name, n, k in (("w13", 2 * INTER, D), ("w2", D, INTER)):
+        p, s = quant_mxfp4(torch.randn(e, n, k, generator=g, device=dev) / k**0.5, 32)
+        out[name], out[name + "_scale"] = p, s
+    return out
+
+
 def correctness(dev: torch.device, keep: list[str]) -> dict:
-    w = weights(8, dev)
+    w = realistic_weights(8, dev)
     r = routing(16, 8, 1, dev)
     want = ref.moe_mxfp4(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in {**w, **r}.items()})
     out = {}
