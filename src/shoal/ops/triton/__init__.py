@@ -5,3 +5,4 @@ Invariant: every implementation has the reference op's exact signature and a che
 """
 
 from shoal.ops.triton import attention, gemm, moe  # noqa: F401
+from shoal.ops.triton import hyper_connections, norm, rope  # noqa: F401

@@ -1,0 +1,204 @@
+"""Triton (sm_90) mHC kernels (model.md §2.2): `hc_coeffs`, `hc_collapse`, `hc_collapse_norm`,
+`hc_post`.
+
+- hc_coeffs: one program per BT tokens. The fp32 mix `m = (fn . f) * rsqrt(mean(f^2) + eps)`
+  runs as an IEEE-fp32 `tl.dot` over the flattened [4*D] stream (no TF32), then sigmoid pre/post,
+  the row softmax and all Sinkhorn normalisations stay in registers ([BT, 4, 4]).
+- hc_collapse(_norm): one program per token; the bf16 collapse is rounded once, then normed.
+- hc_post: one program per (token, D tile); every output stream j reads the 4 input streams once.
+Invariant: reference contracts and orders; only fp32 summation order differs (fp64 in the
+reference's products), inside the registered tolerances. hc = 4 streams only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.norm import MAX_K, on_device
+
+HC = 4
+
+
+@triton.jit
+def _coeffs_kernel(s_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D,
+                   norm_eps, hc_eps, iters, st_t, st_i, st_d, fn_r, fn_c,
+                   BT: tl.constexpr, BK: tl.constexpr):
+    toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    tmask = toks < T
+    offs_k = tl.arange(0, BK)
+    offs_r = tl.arange(0, 32)  # the 24 mix rows, padded
+    rmask = offs_r < 24
+    acc = tl.zeros((BT, 32), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    for k0 in range(0, 4 * D, BK):  # BK divides D: a chunk never straddles two streams
+        i = k0 // D
+        dd = k0 - i * D + offs_k
+        f = tl.load(s_ptr + toks[:, None] * st_t + i * st_i + dd[None, :] * st_d,
+                    mask=tmask[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(f * f, axis=1)
+        w = tl.load(fn_ptr + offs_r[None, :] * fn_r + (k0 + offs_k[:, None]) * fn_c,
+                    mask=rmask[None, :], other=0.0)
+        acc = tl.dot(f, w, acc, input_precision="ieee")
+    rstd = 1.0 / tl.sqrt_rn(sq / (4 * D) + norm_eps)
+    m = acc * rstd[:, None]
+    c4 = tl.arange(0, 4)
+    c16 = tl.arange(0, 16)
+    m_pre = tl.sum(tl.where(offs_r[None, None, :] == c4[None, :, None], m[:, None, :], 0.0), 2)
+    m_post = tl.sum(tl.where(offs_r[None, None, :] == 4 + c4[None, :, None], m[:, None, :], 0.0),
+                    2)
+    m_comb = tl.sum(tl.where(offs_r[None, None, :] == 8 + c16[None, :, None], m[:, None, :],
+                             0.0), 2)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + c4)
+    b_post = tl.load(base_ptr + 4 + c4)
+    b_comb = tl.load(base_ptr + 8 + c16)
+    pre = tl.div_rn(1.0, 1.0 + tl.exp(-(m_pre * s0 + b_pre[None, :]))) + hc_eps
+    post = 2 * tl.div_rn(1.0, 1.0 + tl.exp(-(m_post * s1 + b_post[None, :])))
+    c = tl.reshape(m_comb * s2 + b_comb[None, :], (BT, 4, 4))  # [t, i, j]
+    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+    c = tl.div_rn(c, tl.sum(c, axis=2)[:, :, None]) + hc_eps
+    c = tl.div_rn(c, tl.sum(c, axis=1)[:, None, :] + hc_eps)
+    for _ in range(iters - 1):
+        c = tl.div_rn(c, tl.sum(c, axis=2)[:, :, None] + hc_eps)
+        c = tl.div_rn(c, tl.sum(c, axis=1)[:, None, :] + hc_eps)
+    o4 = toks[:, None] * 4 + c4[None, :]
+    tl.store(pre_ptr + o4, pre, mask=tmask[:, None])
+    tl.store(post_ptr + o4, post, mask=tmask[:, None])
+    o16 = toks[:, None] * 16 + c16[None, :]
+    tl.store(comb_ptr + o16, tl.reshape(c, (BT, 16)), mask=tmask[:, None])
+
+
+def _supports_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                     base: torch.Tensor, **_) -> bool:
+    return (on_device(stream) and stream.dim() == 3 and stream.shape[1] == HC
+            and stream.shape[2] % 16 == 0 and fn.shape == (24, HC * stream.shape[2])
+            and fn.dtype == torch.float32 and scale.dtype == torch.float32
+            and base.dtype == torch.float32)
+
+
+@REGISTRY.implement("triton", "hc_coeffs", supports=_supports_coeffs)
+def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+              base: torch.Tensor, norm_eps: float, hc_eps: float,
+              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """stream [T, 4, D] bf16 -> pre [T, 4], post [T, 4], comb [T, 4, 4] fp32 (reference)."""
+    t, _, d = stream.shape
+    dev = stream.device
+    pre = torch.empty(t, HC, dtype=torch.float32, device=dev)
+    post = torch.empty(t, HC, dtype=torch.float32, device=dev)
+    comb = torch.empty(t, HC, HC, dtype=torch.float32, device=dev)
+    if t == 0:
+        return pre, post, comb
+    bt = 16
+    _coeffs_kernel[(triton.cdiv(t, bt),)](
+        stream, fn, scale.contiguous(), base.contiguous(), pre, post, comb, t, d,
+        float(norm_eps), float(hc_eps), int(iters), stream.stride(0), stream.stride(1),
+        stream.stride(2), fn.stride(0), fn.stride(1), BT=bt,
+        BK=math.gcd(64, d), num_warps=4)
+    return pre, post, comb
+
+
+@triton.jit
+def _collapse_kernel(s_ptr, pre_ptr, w_ptr, o_ptr, D, eps, st_t, st_i, st_d, pre_t, pre_i,
+                     NORM: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dd = tl.arange(0, BD)
+    dmask = dd < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for i in tl.static_range(4):
+        p = tl.load(pre_ptr + t * pre_t + i * pre_i).to(tl.float32)
+        x = tl.load(s_ptr + t * st_t + i * st_i + dd * st_d, mask=dmask, other=0.0)
+        acc += p * x.to(tl.float32)
+    y = acc.to(tl.bfloat16)
+    if NORM:
+        yf = y.to(tl.float32)
+        var = tl.sum(yf * yf, axis=0) / D
+        r = 1.0 / tl.sqrt_rn(var + eps)
+        w = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+        y = (w * (yf * r)).to(tl.bfloat16)
+    tl.store(o_ptr + t * D + dd, y, mask=dmask)
+
+
+def _collapse(stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    t, _, d = stream.shape
+    out = torch.empty(t, d, dtype=torch.bfloat16, device=stream.device)
+    if t == 0:
+        return out
+    bd = triton.next_power_of_2(d)
+    w = weight.contiguous() if weight is not None else out
+    _collapse_kernel[(t,)](stream, pre, w, out, d, float(eps), stream.stride(0),
+                           stream.stride(1), stream.stride(2), pre.stride(0), pre.stride(1),
+                           NORM=weight is not None, BD=bd, num_warps=4 if bd <= 2048 else 8,
+                           enable_fp_fusion=False)
+    return out
+
+
+def _supports_collapse(*, stream: torch.Tensor, pre: torch.Tensor, **_) -> bool:
+    return (on_device(stream) and stream.dim() == 3 and stream.shape[1] == HC
+            and 0 < stream.shape[2] <= MAX_K and pre.shape == stream.shape[:2])
+
+
+@REGISTRY.implement("triton", "hc_collapse", supports=_supports_collapse)
+def hc_collapse(*, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x = bf16(sum_i pre_i * X_i); stream [T, 4, D], pre [T, 4] -> [T, D] bf16."""
+    return _collapse(stream, pre, None, 0.0)
+
+
+@REGISTRY.implement("triton", "hc_collapse_norm", supports=_supports_collapse)
+def hc_collapse_norm(*, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """RMSNorm(bf16 collapse) fused: [T, 4, D], [T, 4], weight [D] -> [T, D] bf16."""
+    return _collapse(stream, pre, weight, eps)
+
+
+@triton.jit
+def _post_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, o_ptr, D, y_t, y_d, st_t, st_i, st_d,
+                 po_t, po_i, cb_t, cb_i, cb_j, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = dd < D
+    y = tl.load(y_ptr + t * y_t + dd * y_d, mask=dmask, other=0.0).to(tl.float32)
+    sb = s_ptr + t * st_t + dd * st_d
+    x0 = tl.load(sb, mask=dmask, other=0.0).to(tl.float32)
+    x1 = tl.load(sb + st_i, mask=dmask, other=0.0).to(tl.float32)
+    x2 = tl.load(sb + 2 * st_i, mask=dmask, other=0.0).to(tl.float32)
+    x3 = tl.load(sb + 3 * st_i, mask=dmask, other=0.0).to(tl.float32)
+    cb = comb_ptr + t * cb_t
+    for j in tl.static_range(4):
+        pj = tl.load(post_ptr + t * po_t + j * po_i).to(tl.float32)
+        c0 = tl.load(cb + j * cb_j).to(tl.float32)
+        c1 = tl.load(cb + cb_i + j * cb_j).to(tl.float32)
+        c2 = tl.load(cb + 2 * cb_i + j * cb_j).to(tl.float32)
+        c3 = tl.load(cb + 3 * cb_i + j * cb_j).to(tl.float32)
+        mixed = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+        tl.store(o_ptr + (t * 4 + j) * D + dd, (pj * y + mixed).to(tl.bfloat16), mask=dmask)
+
+
+def _supports_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
+                   comb: torch.Tensor) -> bool:
+    return (on_device(y) and stream.dim() == 3 and stream.shape[1] == HC
+            and y.shape == (stream.shape[0], stream.shape[2]) and post.shape == stream.shape[:2]
+            and comb.shape == (stream.shape[0], HC, HC))
+
+
+@REGISTRY.implement("triton", "hc_post", supports=_supports_post)
+def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """R'_j = bf16(post_j * y + sum_i comb[i][j] * X_i); y [T, D], stream [T, 4, D] -> [T, 4, D]."""
+    t, _, d = stream.shape
+    out = torch.empty(t, HC, d, dtype=torch.bfloat16, device=y.device)
+    if t == 0 or d == 0:
+        return out
+    bd = min(1024, triton.next_power_of_2(d))
+    _post_kernel[(t, triton.cdiv(d, bd))](
+        y, stream, post, comb, out, d, y.stride(0), y.stride(1), stream.stride(0),
+        stream.stride(1), stream.stride(2), post.stride(0), post.stride(1), comb.stride(0),
+        comb.stride(1), comb.stride(2), BD=bd, num_warps=4)
+    return out
