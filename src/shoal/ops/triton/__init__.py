@@ -4,5 +4,13 @@ Invariant: every implementation has the reference op's exact signature and a che
 `supports` predicate; anything it does not support falls back to the reference (registry.py).
 """
 
-from shoal.ops.triton import attention, gemm, moe  # noqa: F401
-from shoal.ops.triton import hyper_connections, norm, rope  # noqa: F401
+from shoal.ops.triton import (  # noqa: F401
+    attention,
+    cache,
+    gemm,
+    hyper_connections,
+    indexer,
+    moe,
+    norm,
+    rope,
+)
