@@ -28,6 +28,7 @@ def test_bad_requests_fail_alone_and_in_place() -> None:
     limit = shared_llm().config.scheduler.max_model_len
     cases = [  # (prompt, params, None for a good request / words the error must contain)
         (text0, GREEDY, None),
+        ("", GREEDY, "empty"),  # not [BOS]: an empty text is no prompt
         ([], GREEDY, "empty"),
         (list(range(3, 3 + limit)), GREEDY, "max_model_len"),
         ([5, TINY.vocab_size], GREEDY, "vocabulary"),
@@ -42,7 +43,7 @@ def test_bad_requests_fail_alone_and_in_place() -> None:
         ({"prompt_token_ids": [TINY.vocab_size]}, GREEDY, "vocabulary"),
         ({"prompt": text0}, GREEDY, None),
     ]
-    expected_ref = {0: refs[0], 9: refs[3], 12: refs[0]}
+    expected_ref = {0: refs[0], 10: refs[3], 13: refs[0]}
     outs = shared_llm().generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
     assert len(outs) == len(cases)
     for i, ((_, _, error), out) in enumerate(zip(cases, outs, strict=True)):
@@ -98,8 +99,6 @@ def test_bad_model_and_options_raise_shoal_error() -> None:
         shared_llm().generate(["a", "b"], [GREEDY] * 3, use_tqdm=False)
 
 
-@pytest.mark.xfail(strict=True, reason="intended behaviour undecided: the engine encodes '' as "
-                   "[BOS] and generates (as vLLM does); the test brief asks for an error")
 def test_empty_text_prompt_is_an_error() -> None:
     (out,) = shared_llm().generate([""], GREEDY, use_tqdm=False)
     assert out.error is not None and "empty" in out.error
