@@ -272,17 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=40.0)
     i.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=64)
     i.add_argument("--max-model-len", dest="max_model_len", type=int, default=65536)
-    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint")
-    m.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("make-checkpoint", add_help=False,
+                   help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["make-checkpoint"]:  # its own parser (writer.make_checkpoint_main)
+        from shoal.checkpoint.writer import make_checkpoint_main
+
+        try:
+            return make_checkpoint_main(argv[1:])
+        except (ShoalError, OSError, ValueError) as exc:
+            print(f"shoal: error: {exc}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "make-checkpoint":
-            from shoal.checkpoint.writer import make_checkpoint_main
-
-            return make_checkpoint_main(args.rest)
         return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
                 "demo": cmd_demo}[args.command](args)
     except ShoalError as exc:

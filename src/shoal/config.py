@@ -85,17 +85,20 @@ class EngineConfig:
         model_config = resolve_model_config(model)
         groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "runner": {}}
         owners = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
-        valid = {f.name: g for g, c in owners.items() for f in dataclasses.fields(c)}
+        valid: dict[str, list[str]] = {}
+        for group, owner in owners.items():
+            for f in dataclasses.fields(owner):
+                valid.setdefault(f.name, []).append(group)
         for key, value in kwargs.items():
             if key not in valid:
                 raise ShoalError(f"unknown engine option {key!r}; valid options: "
                                  f"{', '.join(sorted(valid))}")
-            groups[valid[key]][key] = value
+            for group in valid[key]:  # a shared field (block_size) goes to every owner
+                groups[group][key] = value
         if "backends" in groups["runner"] and groups["runner"]["backends"] is not None:
             groups["runner"]["backends"] = tuple(groups["runner"]["backends"])
         sched = groups["scheduler"]
         sched.setdefault("max_model_len", min(model_config.max_position_embeddings, 65536))
-        sched.setdefault("block_size", groups["cache"].get("block_size", 256))
         try:
             return cls(model, model_config, CacheConfig(**groups["cache"]),
                        SchedulerConfig(**sched), RunnerConfig(**groups["runner"]))

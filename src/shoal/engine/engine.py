@@ -133,6 +133,8 @@ class Engine:
         if prompt_token_ids is not None:
             ids = [int(t) for t in prompt_token_ids]
         elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: a prompt needs at least one token")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
