@@ -53,7 +53,7 @@ def e2m1_value(c):
     """int32 e2m1 code -> fp32 value (code 8 gives -0.0)."""
     m = c & 7
     mag = tl.where(m < 4, m.to(tl.float32) * 0.5, tl.where(m == 7, 6.0, m.to(tl.float32) - 2.0))
-    return tl.where((c & 8) != 0, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
