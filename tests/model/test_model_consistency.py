@@ -9,7 +9,6 @@ import torch
 
 from shoal.model.batch import RequestChunk, build_forward_batch
 from shoal.model.presets import TINY
-
 from support.tiny import new_caches, random_chunks, run_steps
 
 TOL = 1e-4  # fp32 noise (different GEMM shapes); logits are O(1)
