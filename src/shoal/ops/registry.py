@@ -10,11 +10,15 @@ Invariant: the model never calls a backend directly. An `OpTable` is resolved **
 start-up for a backend priority list; the hot path then calls plain functions (no dispatch), so
 CUDA graphs capture fixed functions. A backend without an op falls back to the reference, and
 the table says so (``report()``).
+
+Debugging: the environment variable ``SHOAL_REFERENCE_OPS=op1,op2`` (read only here, by
+`resolve_ops`) forces those ops to the reference, to bisect a suspected kernel fault.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -116,13 +120,14 @@ class OpRegistry:
             return None if op is None else BackendImpl(op.reference, _always)
         return self._impls.get(backend, {}).get(name)
 
-    def resolve(self, backends: Iterable[str]) -> OpTable:
+    def resolve(self, backends: Iterable[str], force_reference: Iterable[str] = ()) -> OpTable:
         """Pick, for every op, the first backend in priority order that implements it."""
         order = [b for b in backends if b != REFERENCE] + [REFERENCE]
+        forced = set(force_reference)
         chosen: dict[str, Callable[..., Any]] = {}
         origin: dict[str, str] = {}
         for name, op in sorted(self._defs.items()):
-            for backend in order:
+            for backend in ([REFERENCE] if name in forced else order):
                 impl = self.impl(backend, name)
                 if impl is not None:
                     chosen[name] = impl.fn if backend == REFERENCE else _guarded(
@@ -209,4 +214,5 @@ def default_backends(device: torch.device) -> list[str]:
 def resolve_ops(device: torch.device | str = "cpu", backends: list[str] | None = None) -> OpTable:
     load_backends()
     device = torch.device(device)
-    return REGISTRY.resolve(backends or default_backends(device))
+    forced = [n for n in os.environ.get("SHOAL_REFERENCE_OPS", "").split(",") if n]
+    return REGISTRY.resolve(backends or default_backends(device), forced)

@@ -1,0 +1,114 @@
+"""Run one Triton op at the real mini/Flash shapes against the reference, synchronising after
+the call, in a fresh process (a CUDA fault kills the context): the conformance grid uses small
+shapes, this catches faults that only appear at real widths.
+
+    PYTHONPATH=src python3 scripts/probe_triton_ops.py OP   # prints 'OK op max_err' or 'FAIL op'
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from shoal.ops.reference.rope import RopeParams
+from shoal.ops.registry import REGISTRY, load_backends
+from shoal.quant.fp4 import quant_mxfp4
+from shoal.quant.records import pack_index_k_record
+
+
+def inputs(op: str, g: torch.Generator) -> dict:
+    d = "cuda"
+    t = 256
+
+    def rn(*s, dt=torch.bfloat16, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dt).to(d)
+
+    if op == "index_scores":
+        n = 2048
+        cache = pack_index_k_record(torch.randn(8 * 256, 128, generator=g)).to(d)
+        return dict(q=rn(t, 32, 128), weights=rn(t, 32, dt=torch.float32), k_cache=cache,
+                    block_table=torch.arange(8, dtype=torch.int32, device=d).view(1, 8),
+                    req=torch.zeros(t, dtype=torch.long, device=d),
+                    n_visible=torch.randint(1, n + 1, (t,), generator=g).to(d), num_rows=n,
+                    rows_per_block=256)
+    if op in ("topk_rows", "candidate_mask"):
+        n = 20000
+        nv = torch.randint(1, n + 1, (t,), generator=g)
+        logits = torch.randn(t, n, generator=g).masked_fill(torch.arange(n) >= nv[:, None],
+                                                            -torch.inf)
+        kw = dict(logits=logits.to(d), n_visible=nv.to(d))
+        return {**kw, "k": 512} if op == "topk_rows" else {**kw, "block_size": 8,
+                                                           "topk_blocks": 2048}
+    if op in ("swa_write", "compressed_write", "index_k_write"):
+        dim = 128 if op == "index_k_write" else 512
+        nbytes = {"swa_write": 528, "compressed_write": 288, "index_k_write": 68}[op]
+        return dict(x=rn(t, dim), cache=torch.zeros(4 * t, nbytes, dtype=torch.uint8,
+                                                    device=d),
+                    rows=torch.randperm(4 * t, generator=g)[:t].to(d))
+    if op == "index_q_quant":
+        return dict(q=rn(t, 32, 128))
+    if op == "rope_tail":
+        return dict(x=rn(t, 64, 512), positions=torch.randint(0, 1 << 20, (t,), generator=g).to(d),
+                    params=RopeParams(64, 160000.0, 16.0, 65536))
+    if op == "rmsnorm":
+        return dict(x=rn(t, 5120, scale=3.0), weight=rn(5120, scale=0.1) + 1, eps=1e-20)
+    if op == "hc_coeffs":
+        return dict(stream=rn(t, 4, 5120), fn=rn(24, 20480, dt=torch.float32, scale=0.01),
+                    scale=torch.tensor([0.1, 0.1, 0.1], device=d),
+                    base=rn(24, dt=torch.float32), norm_eps=1e-20, hc_eps=1e-6, iters=20)
+    if op == "hc_collapse_norm":
+        return dict(stream=rn(t, 4, 5120), pre=torch.rand(t, 4, generator=g).to(d),
+                    weight=rn(5120, scale=0.1) + 1, eps=1e-20)
+    if op == "hc_post":
+        return dict(y=rn(t, 5120), stream=rn(t, 4, 5120),
+                    post=torch.rand(t, 4, generator=g).to(d) * 2,
+                    comb=torch.rand(t, 4, 4, generator=g).to(d))
+    if op == "router":
+        return dict(x=rn(t, 5120), weight=rn(384, 5120, scale=5120 ** -0.5),
+                    bias=rn(384, dt=torch.float32, scale=0.1), k=6, route_scale=1.5)
+    if op == "moe_mxfp4":
+        e, dim, inter = 32, 5120, 2304
+        w13, s13 = quant_mxfp4(torch.randn(e, 2 * inter, dim, generator=g) / dim ** 0.5)
+        w2, s2 = quant_mxfp4(torch.randn(e, dim, inter, generator=g) / inter ** 0.5)
+        ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)])
+        return dict(x=rn(t, dim), ids=ids.to(d), weights=torch.rand(t, 6, generator=g).to(d),
+                    w13=w13.to(d), w13_scale=s13.to(d), w2=w2.to(d), w2_scale=s2.to(d),
+                    limit=10.0)
+    if op == "act_quant_fp8":
+        return dict(x=rn(t, 5120), block=32)
+    raise SystemExit(f"no probe for {op}")
+
+
+def main() -> None:
+    op = sys.argv[1]
+    load_backends()
+    impl = REGISTRY.impl("triton", op)
+    g = torch.Generator().manual_seed(0)
+    kw = inputs(op, g)
+    ref_kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    try:
+        out = impl.fn(**kw)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - report any fault of the kernel
+        print(f"FAIL {op}: {type(exc).__name__}: {str(exc)[:200]}")
+        sys.exit(1)
+    ref = REGISTRY.impl("reference", op).fn(**ref_kw)
+    if out is None:  # in-place writers: compare the caches
+        out, ref = kw["cache"], ref_kw["cache"]
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    errs = []
+    for a, b in zip(outs, refs, strict=True):
+        if a.dtype in (torch.float8_e4m3fn,):
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        if a.is_floating_point():
+            fin = torch.isfinite(b)
+            errs.append(float((a.float() - b.float())[fin].abs().max()) if fin.any() else 0.0)
+        else:
+            errs.append(float((a.long() != b.long()).float().mean()))  # mismatch fraction
+    print(f"OK {op} max_err/mismatch {errs}")
+
+
+if __name__ == "__main__":
+    main()
