@@ -60,17 +60,22 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 class _PreparedCache:
-    """Weights prepared on first use, keyed weakly by the weight tensor (entries die with it)."""
+    """Weights prepared on first use, keyed by the weight tensor's identity; an entry dies with
+    its weight (weakref finalizer). Not a WeakKeyDictionary: its key comparison calls
+    Tensor.__eq__, which is elementwise."""
 
     def __init__(self) -> None:
-        self._map: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
 
     def get(self, weight: torch.Tensor, scale: torch.Tensor, block: int) -> PreparedFP8Weight:
-        hit = self._map.get(weight)
-        if hit is not None and hit[0] is scale and hit[1].source_version == weight._version:
-            return hit[1]
+        key = id(weight)
+        hit = self._map.get(key)
+        if (hit is not None and hit[0]() is weight and hit[1] is scale
+                and hit[2].source_version == weight._version):
+            return hit[2]
         prepared = prepare_fp8_weight(weight, scale, block)
-        self._map[weight] = (scale, prepared)
+        self._map[key] = (weakref.ref(weight), scale, prepared)
+        weakref.finalize(weight, self._map.pop, key, None)
         return prepared
 
 
