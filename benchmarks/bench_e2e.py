@@ -67,7 +67,11 @@ def sync() -> None:
 def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.config.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    # every request must still be running when the last one finishes its (budgeted) prefill
+    budget = llm.config.scheduler.max_num_batched_tokens
+    prefill_steps = -(-batch * prompt_len // budget)
+    params = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0.0,
+                            ignore_eos=True)
     groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
         3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
     times, prep = [], []
