@@ -42,26 +42,50 @@ def swa_kv(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
     ops.swa_write(x=kv, cache=ctx.caches.swa[spec.layer_id], rows=scratch)
 
 
+def project_q(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qr = q_norm(wq_a . x) [F, q_lora]; q = RoPE(wq_b . qr) at p [F, H, head_dim]."""
+    ops, p, cfg = ctx.ops, ctx.params, ctx.config
+    qr = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wq_a.weight"],
+                      weight_scale=p[prefix + "attn.wq_a.scale"])
+    qr = ops.rmsnorm(x=qr, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
+    q = ops.gemm_fp8(x=qr, weight=p[prefix + "attn.wq_b.weight"],
+                     weight_scale=p[prefix + "attn.wq_b.scale"])
+    q = q.view(positions.shape[0], cfg.num_heads, cfg.head_dim)
+    return qr, ops.rope_tail(x=q, positions=positions, params=rope_params(cfg, spec))
+
+
+def attend_and_project(ctx: StepContext, prefix: str, spec: LayerSpec, q: torch.Tensor,
+                       positions: torch.Tensor, swa_idx: torch.Tensor,
+                       comp_cache: torch.Tensor | None,
+                       comp_idx: torch.Tensor | None) -> torch.Tensor:
+    """Sparse MQA with sink over the layer's SWA plane (+ compressed rows), inverse RoPE, and the
+    grouped low-rank output projection: q [F, H, head_dim] -> y [F, D] bf16."""
+    ops, p, cfg = ctx.ops, ctx.params, ctx.config
+    o = ops.sparse_attn_sink(q=q, swa_cache=ctx.caches.swa[spec.layer_id], swa_idx=swa_idx,
+                             comp_cache=comp_cache, comp_idx=comp_idx,
+                             sink=p[prefix + "attn.attn_sink"], scale=cfg.head_dim ** -0.5)
+    o = ops.rope_tail(x=o, positions=positions, params=rope_params(cfg, spec), inverse=True)
+    f = positions.shape[0]
+    z = ops.gemm_grouped_w8a16(
+        o=o.view(f, cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.head_dim),
+        weight=p[prefix + "attn.wo_a.weight"], weight_scale=p[prefix + "attn.wo_a.scale"])
+    return ops.gemm_fp8(x=z, weight=p[prefix + "attn.wo_b.weight"],
+                        weight_scale=p[prefix + "attn.wo_b.scale"])
+
+
 def attention(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
               rows: LayerRows) -> torch.Tensor:
     """x [P, D] bf16 (normed collapse of rows.prod) -> y [F, D] bf16 for rows.full."""
-    ops, p, cfg, b = ctx.ops, ctx.params, ctx.config, ctx.batch
-    layer = spec.layer_id
-    prefix = f"layers.{layer}."
+    b = ctx.batch
+    prefix = f"layers.{spec.layer_id}."
     swa_kv(ctx, prefix, spec, select(x, _local(rows.kv, rows.prod)), rows.kv)
     if spec.role is LayerRole.FULL:
         run_compressor(ctx, spec, x, rows.prod)
     full = rows.full
     xf = select(x, _local(full, rows.prod))
     pos = select(b.positions, full)
-    f = pos.shape[0]
-    qr = ops.gemm_fp8(x=xf, weight=p[prefix + "attn.wq_a.weight"],
-                      weight_scale=p[prefix + "attn.wq_a.scale"])
-    qr = ops.rmsnorm(x=qr, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
-    q = ops.gemm_fp8(x=qr, weight=p[prefix + "attn.wq_b.weight"],
-                     weight_scale=p[prefix + "attn.wq_b.scale"])
-    rope = rope_params(cfg, spec)
-    q = ops.rope_tail(x=q.view(f, cfg.num_heads, cfg.head_dim), positions=pos, params=rope)
+    qr, q = project_q(ctx, prefix, spec, xf, pos)
     comp_cache = comp_idx = None
     if spec.compress_ratio > 0:
         if spec.owns_index_query:
@@ -72,14 +96,7 @@ def attention(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
         comp_idx = torch.where(top >= 0, phys, -1).to(torch.int32)
         comp_cache = ctx.caches.compressed[spec.kv_source]
     swa_rows = ctx.swa_rows_decoder if spec.is_decoder else ctx.swa_rows_encoder
-    o = ops.sparse_attn_sink(q=q, swa_cache=ctx.caches.swa[layer],
-                             swa_idx=select(swa_rows, full), comp_cache=comp_cache,
-                             comp_idx=comp_idx, sink=p[prefix + "attn.attn_sink"],
-                             scale=cfg.head_dim ** -0.5)
-    ctx.commit_swa(layer, rows.kv)
-    o = ops.rope_tail(x=o, positions=pos, params=rope, inverse=True)
-    z = ops.gemm_grouped_w8a16(o=o.view(f, cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.head_dim),
-                               weight=p[prefix + "attn.wo_a.weight"],
-                               weight_scale=p[prefix + "attn.wo_a.scale"])
-    return ops.gemm_fp8(x=z, weight=p[prefix + "attn.wo_b.weight"],
-                        weight_scale=p[prefix + "attn.wo_b.scale"])
+    y = attend_and_project(ctx, prefix, spec, q, pos, select(swa_rows, full), comp_cache,
+                           comp_idx)
+    ctx.commit_swa(spec.layer_id, rows.kv)
+    return y

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.model.attention import swa_kv
+from shoal.model.attention import attend_and_project, project_q, swa_kv
 from shoal.model.batch import ForwardBatch
 from shoal.model.config import LayerSpec
-from shoal.model.context import StepContext, rope_params, select
+from shoal.model.context import StepContext, select
 from shoal.model.moe import moe
 from shoal.model.state import KVCaches
 
@@ -154,27 +154,11 @@ def _draft_attention(ctx: StepContext, stage: int, spec: LayerSpec,
 
     The block kv goes to the scratch rows (never committed); keys per query are
     `ctx.swa_rows_encoder` (see draft_key_rows)."""
-    ops, p, cfg = ctx.ops, ctx.params, ctx.config
     prefix = _draft_prefix(stage)
     pos = ctx.batch.positions
-    n = pos.shape[0]
     swa_kv(ctx, prefix, spec, x, None)
-    qr = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wq_a.weight"],
-                      weight_scale=p[prefix + "attn.wq_a.scale"])
-    qr = ops.rmsnorm(x=qr, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
-    q = ops.gemm_fp8(x=qr, weight=p[prefix + "attn.wq_b.weight"],
-                     weight_scale=p[prefix + "attn.wq_b.scale"])
-    rope = rope_params(cfg, spec)
-    q = ops.rope_tail(x=q.view(n, cfg.num_heads, cfg.head_dim), positions=pos, params=rope)
-    o = ops.sparse_attn_sink(q=q, swa_cache=ctx.caches.swa[spec.layer_id],
-                             swa_idx=ctx.swa_rows_encoder, comp_cache=None, comp_idx=None,
-                             sink=p[prefix + "attn.attn_sink"], scale=cfg.head_dim ** -0.5)
-    o = ops.rope_tail(x=o, positions=pos, params=rope, inverse=True)
-    z = ops.gemm_grouped_w8a16(
-        o=o.view(n, cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.head_dim),
-        weight=p[prefix + "attn.wo_a.weight"], weight_scale=p[prefix + "attn.wo_a.scale"])
-    return ops.gemm_fp8(x=z, weight=p[prefix + "attn.wo_b.weight"],
-                        weight_scale=p[prefix + "attn.wo_b.scale"])
+    _, q = project_q(ctx, prefix, spec, x, pos)
+    return attend_and_project(ctx, prefix, spec, q, pos, ctx.swa_rows_encoder, None, None)
 
 
 def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: torch.Tensor,
