@@ -65,10 +65,8 @@ def _default_params(args):
                           top_p=args.top_p, top_k=args.top_k, stop=args.stop)
 
 
-def _read_jsonl(path: str, default) -> list[tuple[Any, Any, str | None]]:
-    """Lines -> (prompt or messages, params, error). A malformed line is a per-request error."""
-    from shoal.sampling import SamplingParams
-
+def _read_jsonl(path: str, default) -> list[dict]:
+    """One LLM.run item per non-empty line; a malformed line becomes an error item."""
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -80,20 +78,21 @@ def _read_jsonl(path: str, default) -> list[tuple[Any, Any, str | None]]:
                     raise ValueError("expected a JSON object")
                 fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
                 params = default.replace(**fields) if fields else default
-                if "messages" in obj:
-                    items.append(({"messages": obj["messages"]}, params, None))
-                elif "prompt" in obj or "prompt_token_ids" in obj:
-                    items.append((obj, params, None))
-                else:
-                    raise ValueError("expected a 'prompt', 'prompt_token_ids' or 'messages' key")
+                keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
+                if len(keys) != 1:
+                    raise ValueError("expected exactly one of 'prompt', 'prompt_token_ids' "
+                                     "or 'messages'")
+                item = {keys[0]: obj[keys[0]], "sampling_params": params}
+                if keys[0] == "messages":
+                    item.update({k: obj[k] for k in ("tools", "reasoning_effort") if k in obj})
+                items.append(item)
             except (ValueError, TypeError) as exc:
-                items.append((None, default if isinstance(default, SamplingParams) else None,
-                              f"line {n}: {exc}"))
+                items.append({"error": f"line {n}: {exc}", "sampling_params": default})
     return items
 
 
-def _record(out) -> dict:
-    rec: dict[str, Any] = {"request_id": out.request_id, "prompt": out.prompt}
+def _record(index: int, out) -> dict:
+    rec: dict[str, Any] = {"index": index, "request_id": out.request_id, "prompt": out.prompt}
     if out.error:
         rec["error"] = out.error
     comps = []
@@ -117,45 +116,25 @@ def cmd_generate(args) -> int:
     if args.input:
         items = _read_jsonl(args.input, default)
     else:
-        items = [(p, default, None) for p in (args.prompt or ["Hello, shoal!"])]
+        items = [{"prompt": p, "sampling_params": default}
+                 for p in (args.prompt or ["Hello, shoal!"])]
     t0 = time.perf_counter()
+    results: list[Any] = [None] * len(items)
     out_f = open(args.output, "w", encoding="utf-8") if args.output else None
-    results = _run_items(llm, items, out_f, not args.quiet)
-    if out_f:
-        out_f.close()
+    try:  # one line per request as it finishes: an interrupted run leaves a valid file
+        for index, out in llm.run(items, use_tqdm=not args.quiet):
+            results[index] = out
+            if out_f is not None:
+                out_f.write(json.dumps(_record(index, out), ensure_ascii=False) + "\n")
+                out_f.flush()
+    finally:
+        if out_f is not None:
+            out_f.close()
     if not args.output:
-        for r in results:
-            print(json.dumps(_record(r), ensure_ascii=False))
+        for index, out in enumerate(results):
+            print(json.dumps(_record(index, out), ensure_ascii=False))
     _summary(llm, results, time.perf_counter() - t0)
     return 0
-
-
-def _run_items(llm, items, out_f, use_tqdm: bool):
-    """Plain prompts go through generate_iter (written as they finish); chat items through
-    chat(). Returns outputs in input order."""
-    results: list[Any] = [None] * len(items)
-    plain = [i for i, it in enumerate(items) if it[2] is None and not
-             (isinstance(it[0], dict) and "messages" in it[0])]
-    chats = [i for i, it in enumerate(items) if it[2] is None and i not in plain]
-    errors = [i for i, it in enumerate(items) if it[2] is not None]
-    for i in errors:
-        results[i] = llm.generate({"error": items[i][2]}, items[i][1], use_tqdm=False)[0]
-        _write(out_f, results[i])
-    if plain:
-        outs = llm.generate([items[i][0] for i in plain], [items[i][1] for i in plain], use_tqdm)
-        for pos, out in zip(plain, outs, strict=True):
-            results[pos] = out
-            _write(out_f, out)
-    for i in chats:
-        results[i] = llm.chat(items[i][0]["messages"], items[i][1], use_tqdm=False)[0]
-        _write(out_f, results[i])
-    return results
-
-
-def _write(out_f, out) -> None:
-    if out_f is not None:
-        out_f.write(json.dumps(_record(out), ensure_ascii=False) + "\n")
-        out_f.flush()
 
 
 def _summary(llm, results, elapsed: float) -> None:

@@ -1,5 +1,5 @@
 """LLM: the offline API. `generate()` / `chat()` return one output per input, in input order;
-`generate_iter()` yields outputs as requests finish. No scheduling logic lives here.
+`generate_iter()` and `run()` yield outputs as requests finish. No scheduling logic lives here.
 """
 
 from __future__ import annotations
@@ -42,17 +42,15 @@ class LLM:
         """Complete each prompt (a string, a list of token ids, or {"prompt": ...} /
         {"prompt_token_ids": [...]}). Returns one RequestOutput per prompt, in order; a bad
         prompt gets an output with `error` set instead of raising."""
-        groups = self._add_all(prompts, sampling_params)
-        done: dict[str, RequestOutput] = {}
-        for out in self._drain(groups, use_tqdm):
-            done[out.request_id] = out
-        return [done[g] for g in groups]
+        items = self._items(_as_list(prompts), sampling_params)
+        return _in_order(self.run(items, use_tqdm), len(items))
 
     def generate_iter(self, prompts: PromptLike | Sequence[PromptLike],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       ) -> Iterator[RequestOutput]:
         """Like generate(), but yields each output as soon as its request finishes."""
-        yield from self._drain(self._add_all(prompts, sampling_params), use_tqdm=False)
+        for _, out in self.run(self._items(_as_list(prompts), sampling_params), False):
+            yield out
 
     # ---- chat ---------------------------------------------------------------------------------
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -64,28 +62,36 @@ class LLM:
         calls come back parsed on each CompletionOutput (reasoning_content, content,
         tool_calls). One conversation (a list of messages) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts: list[Any] = []
-        for conv in convs:
-            try:
-                prompts.append(encode_messages(list(conv), tools=tools,
-                                               reasoning_effort=reasoning_effort,
-                                               **encode_options))
-            except ValueError as exc:
-                prompts.append({"error": f"messages: {exc}"})
-        groups = self._add_all(prompts, sampling_params, chat=True)
-        done = {o.request_id: o for o in self._drain(groups, use_tqdm)}
-        outs = [done[g] for g in groups]
-        for prompt, out in zip(prompts, outs, strict=True):
-            if isinstance(prompt, str):
-                parse_chat_output(out, prompt)
-        return outs
+        items = self._items([{"messages": list(c)} for c in convs], sampling_params)
+        for item in items:
+            item.update(tools=tools, reasoning_effort=reasoning_effort, **encode_options)
+        return _in_order(self.run(items, use_tqdm), len(items))
+
+    # ---- mixed batches --------------------------------------------------------------------------
+    def run(self, items: Sequence[dict], use_tqdm: bool = True,
+            ) -> Iterator[tuple[int, RequestOutput]]:
+        """Submit a mixed batch and yield (input index, output) as requests finish.
+
+        Each item is a dict with one of "prompt" (text or token ids), "prompt_token_ids",
+        "messages" (chat; optional "tools", "reasoning_effort" and other encode_messages
+        options) or "error" (a request already known to be bad: it comes back with that
+        error), plus optional "sampling_params". Chat outputs come back parsed."""
+        groups: list[str] = []
+        chat_prompts: dict[str, str] = {}
+        for item in items:
+            group, prompt = self._submit(item)
+            groups.append(group)
+            if prompt is not None:
+                chat_prompts[group] = prompt
+        index = {g: i for i, g in enumerate(groups)}
+        for out in self._drain(groups, use_tqdm):
+            if out.request_id in chat_prompts:
+                parse_chat_output(out, chat_prompts[out.request_id])
+            yield index[out.request_id], out
 
     # ---- internals ----------------------------------------------------------------------------
-    def _add_all(self, prompts, sampling_params, chat: bool = False) -> list[str]:
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+    @staticmethod
+    def _items(prompts: list, sampling_params) -> list[dict]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -93,24 +99,31 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} "
                                  "prompts; pass one, or one per prompt")
-        groups = []
+        items = []
         for prompt, sp in zip(prompts, params, strict=True):
-            groups.append(self._add_one(prompt, sp, chat))
-        return groups
+            item = dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
+            item.setdefault("sampling_params", sp)
+            items.append(item)
+        return items
 
-    def _add_one(self, prompt, params, chat: bool) -> str:
-        if isinstance(prompt, dict):
-            if "error" in prompt:
-                return self.engine.add_request(None, params, error=prompt["error"])
-            if "prompt_token_ids" in prompt:
-                return self.engine.add_request(None, params,
-                                               prompt_token_ids=prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if chat and isinstance(prompt, str):
+    def _submit(self, item: dict) -> tuple[str, str | None]:
+        """Queue one item; returns (group id, the chat prompt text if it is a chat item)."""
+        params = item.get("sampling_params")
+        if "error" in item:
+            return self.engine.add_request(None, params, error=item["error"]), None
+        if "messages" in item:
+            options = {k: v for k, v in item.items()
+                       if k not in ("messages", "sampling_params") and v is not None}
+            try:
+                prompt = encode_messages(list(item["messages"]), **options)
+            except (ValueError, TypeError) as exc:
+                return self.engine.add_request(None, params, error=f"messages: {exc}"), None
             ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-            group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
-            return group
-        return self.engine.add_request(prompt, params)
+            return self.engine.add_request(prompt, params, prompt_token_ids=ids), prompt
+        if "prompt_token_ids" in item:
+            return self.engine.add_request(None, params,
+                                           prompt_token_ids=item["prompt_token_ids"]), None
+        return self.engine.add_request(item.get("prompt"), params), None
 
     def _drain(self, groups: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
         pending = set(groups)
@@ -133,7 +146,8 @@ class LLM:
                         yield self._take(g)
                 elapsed = time.perf_counter() - start
                 if use_tqdm and elapsed > 0:
-                    bar.set_postfix(tok_s=f"{(self.engine.stats.output_tokens - tokens) / elapsed:.1f}")
+                    rate = (self.engine.stats.output_tokens - tokens) / elapsed
+                    bar.set_postfix(tok_s=f"{rate:.1f}")
         finally:
             bar.close()
 
@@ -144,6 +158,20 @@ class LLM:
         out = self.engine.output(group)
         self.engine.release(group)
         return out
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _in_order(pairs: Iterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+    outs: list[RequestOutput | None] = [None] * n
+    for i, out in pairs:
+        outs[i] = out
+    return outs  # type: ignore[return-value]
 
 
 def parse_chat_output(out: RequestOutput, prompt: str) -> None:
