@@ -24,10 +24,10 @@ import torch
 from shoal.model.attention import attention
 from shoal.model.batch import ForwardBatch
 from shoal.model.config import ModelConfig
-from shoal.model.context import StepContext, select
+from shoal.model.context import StepContext
 from shoal.model.engram import engram
 from shoal.model.engram_hash import EngramConstants, engram_constants, engram_hash
-from shoal.model.moe import moe
+from shoal.model.hyper_connections import mhc_block
 from shoal.model.params import ModelParams
 from shoal.model.state import KVCaches
 from shoal.ops.registry import OpTable
@@ -87,24 +87,10 @@ class DeepseekV41:
             if capture and layer in cfg.dspark_target_layer_ids:
                 captures.append(ops.stream_mean(stream=stream))
             full = rows.full
-            r_full = select(stream, full)
-            pre_a, post_a, comb_a = ops.hc_coeffs(
-                stream=r_full, fn=p[pre + "hc_attn_fn"], scale=p[pre + "hc_attn_scale"],
-                base=p[pre + "hc_attn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                iters=cfg.hc_sinkhorn_iters)
-            x = ops.hc_collapse_norm(stream=select(stream, rows.prod),
-                                     pre=select(pre_prev, rows.prod),
-                                     weight=p[pre + "attn_norm.weight"], eps=cfg.norm_eps)
-            y = attention(ctx, spec, x, rows)
-            r_full = ops.hc_post(y=y, stream=r_full, post=post_a, comb=comb_a)
-            pre_f, post_f, comb_f = ops.hc_coeffs(
-                stream=r_full, fn=p[pre + "hc_ffn_fn"], scale=p[pre + "hc_ffn_scale"],
-                base=p[pre + "hc_ffn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                iters=cfg.hc_sinkhorn_iters)
-            x = ops.hc_collapse_norm(stream=r_full, pre=pre_a, weight=p[pre + "ffn_norm.weight"],
-                                     eps=cfg.norm_eps)
-            r_full = ops.hc_post(y=moe(ctx, pre, x, cfg.num_experts_per_tok), stream=r_full,
-                                 post=post_f, comb=comb_f)
+            r_full, pre_f = mhc_block(
+                ctx, pre, stream, pre_prev,
+                lambda x, spec=spec, rows=rows: attention(ctx, spec, x, rows),
+                cfg.num_experts_per_tok, rows)
             if full is None:
                 stream, pre_prev = r_full, pre_f
             else:

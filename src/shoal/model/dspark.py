@@ -33,7 +33,7 @@ from shoal.model.attention import attend_and_project, project_q, swa_kv
 from shoal.model.batch import ForwardBatch
 from shoal.model.config import LayerSpec
 from shoal.model.context import StepContext, select
-from shoal.model.moe import moe
+from shoal.model.hyper_connections import mhc_block
 from shoal.model.state import KVCaches
 
 # (logits [B, V] fp32, positions [B] int64 of the drafted tokens) -> ids [B] int64
@@ -201,24 +201,10 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
     pre_prev = torch.zeros(n, hc, dtype=torch.float32, device=emb.device)
     pre_prev[:, 0] = 1.0
     for s, spec in enumerate(cfg.draft_layers):
-        pre = _draft_prefix(s)
-        pre_a, post_a, comb_a = ops.hc_coeffs(
-            stream=stream, fn=p[pre + "hc_attn_fn"], scale=p[pre + "hc_attn_scale"],
-            base=p[pre + "hc_attn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-            iters=cfg.hc_sinkhorn_iters)
-        x = ops.hc_collapse_norm(stream=stream, pre=pre_prev, weight=p[pre + "attn_norm.weight"],
-                                 eps=cfg.norm_eps)
-        stream = ops.hc_post(y=_draft_attention(ctx, s, spec, x), stream=stream, post=post_a,
-                             comb=comb_a)
-        pre_f, post_f, comb_f = ops.hc_coeffs(
-            stream=stream, fn=p[pre + "hc_ffn_fn"], scale=p[pre + "hc_ffn_scale"],
-            base=p[pre + "hc_ffn_base"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-            iters=cfg.hc_sinkhorn_iters)
-        x = ops.hc_collapse_norm(stream=stream, pre=pre_a, weight=p[pre + "ffn_norm.weight"],
-                                 eps=cfg.norm_eps)
-        stream = ops.hc_post(y=moe(ctx, pre, x, cfg.dspark_num_experts_per_tok), stream=stream,
-                             post=post_f, comb=comb_f)
-        pre_prev = pre_f
+        stream, pre_prev = mhc_block(
+            ctx, _draft_prefix(s), stream, pre_prev,
+            lambda x, s=s, spec=spec: _draft_attention(ctx, s, spec, x),
+            cfg.dspark_num_experts_per_tok)
     last = _draft_prefix(cfg.num_draft_layers - 1)
     h = ops.hc_collapse(stream=stream, pre=pre_prev)  # [N, D] pre-norm hidden
     hn = ops.rmsnorm(x=h, weight=p[last + "norm.weight"], eps=cfg.norm_eps)
