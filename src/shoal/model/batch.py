@@ -125,71 +125,88 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                         device: torch.device | str = "cpu", prefill_mode: str = "full",
                         replay_window: int = 140) -> ForwardBatch:
     """Flatten request chunks into a ForwardBatch. The bounded-mode SWA floor derives from
-    prefill_len, so later decode steps of the same request keep the floor of its prefill."""
+    prefill_len, so later decode steps of the same request keep the floor of its prefill.
+
+    Host cost matters here (it runs every step): Python touches each request once, building
+    flat lists; everything per row is tensor arithmetic."""
     if replay_window < config.sliding_window:
         raise ValueError(f"replay_window: got {replay_window}, expected >= sliding_window "
                          f"({config.sliding_window})")
     n_hist = max(config.engram_max_ngram_size - 1, 0)
     dec_layers = list(range(config.decoder_start, config.num_layers))
-    ids, pos, req, hist, logit_rows, floors = [], [], [], [], [], []
-    full_mask: list[list[torch.Tensor]] = [[] for _ in dec_layers]
-    kv_mask: list[list[torch.Tensor]] = [[] for _ in dec_layers]
-    row = 0
+    known: list[int] = []  # per request: history ids then new ids, concatenated
+    known_base, lo_pos, starts, lengths, slots, floors = [], [], [], [], [], []
+    thresholds, logits_mode, tables = [], [], []
+    plans: dict[tuple[int, str], tuple[list[tuple[int, int]], int]] = {}
     for r, ch in enumerate(chunks):
-        if ch.num_new <= 0:
+        n = len(ch.token_ids)
+        if n <= 0:
             raise ValueError(f"request chunk {r}: no tokens to compute")
-        mode = "full" if ch.logits == "all" else prefill_mode
-        thresholds, floor = decoder_thresholds(config, ch.prefill_len, mode, replay_window)
         hist_ids = list(ch.history)[-n_hist:] if n_hist else []
-        lo = ch.start - len(hist_ids)
-        if lo < 0 or (lo > 0 and len(hist_ids) < n_hist):
+        if len(hist_ids) != min(ch.start, n_hist):
             raise ValueError(f"request chunk {r}: history has {len(hist_ids)} ids before "
                              f"position {ch.start}, expected {min(ch.start, n_hist)}")
-        known = torch.tensor(hist_ids + list(ch.token_ids), dtype=torch.int64)
-        p = torch.arange(ch.start, ch.start + ch.num_new)
-        ids.append(known[ch.start - lo:])
-        pos.append(p)
-        req.append(torch.full((ch.num_new,), r, dtype=torch.int64))
-        floors.append(torch.full((ch.num_new,), floor, dtype=torch.int64))
-        back = p.unsqueeze(1) - torch.arange(1, n_hist + 1)  # [n, n_hist] positions p - s
-        hist.append(torch.where(back >= 0, known[(back - lo).clamp_min(0)], -1))
-        for k, (full_start, kv_start) in enumerate(thresholds):
-            full_mask[k].append(p >= full_start)
-            kv_mask[k].append(p >= kv_start)
-        row += ch.num_new
-        if ch.logits == "all":
-            logit_rows.extend(range(row - ch.num_new, row))
-        elif ch.logits == "last":
-            logit_rows.append(row - 1)
-    max_blocks = max((len(c.block_ids) for c in chunks), default=0)
-    table = torch.full((len(chunks), max(max_blocks, 1)), -1, dtype=torch.int32)
-    for r, ch in enumerate(chunks):
-        table[r, : len(ch.block_ids)] = torch.tensor(list(ch.block_ids), dtype=torch.int32)
+        mode = "full" if ch.logits == "all" else prefill_mode
+        key = (ch.prefill_len, mode)
+        if key not in plans:
+            plans[key] = decoder_thresholds(config, ch.prefill_len, mode, replay_window)
+        layer_starts, floor = plans[key]
+        known_base.append(len(known))
+        known.extend(hist_ids)
+        known.extend(ch.token_ids)
+        lo_pos.append(ch.start - len(hist_ids))
+        starts.append(ch.start)
+        lengths.append(n)
+        slots.append(ch.slot)
+        floors.append(floor)
+        thresholds.append(layer_starts)
+        logits_mode.append(ch.logits)
+        tables.append(list(ch.block_ids))
+    num_req = len(starts)
+    length_t = torch.tensor(lengths, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(num_req), length_t)  # [T]
+    first_row = torch.cumsum(length_t, 0) - length_t  # [R]
+    t = int(length_t.sum())
+    start_t = torch.tensor(starts, dtype=torch.int64)
+    positions = start_t[req] + torch.arange(t) - first_row[req]  # [T]
+    known_t = torch.tensor(known, dtype=torch.int64)
+    base = torch.tensor(known_base, dtype=torch.int64)[req] - torch.tensor(
+        lo_pos, dtype=torch.int64)[req]  # known index = base + position
+    input_ids = known_t[base + positions] if t else torch.zeros(0, dtype=torch.int64)
+    back = positions.unsqueeze(1) - torch.arange(1, n_hist + 1)  # [T, n_hist] positions p - s
+    hist = torch.where(back >= 0, known_t[(base.unsqueeze(1) + back).clamp_min(0)]
+                       if t else back, -1)
     layer_rows: dict[int, LayerRows] = {}
-    for k, layer in enumerate(dec_layers):
-        full = torch.cat(full_mask[k]) if chunks else torch.zeros(0, dtype=torch.bool)
-        kv = torch.cat(kv_mask[k]) if chunks else torch.zeros(0, dtype=torch.bool)
-        if bool(full.all()):
-            continue
-        prod = None if k == 0 else torch.nonzero(kv).flatten().to(device)
-        layer_rows[layer] = LayerRows(prod, torch.nonzero(kv).flatten().to(device),
-                                      torch.nonzero(full).flatten().to(device))
-    def cat(parts: list[torch.Tensor], *shape: int) -> torch.Tensor:
-        return torch.cat(parts) if parts else torch.zeros(0, *shape, dtype=torch.int64)
-
-    positions = cat(pos)
+    if dec_layers and num_req:
+        limits = torch.tensor(thresholds, dtype=torch.int64)[req]  # [T, m, 2]
+        for k, layer in enumerate(dec_layers):
+            full = positions >= limits[:, k, 0]
+            if bool(full.all()):
+                continue
+            kv = torch.nonzero(positions >= limits[:, k, 1]).flatten().to(device)
+            layer_rows[layer] = LayerRows(None if k == 0 else kv, kv,
+                                          torch.nonzero(full).flatten().to(device))
+    last = first_row + length_t - 1
+    logit_rows = [list(range(int(first_row[r]), int(last[r]) + 1)) if m == "all"
+                  else [int(last[r])] if m == "last" else [] for r, m in enumerate(logits_mode)]
+    width = max((len(b) for b in tables), default=0)
+    table = torch.tensor([b + [-1] * (width - len(b)) for b in tables] or [[-1]],
+                         dtype=torch.int32)
+    if width == 0:
+        table = torch.full((num_req, 1), -1, dtype=torch.int32)
     ratios = [r for r in config.compress_ratios[: config.num_layers] if r > 0]
     rmin = min(ratios) if ratios else 1
     return ForwardBatch(
-        input_ids=cat(ids).to(device),
+        input_ids=input_ids.to(device),
         positions=positions.to(device),
-        req_index=cat(req).to(device),
-        slots=torch.tensor([c.slot for c in chunks], dtype=torch.int64, device=device),
-        chunk_start=torch.tensor([c.start for c in chunks], dtype=torch.int64, device=device),
+        req_index=req.to(device),
+        slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        chunk_start=start_t.to(device),
         block_table=table.to(device),
-        engram_history=cat(hist, n_hist).to(device),
-        logits_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device),
-        decoder_floor=cat(floors).to(device),
+        engram_history=hist.to(device),
+        logits_rows=torch.tensor([i for rows in logit_rows for i in rows], dtype=torch.int64,
+                                 device=device),
+        decoder_floor=torch.tensor(floors, dtype=torch.int64)[req].to(device),
         layer_rows=layer_rows,
-        num_rows_max=int((positions.max() + 1) // rmin) if positions.numel() else 0,
+        num_rows_max=int((positions.max() + 1) // rmin) if t else 0,
     )
