@@ -180,11 +180,24 @@ def cmd_chat(args) -> int:
 
 def cmd_info(args) -> int:
     from shoal.config import resolve_model_config
-    from shoal.runner.cache_memory import CacheLayout, plan_memory
+    from shoal.runner.cache_memory import plan_memory
 
     cfg = resolve_model_config(args.model)
     print(f"model {args.model}: {cfg.name}, {cfg.num_layers} layers + {cfg.num_draft_layers} "
           f"draft, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    layout = _print_roles(cfg)
+    budget = int(args.kv_cache_memory_gb * 1e9)
+    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len)
+    print(f"memory plan for {args.kv_cache_memory_gb} GB: {plan.num_blocks} blocks of "
+          f"{plan.block_size} tokens ({plan.max_context_tokens} context tokens), "
+          f"{plan.num_slots} request slots")
+    return 0
+
+
+def _print_roles(cfg):
+    """Print the layer table and the KV sizes; returns the cache layout."""
+    from shoal.runner.cache_memory import CacheLayout
+
     print(f"decoder (tail-only prefill) layers {cfg.decoder_start}..{cfg.num_layers - 1}")
     print("layer ratio role      kv_src topk_src extras")
     for s in cfg.layers:
@@ -198,12 +211,7 @@ def cmd_info(args) -> int:
     layout = CacheLayout.from_model_config(cfg)
     print(f"KV bytes per context token: {layout.bytes_per_context_token():.0f}; per request "
           f"slot (SWA rings + compressor state): {layout.bytes_per_slot / 2**20:.2f} MiB")
-    budget = int(args.kv_cache_memory_gb * 1e9)
-    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len)
-    print(f"memory plan for {args.kv_cache_memory_gb} GB: {plan.num_blocks} blocks of "
-          f"{plan.block_size} tokens ({plan.max_context_tokens} context tokens), "
-          f"{plan.num_slots} request slots")
-    return 0
+    return layout
 
 
 def cmd_demo(args) -> int:
@@ -218,6 +226,8 @@ def cmd_demo(args) -> int:
         write_checkpoint(TINY, tmp, seed=0)
         print(f"wrote a synthetic tiny checkpoint to {tmp} ({time.perf_counter() - t0:.1f} s)")
         llm = LLM(tmp, device="cpu")
+        print(f"loaded it back: {llm.config.model_config.name}")
+        _print_roles(llm.config.model_config)
         prompts = ["The quick brown fox", "Hello, shoal!", "def add(a, b):"]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.8, seed=1),
