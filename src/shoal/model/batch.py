@@ -76,7 +76,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [T'] int64 rows whose logits are returned
     decoder_floor: torch.Tensor  # [T] int64, lowest SWA key position for decoder layers
     layer_rows: dict[int, LayerRows] = field(default_factory=dict)  # decoder layers only
-    num_rows_max: int = 0  # max compressed rows visible to any row (r = 1 bound)
+    max_position: int = -1  # largest position in the step (host int: no device sync)
 
     @property
     def num_tokens(self) -> int:
@@ -194,8 +194,6 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                          dtype=torch.int32)
     if width == 0:
         table = torch.full((num_req, 1), -1, dtype=torch.int32)
-    ratios = [r for r in config.compress_ratios[: config.num_layers] if r > 0]
-    rmin = min(ratios) if ratios else 1
     return ForwardBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
@@ -208,5 +206,6 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                                  device=device),
         decoder_floor=torch.tensor(floors, dtype=torch.int64)[req].to(device),
         layer_rows=layer_rows,
-        num_rows_max=int((positions.max() + 1) // rmin) if t else 0,
+        max_position=max((st + n - 1 for st, n in zip(starts, lengths, strict=True)),
+                         default=-1),
     )

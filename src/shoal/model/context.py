@@ -82,7 +82,8 @@ class StepContext:
         end = torch.full((b.num_requests,), -1, dtype=pos.dtype, device=pos.device)
         end = end.scatter_reduce(0, b.req_index[r], pos, reduce="amax")
         keep = pos > end[b.req_index[r]] - self.caches.ring_size
-        r, pos = r[keep], pos[keep]
-        dst = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
+        scratch = self.caches.scratch_base + r
+        ring = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
+        # rows not kept copy onto themselves: no boolean indexing, so no host sync
         plane = self.caches.swa[layer]
-        plane[dst] = plane[self.caches.scratch_base + r]
+        plane[torch.where(keep, ring, scratch)] = plane[scratch]

@@ -28,7 +28,7 @@ def run_indexer(ctx: StepContext, spec: LayerSpec, x: torch.Tensor, qr: torch.Te
     w = ops.gemm_bf16(x=x, weight=p[pre + "weights_proj.weight"], out_dtype=torch.bfloat16)
     w = (w * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)).float()
     n_vis = ctx.n_visible(r, rows)
-    width = int(n_vis.max()) if f else 0
+    width = (b.max_position + 1) // r if f else 0  # host bound: extra columns score -inf
     logits = ops.index_scores(q=q, weights=w, k_cache=ctx.caches.index_k[src],
                               block_table=b.block_table, req=req, n_visible=n_vis,
                               num_rows=width, rows_per_block=ctx.caches.rows_per_block(src))
