@@ -26,31 +26,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-SYSTEM_TOKEN = "<｜System｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
-LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
-TASK_TOKENS: Mapping[str, str] = {
-    "action": "<｜action｜>",
-    "query": "<｜query｜>",
-    "authority": "<｜authority｜>",
-    "domain": "<｜domain｜>",
-    "title": "<｜title｜>",
-    "read_url": "<｜read_url｜>",
-}
-
-CALLS_OPEN = f"<{DSML} calls>"
-CALLS_CLOSE = f"</{DSML} calls>"
-INVOKE_OPEN_PREFIX = f"<{DSML} invoke"
-INVOKE_CLOSE = f"</{DSML} invoke>"
-PARAM_OPEN_PREFIX = f"<{DSML} parameter"
-PARAM_CLOSE = f"</{DSML} parameter>"
+from shoal.tokenizer.messages import check_tools, normalize_messages
+from shoal.tokenizer.special import (
+    ASSISTANT_TOKEN,
+    BOS,
+    CALLS_CLOSE,
+    CALLS_OPEN,
+    DSML,
+    EOS,
+    INVOKE_CLOSE,
+    LATEST_REMINDER_TOKEN,
+    PARAM_CLOSE,
+    SYSTEM_TOKEN,
+    TASK_TOKENS,
+    THINK_END,
+    THINK_START,
+    USER_TOKEN,
+)
 
 EFFORT_LINE = (
     "Reasoning Effort: {budget} "
@@ -201,119 +193,6 @@ def last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
         if _is_user_like(messages, index):
             return index
     return -1
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
-_IMAGE_TYPES = ("image", "image_url", "input_image", "image_pil")
-
-
-def _content_parts(value: Any, where: str, allow_images: bool) -> list[str]:
-    """Text parts of a ``content`` value (str, None or a list of OpenAI content blocks)."""
-    if value is None:
-        return [""]
-    if isinstance(value, str):
-        if IMAGE_PLACEHOLDER in value:
-            raise ValueError(f"{where}: contains {IMAGE_PLACEHOLDER!r}; send images as blocks")
-        return [value]
-    if not isinstance(value, list):
-        raise ValueError(f"{where}: expected a string, null or a list of content blocks")
-    parts = []
-    for j, block in enumerate(value):
-        kind = block.get("type") if isinstance(block, Mapping) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.extend(_content_parts(block["text"], f"{where}[{j}].text", allow_images))
-        elif kind in _IMAGE_TYPES:
-            if not allow_images:
-                raise ValueError(f"{where}[{j}]: image blocks are not supported (text-only model)")
-            parts.append(IMAGE_PLACEHOLDER)
-        else:
-            raise ValueError(f"{where}[{j}]: expected a text or image block, got type {kind!r}")
-    return parts
-
-
-def _normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ValueError(f"{where}.function.name: required string")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}.function.arguments: invalid JSON ({err})") from None
-    if not isinstance(arguments, Mapping):
-        raise ValueError(f"{where}.function.arguments: expected a JSON object")
-    call_id = call.get("id") or function.get("id") or ""
-    return {"id": call_id, "function": {"name": function["name"], "arguments": dict(arguments)}}
-
-
-def _check_tools(tools: Any, where: str) -> list[Any]:
-    """Validate an OpenAI tool list (each item needs ``function.name``)."""
-    if not isinstance(tools, list):
-        raise ValueError(f"{where}: expected a list of tools")
-    for j, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{where}[{j}].function.name: required string")
-    return list(tools)
-
-
-def normalize_messages(
-    messages: Sequence[Mapping[str, Any]], *, allow_images: bool = False, name: str = "messages"
-) -> list[dict[str, Any]]:
-    """Validate OpenAI-style messages and convert them to the internal form (new dicts).
-
-    user: ``blocks`` (text blocks); others: ``content`` string; assistant ``tool_calls`` have
-    dict arguments and an ``id``; ``reasoning`` is accepted as an alias of
-    ``reasoning_content``. Errors are ValueError naming ``messages[i].field``.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"{name}: expected a list of message objects")
-    result = []
-    for i, msg in enumerate(messages):
-        where = f"{name}[{i}]"
-        if not isinstance(msg, Mapping):
-            raise ValueError(f"{where}: expected an object, got {type(msg).__name__}")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise ValueError(f"{where}.role: {role!r} is not one of {list(_ROLES)}")
-        out: dict[str, Any] = {"role": role}
-        parts = _content_parts(msg.get("content"), f"{where}.content", allow_images)
-        if role == "user":
-            out["blocks"] = [{"type": "text", "text": p} for p in parts]
-        else:
-            out["content"] = "\n\n".join(parts)
-        if role == "developer" and not out["content"]:
-            raise ValueError(f"{where}.content: a developer message needs non-empty content")
-        if role == "tool":
-            out["tool_call_id"] = str(msg.get("tool_call_id") or "")
-        if role == "assistant":
-            reasoning = msg.get("reasoning_content", msg.get("reasoning"))
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise ValueError(f"{where}.reasoning_content: expected a string")
-            if reasoning and IMAGE_PLACEHOLDER in reasoning:
-                raise ValueError(f"{where}.reasoning_content: contains {IMAGE_PLACEHOLDER!r}")
-            out["reasoning_content"] = reasoning
-            calls = msg.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise ValueError(f"{where}.tool_calls: expected a list")
-            out["tool_calls"] = [
-                _normalize_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
-            ]
-            out["wo_eos"] = bool(msg.get("wo_eos", False))
-        if msg.get("tools"):
-            if role not in ("system", "developer"):
-                raise ValueError(f"{where}.tools: only system or developer messages carry tools")
-            out["tools"] = _check_tools(msg["tools"], f"{where}.tools")
-        if msg.get("response_format") is not None:
-            out["response_format"] = msg["response_format"]
-        task = msg.get("task")
-        if task is not None:
-            if task not in TASK_TOKENS:
-                raise ValueError(f"{where}.task: {task!r} is not one of {sorted(TASK_TOKENS)}")
-            out["task"] = task
-        result.append(out)
-    return result
 
 
 def _merge_tool_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -550,7 +429,7 @@ def encode_messages(
     if tools is not None or response_format is not None:
         full = ctx + new
         if tools:
-            _attach(full, "tools", _check_tools(tools, "tools"))
+            _attach(full, "tools", check_tools(tools, "tools"))
         schema = response_format_schema(response_format)
         if schema is not None:
             _attach(full, "response_format", schema)

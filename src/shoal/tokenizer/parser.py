@@ -32,7 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.tokenizer.encoding import (
+from shoal.tokenizer.encoding import to_json
+from shoal.tokenizer.special import (
     CALLS_CLOSE,
     CALLS_OPEN,
     DSML,
@@ -43,7 +44,6 @@ from shoal.tokenizer.encoding import (
     PARAM_OPEN_PREFIX,
     THINK_END,
     THINK_START,
-    to_json,
 )
 
 

@@ -108,7 +108,7 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
         kv_m = torch.where(same_req.unsqueeze(-1), kv[tok_clamped], state_kv[st_slot, st_idx])
         sc_m = torch.where(same_req.unsqueeze(-1), score[tok_clamped],
                            state_score[st_slot, st_idx])
-        pooled = (kv_m * sc_m.softmax(dim=1)).sum(dim=1)
+        pooled = (kv_m.double() * sc_m.double().softmax(dim=1)).sum(dim=1).float()
         rows = p_close // ratio
     else:
         pooled = kv.new_zeros(0, dim)

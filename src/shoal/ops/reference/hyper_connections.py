@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
-from shoal.ops.reference._math import einsum, matmul_nt
+from shoal.ops.reference._math import einsum, matmul_nt, mean_sq, rsqrt, sigmoid
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 F32_TOL = {torch.float32: Tolerance(atol=1e-5, rtol=1e-4)}
@@ -53,18 +53,18 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     """
     hc = stream.shape[1]
     f = stream.flatten(1).float()
-    rstd = torch.rsqrt(f.square().mean(-1, keepdim=True) + norm_eps)
-    m = matmul_nt(f, fn.float()) * rstd
-    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    m = matmul_nt(f, fn.float()) * rsqrt(mean_sq(f) + norm_eps)
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    # Sinkhorn in fp64 (4-element sums and exp are batch-variant in fp32 on CPU), then fp32
+    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)).double()
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return pre, post, comb.float()
 
 
 def _collapse_case(t: int, d: int, norm: bool) -> OpCase:
@@ -82,7 +82,7 @@ def _collapse_case(t: int, d: int, norm: bool) -> OpCase:
                  cases=[_collapse_case(t, d, False) for t, d in ((1, 32), (7, 128), (0, 32))])
 def hc_collapse(*, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x = bf16(sum_i pre_i * X_i), fp32 accumulation. stream [T, hc, D], pre [T, hc]."""
-    return (pre.float().unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
+    return (pre.double().unsqueeze(-1) * stream.double()).sum(dim=1).float().to(torch.bfloat16)
 
 
 @REGISTRY.define("hc_collapse_norm", tolerances=BF16_TOL,
@@ -92,8 +92,7 @@ def hc_collapse_norm(*, stream: torch.Tensor, pre: torch.Tensor, weight: torch.T
                      eps: float) -> torch.Tensor:
     """RMSNorm(collapse(stream, pre)) -> [T, D] bf16 (the collapse is rounded to bf16 first)."""
     x = hc_collapse(stream=stream, pre=pre).float()
-    var = x.square().mean(-1, keepdim=True)
-    return (weight.float() * (x * torch.rsqrt(var + eps))).to(torch.bfloat16)
+    return (weight.float() * (x * rsqrt(mean_sq(x) + eps))).to(torch.bfloat16)
 
 
 def _post_case(t: int, d: int) -> OpCase:
@@ -120,4 +119,4 @@ def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
     for t, d in ((1, 32), (5, 128), (0, 32))])
 def stream_mean(*, stream: torch.Tensor) -> torch.Tensor:
     """bf16(mean_i X_i) over the hc streams: the DSpark capture. stream [T, hc, D]."""
-    return stream.float().mean(dim=1).to(torch.bfloat16)
+    return stream.double().mean(dim=1).float().to(torch.bfloat16)

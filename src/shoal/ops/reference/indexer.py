@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
-from shoal.ops.reference._math import einsum
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import qdq_mxfp4
 from shoal.quant.records import index_k_record_bytes, pack_index_k_record, unpack_index_k_record
@@ -68,8 +67,8 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
         return torch.full((t, num_rows), -torch.inf, device=q.device)
     phys = _paged_rows(block_table, req, j.unsqueeze(0).expand(t, -1), rows_per_block)
     keys = unpack_index_k_record(k_cache[phys.reshape(-1)], dim).view(t, num_rows, dim)
-    s = einsum("thd,tnd->thn", q.float(), keys).relu()
-    logits = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    s = torch.einsum("thd,tnd->thn", q.double(), keys.double()).float().relu()
+    logits = (s.double() * weights.double().unsqueeze(-1)).sum(dim=1).float()
     return logits.masked_fill(j.unsqueeze(0) >= n_visible.unsqueeze(1), -torch.inf)
 
 

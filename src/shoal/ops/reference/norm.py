@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._math import mean_sq, rsqrt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 
@@ -21,5 +22,4 @@ def _case(t: int, k: int) -> OpCase:
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, K] (any float dtype), weight [K] bf16 -> [T, K] bf16. Zero rows stay zero."""
     xf = x.float()
-    var = xf.square().mean(-1, keepdim=True)
-    return (weight.float() * (xf * torch.rsqrt(var + eps))).to(torch.bfloat16)
+    return (weight.float() * (xf * rsqrt(mean_sq(xf) + eps))).to(torch.bfloat16)

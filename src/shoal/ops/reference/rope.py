@@ -71,7 +71,9 @@ def rope_tail(*, x: torch.Tensor, positions: torch.Tensor, params: RopeParams,
     rd = params.rope_dim
     freqs = rope_frequencies(params, x.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [T, rd/2]
-    cos, sin = torch.cos(angles), torch.sin(angles)
+    # cos/sin of the fp32 angle evaluated in fp64 and rounded (batch-invariant; within an ulp
+    # of the reference's fp32 table)
+    cos, sin = torch.cos(angles.double()).float(), torch.sin(angles.double()).float()
     if inverse:
         sin = -sin
     if x.dim() == 3:

@@ -1,0 +1,67 @@
+"""Batch invariance of the reference ops: row i of an op applied to a batch is bit-identical to
+the op applied to row i alone (the property that makes chunked prefill, decode and batch N
+agree exactly). Generated from the registry's case grids; every op must be listed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shoal.ops.registry import REGISTRY, load_backends
+
+load_backends()
+
+# op -> kwargs that carry one entry per row (sliced); everything else is shared
+ROW_ARGS: dict[str, tuple[str, ...]] = {
+    "act_quant_fp8": ("x",), "candidate_mask": ("logits", "n_visible"),
+    "confidence": ("hidden", "markov_embed"), "embed": ("ids",),
+    "engram_gather": ("row_ids",), "engram_mix": ("stream", "kv", "gate_mask"),
+    "gemm_bf16": ("x",), "gemm_fp8": ("x",), "gemm_grouped_w8a16": ("o",),
+    "hc_coeffs": ("stream",), "hc_collapse": ("stream", "pre"),
+    "hc_collapse_norm": ("stream", "pre"), "hc_post": ("y", "stream", "post", "comb"),
+    "index_q_quant": ("q",), "index_scores": ("q", "weights", "req", "n_visible"),
+    "lm_head": ("h",), "markov_bias": ("prev",), "mask_logits": ("logits", "mask"),
+    "moe_mxfp4": ("x", "ids", "weights"), "rmsnorm": ("x",), "rope_tail": ("x", "positions"),
+    "router": ("x",), "sparse_attn_sink": ("q", "swa_idx", "comp_idx"),
+    "stream_mean": ("stream",), "swiglu_clamp": ("gate", "up", "weight"),
+    "swa_indices": ("positions", "token_index", "chunk_start", "ring_base", "floor"),
+    "topk_rows": ("logits", "n_visible"),
+}
+# ops whose rows are not independent by definition (pooling across a request's tokens, cache
+# writers whose effect is the cache)
+NOT_ROWWISE = {"compress_pool", "swa_write", "compressed_write", "index_k_write"}
+
+
+def test_every_op_is_classified():
+    assert set(REGISTRY.ops) == set(ROW_ARGS) | NOT_ROWWISE
+
+
+def _cases():
+    for name in sorted(ROW_ARGS):
+        for case in REGISTRY.ops[name].cases:
+            if not case.heavy:
+                yield pytest.param(name, case, id=f"{name}-{case.name}")
+
+
+def _rows(value, i):
+    return value[i:i + 1] if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize("name,case", list(_cases()))
+def test_row_alone_equals_row_in_batch(name, case):
+    seed = random.randrange(1 << 30)
+    kwargs = case.make(torch.Generator().manual_seed(seed), torch.device("cpu"))
+    rows = ROW_ARGS[name]
+    n = kwargs[rows[0]].shape[0]
+    if n < 2:
+        pytest.skip("single-row case")
+    fn = REGISTRY.ops[name].reference
+    whole = fn(**kwargs)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+    for i in random.Random(seed).sample(range(n), min(n, 6)):
+        alone = fn(**{k: (_rows(v, i) if k in rows else v) for k, v in kwargs.items()})
+        alone = alone if isinstance(alone, tuple) else (alone,)
+        for a, w in zip(alone, whole, strict=True):
+            assert torch.equal(a[0], w[i]), f"{name} row {i} differs alone (seed {seed})"
