@@ -1,4 +1,4 @@
-"""`shoal generate | chat | info | make-checkpoint | demo`.
+"""`shoal generate | chat | info | make-checkpoint | demo | bench`.
 
 Errors at start-up (bad model path, bad option) exit non-zero with one line naming the problem;
 bad input lines become per-request errors in the output, which is written one JSON object per
@@ -264,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("make-checkpoint", add_help=False,
                    help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")
+    sub.add_parser("bench", add_help=False,
+                   help="end-to-end mini benchmark on the GPU (shoal bench --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own parser (shoal.bench)
+        from shoal.bench import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["make-checkpoint"]:  # its own parser (writer.make_checkpoint_main)
         from shoal.checkpoint.writer import make_checkpoint_main
 

@@ -1,0 +1,184 @@
+"""`shoal bench`: end-to-end engine benchmark on `mini` (real per-layer Flash shapes, 8 layers)
+with dummy weights on one GPU: decode TPOT per batch size against the step's HBM floor, prefill
+tokens/s of the decoder tail-only prefill against `full`, host overhead per step, KV bytes per
+token. (benchmarks/bench_e2e.py runs the same.)
+
+    shoal bench [--batches 1 16 64] [--prefill-len 2048]
+
+Floor of a decode step = bytes that must move / 4.24 TB/s: every non-expert weight of the
+backbone, the expected number of distinct routed experts touched by B tokens
+(E * (1 - (1 - k/E)^B) per layer), the LM head, Engram rows and the KV records read.
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, swa_record_bytes
+
+HBM = 4.24e12
+
+
+def weight_bytes(llm: LLM) -> tuple[int, int, int]:
+    """(non-expert backbone + head bytes, bytes of one routed expert, layers)."""
+    params = llm.engine.runner.model.params
+    cfg = llm.config.model_config
+    dense = 0
+    for name in params.names():
+        if name.startswith("mtp.") or ".engram.embed." in name or name == "embed.weight":
+            continue
+        dense += params[name].numel() * params[name].element_size()
+    one = params.experts("layers.0.")
+    expert = sum(t[0].numel() * t[0].element_size() for t in one.values())
+    return dense, expert, cfg.num_layers
+
+
+def decode_floor(llm: LLM, batch: int, context: int) -> float:
+    cfg = llm.config.model_config
+    dense, expert, layers = weight_bytes(llm)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch)
+    kv = 0
+    for spec in cfg.backbone:
+        kv += min(context, cfg.sliding_window) * swa_record_bytes(cfg.head_dim)
+        if spec.compress_ratio:
+            rows = context // spec.compress_ratio
+            kv += min(rows, cfg.index_topk) * compressed_record_bytes(cfg.head_dim)
+            if spec.owns_index_query:
+                kv += rows * index_k_record_bytes(cfg.index_head_dim)
+    engram = len(cfg.engram_layer_ids) * cfg.engram_heads_total * (cfg.engram_head_dim + 8)
+    total = dense + layers * touched * expert + batch * (kv + engram)
+    return total / HBM
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    vocab = llm.config.model_config.vocab_size
+    # every request must still be running when the last one finishes its (budgeted) prefill
+    budget = llm.config.scheduler.max_num_batched_tokens
+    prefill_steps = -(-batch * prompt_len // budget)
+    params = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0.0,
+                            ignore_eos=True)
+    groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
+        3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
+    times, prep = [], []
+    sched = llm.engine.scheduler
+    while llm.engine.has_unfinished():
+        pure_decode = len(sched.running) == batch and all(
+            r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
+        sync()
+        t0 = time.perf_counter()
+        before = llm.engine.stats.prepare_time
+        llm.engine.step()
+        sync()
+        dt = time.perf_counter() - t0
+        if pure_decode:
+            times.append(dt)
+            prep.append(llm.engine.stats.prepare_time - before)
+    for g_id in groups:
+        llm.engine.release(g_id)
+    decode = times[1:] if len(times) > 2 else times  # first pure-decode step compiles
+    tpot = statistics.median(decode)
+    floor = decode_floor(llm, batch, prompt_len + steps // 2)
+    return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3,
+            "fraction_of_floor": floor / tpot,
+            "host_prepare_share": statistics.median(prep[1:] or prep) / tpot}
+
+
+def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
+    """Prefill `prompts` x `length` tokens with the given tail-only mode (one engine, the mode
+    swapped in its runner config between runs so the weights are built once)."""
+    runner = llm.engine.runner
+    runner.config = dataclasses.replace(
+        runner.config, runner=dataclasses.replace(runner.config.runner, prefill_mode=mode))
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.config.model_config.vocab_size
+    batch = [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(prompts)]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([{"prompt_token_ids": batch[0][:256]}], params, use_tqdm=False)  # warm-up
+    s = llm.engine.stats
+    skipped0, total0 = s.decoder_rows_skipped, s.decoder_rows_total
+    sync()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": b} for b in batch], params, use_tqdm=False)
+    sync()
+    dt = time.perf_counter() - t0
+    skipped = (s.decoder_rows_skipped - skipped0) / max(s.decoder_rows_total - total0, 1)
+    return {"mode": mode, "seconds": dt, "tokens_per_s": prompts * length / dt,
+            "decoder_row_layers_skipped": skipped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shoal bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill-prompts", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--prefill-budget", type=int, default=2048)
+    ap.add_argument("--skip-prefill", action="store_true")
+    args = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model}
+    llm = LLM(args.model, load_format="dummy",
+              max_num_seqs=max(max(args.batches), args.prefill_prompts),
+              max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
+              max_model_len=max(args.prompt_len + args.steps, args.prefill_len) + 16)
+    prefill = []
+    if not args.skip_prefill:
+        for mode in ("full", "bounded", "staircase"):
+            prefill.append(bench_prefill(llm, args.prefill_prompts, args.prefill_len, mode))
+            print(f"prefill {mode:9s} {prefill[-1]['tokens_per_s']:10.0f} tok/s "
+                  f"({prefill[-1]['decoder_row_layers_skipped']:.1%} decoder row-layers "
+                  "skipped)", flush=True)
+        base = prefill[0]["tokens_per_s"]
+        for p in prefill:
+            p["speedup_vs_full"] = p["tokens_per_s"] / base
+    result["prefill"] = prefill
+    result["kv_bytes_per_token"] = llm.engine.runner.layout.bytes_per_context_token()
+    result["op_table"] = dict(llm.engine.runner.ops.origin)
+    decode = []
+    print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s}")
+    for b in args.batches:
+        d = bench_decode(llm, b, args.prompt_len, args.steps)
+        decode.append(d)
+        print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
+              f"{d['host_prepare_share']:10.1%}", flush=True)
+    result["decode"] = decode
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        xs = [d["batch"] for d in decode]
+        plt.plot(xs, [d["tpot_ms"] for d in decode], "o-", label="shoal TPOT")
+        plt.plot(xs, [d["floor_ms"] for d in decode], "k--", label="HBM floor")
+        plt.xscale("log", base=2)
+        plt.yscale("log")
+        plt.xlabel("batch")
+        plt.ylabel("ms per decode step")
+        plt.title(f"{args.model} decode on {gpu}")
+        plt.legend()
+        plt.savefig("bench_e2e_tpot.png", dpi=120)
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+    print(json.dumps(result))
+    return 0
