@@ -198,12 +198,12 @@ class Engine:
                 newly.add(rid)
         for rid, entries in result.prompt_logprobs.items():
             req = self.requests[rid]
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None]
-            for target, logprob, rank, top in entries:
-                d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}
-                d[target] = Logprob(logprob, rank)
-                req.prompt_logprobs.append(d)
+            if req.prompt_logprobs is None:  # position 0 has none (nothing predicts it)
+                req.prompt_logprobs = [None] * len(req.prompt_token_ids)
+            for position, target, logprob, rank, top in entries:  # by position: a recompute
+                d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}  # after preemption
+                d[target] = Logprob(logprob, rank)  # rewrites, never duplicates
+                req.prompt_logprobs[position] = d
         for sreq in finished:
             req = self.requests.get(sreq.request_id)
             if req is None or req.finished:  # already reported (stop string, invalid row)

@@ -51,8 +51,9 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     invalid: list[str] = field(default_factory=list)  # NaN logits / no allowed token
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(
-        default_factory=dict)
+    # request -> [(prompt position, target id, logprob, rank, top-N)]
+    prompt_logprobs: dict[str, list[tuple[int, int, float, int, list[tuple[int, float]]]]] = (
+        field(default_factory=dict))
     forward_time: float = 0.0
     prepare_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
@@ -210,4 +211,5 @@ class ModelRunner:
         for i in range(n):
             top = list(zip(lp.token_ids[i, 1:k + 1].tolist(), lp.logprobs[i, 1:k + 1].tolist(),
                            strict=True))
-            entries.append((int(targets[i]), float(lp.logprobs[i, 0]), int(lp.ranks[i]), top))
+            entries.append((chunk.start + i + 1, int(targets[i]), float(lp.logprobs[i, 0]),
+                            int(lp.ranks[i]), top))
