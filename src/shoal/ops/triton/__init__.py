@@ -6,11 +6,14 @@ Invariant: every implementation has the reference op's exact signature and a che
 
 from shoal.ops.triton import (  # noqa: F401
     attention,
+    attention_meta,
     cache,
+    engram,
     gemm,
     hyper_connections,
     indexer,
     moe,
     norm,
+    pool,
     rope,
 )
