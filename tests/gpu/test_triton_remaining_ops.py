@@ -63,7 +63,7 @@ def _to(kw: dict, device: torch.device) -> dict:
 
 
 def _strided(kw: dict, skip: tuple[str, ...]) -> dict:
-    """Float tensors of >= 2 dims -> same values in transposed storage (as the conformance suite)."""
+    """Float tensors of >= 2 dims -> same values in transposed storage (as in conformance)."""
     out = {}
     for k, v in kw.items():
         if (k not in skip and isinstance(v, torch.Tensor) and v.dtype.is_floating_point

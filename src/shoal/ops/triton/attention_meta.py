@@ -3,9 +3,10 @@ model.md §2.5) and `mask_logits` (reindex layers: logits outside the published 
 become -inf, §2.7).
 
 Both are element-wise: one program per tile of ROWS queries x BW (or BN) columns, int64 index
-arithmetic, no reductions; mask_logits moves the logits as integer bits (any float dtype). Invariant: bit-identical to the reference (ring rows use the
-floor modulo of the reference's `remainder`; -1 marks no key; NaN logits pass through where the
-mask is True, as `masked_fill`).
+arithmetic, no reductions; mask_logits moves the logits as integer bits (any float dtype).
+Invariant: bit-identical to the reference (ring rows use the floor modulo of the reference's
+`remainder`; -1 marks no key; NaN logits pass through where the mask is True, as
+`masked_fill`).
 """
 
 from __future__ import annotations

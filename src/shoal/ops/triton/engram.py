@@ -101,8 +101,8 @@ def engram_gather(*, table: torch.Tensor, table_scale: torch.Tensor,
 
 @triton.jit
 def _mix_kernel(s_ptr, kv_ptr, qw_ptr, kw_ptr, m_ptr, o_ptr, eps, inv_sqrt_d, ss_t, ss_h, ss_d,
-                sk_t, sk_d, sq_h, sq_d, sw_h, sw_d, sm_t, HC: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                BD: tl.constexpr, HAS_MASK: tl.constexpr):
+                sk_t, sk_d, sq_h, sq_d, sw_h, sw_d, sm_t, HC: tl.constexpr, HP: tl.constexpr,
+                D: tl.constexpr, BD: tl.constexpr, HAS_MASK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)
     hmask = h < HC
@@ -169,5 +169,6 @@ def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor
             stream, kv, q_weight, k_weight, mask, out.view(torch.int16), float(eps), d**-0.5,
             stream.stride(0), stream.stride(1), stream.stride(2), kv.stride(0), kv.stride(1),
             q_weight.stride(0), q_weight.stride(1), k_weight.stride(0), k_weight.stride(1),
-            mask.stride(0), HC=hc, HP=triton.next_power_of_2(hc), D=d, BD=bd, HAS_MASK=has_mask, num_warps=4)
+            mask.stride(0), HC=hc, HP=triton.next_power_of_2(hc), D=d, BD=bd, HAS_MASK=has_mask,
+            num_warps=4)
     return out
