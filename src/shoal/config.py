@@ -47,7 +47,9 @@ class RunnerConfig:
     prefill_mode: decoder tail-only prefill, 'full' | 'staircase' (both exact) | 'bounded'
     (approximate, replay_window rows). load_format: 'auto' (checkpoint weights; random for a
     preset), 'dummy' (random weights created on the device), 'safetensors'.
-    seed: engine seed for weights of presets and for requests without a seed."""
+    seed: engine seed for weights of presets and for requests without a seed.
+    speculative: draft with the DSpark block and verify by exact match (outputs identical to
+    plain decoding; fewer steps when drafts are accepted)."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -55,6 +57,7 @@ class RunnerConfig:
     replay_window: int = 140
     load_format: str = "auto"
     seed: int = 0
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:

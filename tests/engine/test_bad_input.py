@@ -118,7 +118,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "max_num_batched_tokens": 96, "max_num_seqs": 5, "max_model_len": 200,
     "enable_chunked_prefill": True, "long_prefill_token_threshold": 17, "num_history_tokens": 2,
     "device": "cpu", "backends": ("reference",), "prefill_mode": "staircase",
-    "replay_window": 99, "load_format": "dummy", "seed": 7,
+    "replay_window": 99, "load_format": "dummy", "seed": 7, "speculative": True,
 }
 
 

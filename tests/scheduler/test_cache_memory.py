@@ -28,8 +28,9 @@ def test_flash_slot_bytes() -> None:
     assert len(layout.swa_layer_ids) == 43  # 40 backbone + 3 draft layers
     assert layout.swa_bytes_per_slot == 43 * 133 * 528
     assert [s.layer_id for s in layout.compressor_states] == [2, 8, 14]  # layer 20 has no gate
-    assert layout.compressor_bytes_per_slot == 3 * (2 * 2 * 512 * 4)
-    assert layout.bytes_per_slot == 3_019_632 + 24_576
+    # a ring of r + slack = 2 + 5 tokens per gated source: [kv | score] x 512 fp32 each
+    assert layout.compressor_bytes_per_slot == 3 * (7 * 2 * 512 * 4)
+    assert layout.bytes_per_slot == 3_019_632 + 86_016
 
 
 def test_tiny_and_mini_figures() -> None:
@@ -37,10 +38,10 @@ def test_tiny_and_mini_figures() -> None:
     # head_dim 64 -> 32 + 4 = 36 B; index_head_dim 32 -> 16 + 1 = 17 B; sources r = 2, 2, 1.
     assert tiny.bytes_per_context_token() == 2 * 53 / 2 + 53 == 106.0
     assert tiny.swa_record_bytes == 66 and tiny.swa_ring_len == 8 + 3
-    assert tiny.bytes_per_slot == 14 * 11 * 66 + 2 * (2 * 2 * 64 * 4)
+    assert tiny.bytes_per_slot == 14 * 11 * 66 + 2 * ((2 + 3) * 2 * 64 * 4)  # ring r + slack
     mini = CacheLayout.from_model_config(MINI)
     assert mini.bytes_per_context_token() == 356 / 2 + 356 == 534.0
-    assert mini.bytes_per_slot == 9 * 133 * 528 + 2 * 2 * 512 * 4
+    assert mini.bytes_per_slot == 9 * 133 * 528 + (2 + 5) * 2 * 512 * 4
 
 
 def test_block_size_must_be_aligned() -> None:
@@ -52,12 +53,12 @@ def test_block_size_must_be_aligned() -> None:
 
 def test_plan_memory_math() -> None:
     layout = CacheLayout.from_model_config(FLASH)
-    per_block, per_slot = 227_840, 3_044_208
+    per_block, per_slot = 227_840, 3_105_648
     budget = 10 * 2**30
     plan = plan_memory(layout, budget, max_num_seqs=16, max_model_len=2**20)
     assert plan.max_blocks_per_request == 4096
     assert plan.num_slots == 16
-    assert plan.num_blocks == (budget - 16 * per_slot) // per_block == 46_913
+    assert plan.num_blocks == (budget - 16 * per_slot) // per_block == 46_908
     assert plan.total_bytes <= budget
     assert budget - plan.total_bytes < per_block
     # Blocks are capped at what num_slots max-length requests can use.

@@ -183,19 +183,23 @@ class Engine:
             self.scheduler.finish_request(rid, "error")
             self.requests[rid].finish("error", "the model produced no valid token (NaN logits "
                                       "or every token masked)")
-        finished = self.scheduler.update(plan, StepResult(
-            sampled_token_ids={r: [t] for r, t in result.sampled.items()}))
-        for rid, token in result.sampled.items():
+        finished = self.scheduler.update(plan, StepResult(sampled_token_ids=result.sampled))
+        for rid, tokens in result.sampled.items():
             req = self.requests[rid]
-            if req.finished:
-                continue
-            self._record_logprobs(req, token, result)
-            self.stats.output_tokens += 1
-            if req.append_token(token) or (req.matcher is not None and
-                                           req.matcher.is_finished()):
-                self.scheduler.finish_request(rid, "stop")
-                req.finish("stop")
-                newly.add(rid)
+            for index, token in enumerate(tokens):
+                if req.finished:
+                    break
+                self._record_logprobs(req, token, result, index)
+                self.stats.output_tokens += 1
+                if req.append_token(token) or (req.matcher is not None and
+                                               req.matcher.is_finished()):
+                    self.scheduler.finish_request(rid, "stop")
+                    req.finish("stop")
+                    newly.add(rid)
+        for rid, drafts in result.spec_tokens.items():
+            sreq = self.scheduler.get_request(rid)
+            if sreq is not None and not sreq.is_finished and not self.requests[rid].finished:
+                sreq.spec_token_ids = list(drafts)
         for rid, entries in result.prompt_logprobs.items():
             req = self.requests[rid]
             if req.prompt_logprobs is None:  # position 0 has none (nothing predicts it)
@@ -215,10 +219,11 @@ class Engine:
         return sorted(g for g in groups if all(self.requests[c].finished
                                                 for c in self.groups[g]))
 
-    def _record_logprobs(self, req: EngineRequest, token: int, result: RunnerOutput) -> None:
+    def _record_logprobs(self, req: EngineRequest, token: int, result: RunnerOutput,
+                         index: int) -> None:
         if req.logprobs is None or req.request_id not in result.logprobs:
             return
-        logprob, rank, top = result.logprobs[req.request_id]
+        logprob, rank, top = result.logprobs[req.request_id][index]
         entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}
         entry[token] = Logprob(logprob, rank)
         req.logprobs.append(entry)

@@ -63,8 +63,8 @@ class KVCaches:
             index_k[spec.layer_id] = torch.zeros(
                 rows, index_k_record_bytes(config.index_head_dim), dtype=torch.uint8,
                 device=device)
-            if spec.compressor_gated:
-                shape = (num_slots, r, config.head_dim)
+            if spec.compressor_gated:  # a ring of the last r + ring_slack tokens (p % rows)
+                shape = (num_slots, r + ring_slack, config.head_dim)
                 state[spec.layer_id] = (
                     torch.zeros(shape, dtype=torch.float32, device=device),
                     torch.full(shape, -torch.inf, dtype=torch.float32, device=device))

@@ -88,7 +88,8 @@ class CacheLayout:
                           compressor_state_rows: int | None = None) -> CacheLayout:
         """Derive the layout. `swa_slack` defaults to `dspark_block_size` when the model has
         draft layers (room for verified drafts), else 0. `compressor_state_rows` defaults to
-        the source's ratio r (override for a rollback ring under speculative decoding)."""
+        r + swa_slack: a ring of the last tokens, so a rejected draft never overwrites an
+        accepted token's entry (token p lives in entry p % rows)."""
         sources = [spec for spec in config.layers if spec.is_kv_source]
         ratios = sorted({spec.compress_ratio for spec in sources})
         align = math.lcm(BLOCK_ALIGN, math.lcm(*ratios) * config.candidate_block_size) \
@@ -117,7 +118,7 @@ class CacheLayout:
             swa_value_bytes=d, swa_scale_bytes=d // 32,
             compressor_states=tuple(CompressorStateSpec(
                 layer_id=spec.layer_id, compress_ratio=spec.compress_ratio,
-                rows=compressor_state_rows or spec.compress_ratio, head_dim=d,
+                rows=compressor_state_rows or spec.compress_ratio + swa_slack, head_dim=d,
             ) for spec in sources if spec.compressor_gated),
         )
 

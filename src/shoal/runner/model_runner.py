@@ -25,6 +25,7 @@ from shoal.model.params import ModelParams, WeightError
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
+from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.step_plan import StepPlan
 
@@ -48,9 +49,13 @@ class SampleRow:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
+    # request -> tokens to append: one, or (verifying drafts) the accepted drafts + one more
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     invalid: list[str] = field(default_factory=list)  # NaN logits / no allowed token
-    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    # request -> per appended token (chosen logprob, rank, top-N)
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(
+        default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
     # request -> [(prompt position, target id, logprob, rank, top-N)]
     prompt_logprobs: dict[str, list[tuple[int, int, float, int, list[tuple[int, float]]]]] = (
         field(default_factory=dict))
@@ -105,6 +110,10 @@ class ModelRunner:
             block_size=config.cache.block_size,
             ring_slack=self.layout.swa_ring_len - cfg.sliding_window, device=self.device)
         self.sampler = Sampler()
+        self.speculative = config.runner.speculative
+        if self.speculative and not cfg.num_draft_layers:
+            raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
+                             "has none")
 
     def _plan_memory(self) -> MemoryPlan:
         cache, sched = self.config.cache, self.config.scheduler
@@ -124,19 +133,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan, rows: Mapping[str, SampleRow]) -> RunnerOutput:
         t0 = time.perf_counter()
         out = RunnerOutput()
-        chunks, sample_ids, prompt_lp = [], [], []
+        chunks, prompt_lp = [], []
         for item in plan.scheduled:
             row = rows.get(item.request_id)
             want_prompt = (row is not None and row.params.prompt_logprobs is not None
                            and item.start_position < item.num_prompt_tokens)
-            logits = "all" if want_prompt else ("last" if item.sample else "none")
+            # verifying drafts needs every row's logits; prompt logprobs too
+            logits = ("all" if want_prompt or item.num_spec_tokens else
+                      "last" if item.sample else "none")
             chunks.append(RequestChunk(item.token_ids, item.start_position, item.slot,
                                        item.block_ids, item.prefill_len, logits,
                                        item.history_token_ids))
             if want_prompt:
                 prompt_lp.append((item, len(chunks) - 1))
-            if item.sample:
-                sample_ids.append(item.request_id)
         batch = build_forward_batch(self.config.model_config, chunks, device=self.device,
                                     prefill_mode=self.config.runner.prefill_mode,
                                     replay_window=self.config.runner.replay_window)
@@ -145,7 +154,8 @@ class ModelRunner:
             for r in batch.layer_rows.values())
         t1 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.caches).logits
+            result = self.model.forward(batch, self.caches, capture=self.speculative)
+        logits = result.logits
         out.forward_time = time.perf_counter() - t1
         out.prepare_time = t1 - t0
         # rows of `logits` follow the chunks: "all" chunks give every row, "last" one row
@@ -157,17 +167,31 @@ class ModelRunner:
             self._prompt_logprobs(item, rows[item.request_id], chunks[index],
                                   logits[offsets[index]: offsets[index] + chunks[index].num_new],
                                   out)
-        if sample_ids:
-            last_rows = [offsets[i] + (ch.num_new - 1 if ch.logits == "all" else 0)
-                         for i, (ch, item) in enumerate(zip(chunks, plan.scheduled, strict=True))
-                         if item.sample]
-            self._sample(logits[torch.tensor(last_rows, device=logits.device)],
-                         [rows[r] for r in sample_ids], sample_ids, out)
+        sample_rows, draws = [], []  # logits row -> (request, sampling row, draft index)
+        for i, (ch, item) in enumerate(zip(chunks, plan.scheduled, strict=True)):
+            if not item.sample:
+                continue
+            row, k = rows[item.request_id], item.num_spec_tokens
+            drafts = list(item.token_ids[len(item.token_ids) - k:]) if k else []
+            first = offsets[i] + (ch.num_new - 1 - k if ch.logits == "all" else 0)
+            for j in range(k + 1):  # row j samples the token after anchor + drafts[:j]
+                sample_rows.append(first + j)
+                draws.append((item.request_id, row, drafts[:j]))
+        if draws:
+            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
+            accept_drafts(plan, out)
+        if self.speculative:
+            with torch.inference_mode():
+                propose_drafts(self.model, self.caches, batch, result.captures, plan, rows,
+                               out)
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], ids: list[str],
+    def _sample(self, logits: torch.Tensor, draws: list[tuple[str, SampleRow, list[int]]],
                 out: RunnerOutput) -> None:
+        """Sample every row; a row verifying drafts sees them as already generated (positions,
+        penalties), so the target's sample there is exactly what plain decoding would draw."""
         vocab = self.config.model_config.vocab_size
+        rows = [r for _, r, _ in draws]
         mask = None
         if any(r.matcher is not None for r in rows):
             mask = torch.ones(len(rows), vocab, dtype=torch.bool)
@@ -175,27 +199,32 @@ class ModelRunner:
                 if r.matcher is not None:
                     r.matcher.fill_mask(mask[i])
             mask = mask.to(logits.device)
+        history = [list(r.output_token_ids) + d for _, r, d in draws]
         batch = SamplingBatch.from_params(
             [r.params for r in rows], seeds=[r.seed for r in rows],
-            positions=[len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows],
-            output_token_ids=[r.output_token_ids for r in rows],
-            prompt_token_ids=[r.prompt_token_ids for r in rows], vocab_size=vocab,
-            eos_token_ids=(self.config.model_config.eos_token_id,), allowed_mask=mask,
-            device=logits.device)
+            positions=[len(r.prompt_token_ids) + len(h) for r, h in zip(rows, history,
+                                                                         strict=True)],
+            output_token_ids=history, prompt_token_ids=[r.prompt_token_ids for r in rows],
+            vocab_size=vocab, eos_token_ids=(self.config.model_config.eos_token_id,),
+            allowed_mask=mask, device=logits.device)
         result = self.sampler.sample(logits, batch)
         tokens = result.token_ids.tolist()
         valid = result.valid.tolist()
         lp = result.logprobs
-        for i, request_id in enumerate(ids):
+        for i, (request_id, row, _) in enumerate(draws):
+            if request_id in out.invalid:
+                continue
             if not valid[i]:
                 out.invalid.append(request_id)
+                out.sampled.pop(request_id, None)
                 continue
-            out.sampled[request_id] = tokens[i]
-            n = rows[i].params.logprobs
+            out.sampled.setdefault(request_id, []).append(tokens[i])
+            n = row.params.logprobs
             if n is not None and lp is not None:
                 top = list(zip(lp.token_ids[i, 1:n + 1].tolist(), lp.logprobs[i, 1:n + 1].tolist(),
                                strict=True))
-                out.logprobs[request_id] = (float(lp.logprobs[i, 0]), int(lp.ranks[i]), top)
+                out.logprobs.setdefault(request_id, []).append(
+                    (float(lp.logprobs[i, 0]), int(lp.ranks[i]), top))
 
     def _prompt_logprobs(self, item, row: SampleRow, chunk: RequestChunk, logits: torch.Tensor,
                          out: RunnerOutput) -> None:

@@ -75,6 +75,9 @@ class Request:
 
     # ---- progress (scheduler-owned) ---------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
+    # draft tokens proposed for the positions after the last output (speculative decoding);
+    # set by the engine, consumed by the next schedule() of a decode step
+    spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # positions whose KV has been written (== next position)
     status: RequestStatus = RequestStatus.WAITING
     arrival_index: int = -1  # order of add_request(), set by the scheduler

@@ -205,10 +205,18 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted or finished from outside after schedule()
             assert request.num_computed_tokens == item.start_position, item.request_id
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = result.sampled_token_ids.get(item.request_id)
+            if item.num_spec_tokens:
+                if not tokens or len(tokens) > item.num_spec_tokens + 1:
+                    raise RuntimeError(f"StepResult for {item.request_id!r} verifying "
+                                       f"{item.num_spec_tokens} drafts has tokens {tokens}")
+                # the anchor and the accepted drafts are computed; rejected rows are not (their
+                # cache rows are overwritten when those positions are computed again)
+                request.num_computed_tokens += len(tokens)
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             if not item.sample:
                 continue
-            tokens = result.sampled_token_ids.get(item.request_id)
             if not tokens:
                 raise RuntimeError(f"StepResult has no sampled token for {item.request_id!r}, "
                                    "which was scheduled with sample=True")
@@ -254,6 +262,11 @@ class Scheduler:
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
+        if num_new == 1 and request.spec_token_ids:  # a decode step verifying drafts
+            room = self.config.max_model_len - request.num_tokens
+            if request.max_tokens is not None:
+                room = min(room, request.max_tokens - request.num_output_tokens)
+            num_new += max(0, min(len(request.spec_token_ids), room - 1, budget - 1))
         cap = self.config.long_prefill_token_threshold
         if self.config.enable_chunked_prefill and cap and num_new > cap:
             num_new = cap
@@ -282,17 +295,21 @@ class Scheduler:
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        num_spec = max(0, end - request.num_tokens)  # drafts beyond the known tokens
         history_start = max(0, start - self.config.num_history_tokens)
         assert request.slot is not None
         item = ScheduledRequest(
             request_id=request.request_id, slot=request.slot,
-            token_ids=tuple(request.token_ids(start, end)), start_position=start,
-            num_new_tokens=num_new, block_ids=tuple(request.block_ids),
+            token_ids=tuple(request.token_ids(start, end - num_spec)
+                            + request.spec_token_ids[:num_spec]),
+            start_position=start, num_new_tokens=num_new, block_ids=tuple(request.block_ids),
             prefill_len=request.prefill_len, num_prompt_tokens=request.num_prompt_tokens,
-            sample=end == request.num_tokens, is_new_in_slot=request.needs_slot_reset,
+            sample=end - num_spec == request.num_tokens, is_new_in_slot=request.needs_slot_reset,
             history_token_ids=tuple(request.token_ids(history_start, start)),
+            num_spec_tokens=num_spec,
         )
         request.needs_slot_reset = False
+        request.spec_token_ids = []
         return item
 
     def _preempt(self, request: Request) -> None:

@@ -48,6 +48,10 @@ class ScheduledRequest:
     sample: bool
     is_new_in_slot: bool
     history_token_ids: tuple[int, ...] = ()
+    # the last num_spec_tokens of token_ids are drafts to verify (speculative decoding): the
+    # runner returns the accepted prefix + one target token, and only 1 + accepted positions
+    # count as computed
+    num_spec_tokens: int = 0
 
     @property
     def end_position(self) -> int:

@@ -55,7 +55,8 @@ index_k_write.__doc__ = """k [T, Di] bf16 (normed, roped at j*r) -> MXFP4 record
 (Di/2 packed e2m1 + Di/32 UE8M0 bytes) written in place to cache[rows]."""
 
 
-def _pool_case(lengths: tuple[int, ...], starts: tuple[int, ...], ratio: int, dim: int) -> OpCase:
+def _pool_case(lengths: tuple[int, ...], starts: tuple[int, ...], ratio: int, dim: int,
+               ring: int | None = None) -> OpCase:
     def make(g: torch.Generator, d: torch.device) -> dict:
         t = sum(lengths)
         pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
@@ -63,12 +64,13 @@ def _pool_case(lengths: tuple[int, ...], starts: tuple[int, ...], ratio: int, di
         return {"kv": randn(g, t, dim, dtype=torch.float32, device=d),
                 "score": randn(g, t, dim, dtype=torch.float32, device=d),
                 "positions": pos.to(d), "slots": slot.to(d),
-                "state_kv": randn(g, len(lengths), ratio, dim, dtype=torch.float32, device=d),
-                "state_score": randn(g, len(lengths), ratio, dim, dtype=torch.float32,
+                "state_kv": randn(g, len(lengths), ring or ratio, dim, dtype=torch.float32,
+                                  device=d),
+                "state_score": randn(g, len(lengths), ring or ratio, dim, dtype=torch.float32,
                                      device=d),
                 "ratio": ratio}
 
-    return OpCase(f"len{lengths}-start{starts}-r{ratio}", make)
+    return OpCase(f"len{lengths}-start{starts}-r{ratio}-ring{ring or ratio}", make)
 
 
 @REGISTRY.define("compress_pool",
@@ -77,7 +79,8 @@ def _pool_case(lengths: tuple[int, ...], starts: tuple[int, ...], ratio: int, di
                  inplace=("state_kv", "state_score"),
                  cases=[_pool_case((1,), (0,), 2, 32), _pool_case((1,), (1,), 2, 32),
                         _pool_case((7, 4), (3, 0), 2, 64), _pool_case((0,), (5,), 2, 32),
-                        _pool_case((9, 1, 5), (0, 7, 2), 4, 32)])
+                        _pool_case((9, 1, 5), (0, 7, 2), 4, 32),
+                        _pool_case((6, 3), (1, 4), 2, 32, ring=7)])
 def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
                   ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,10 +88,12 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
 
     kv, score [T, D] fp32 (wkv.x, wgate.x); positions [T] int64; slots [T] int64 (request slot
     of each token; a request's tokens are consecutive positions, in order). state_kv /
-    state_score [S, ratio, D] fp32: the open group of each slot, token p in entry p % ratio
-    (updated in place: the trailing partial group of each request is parked there and
-    carries over to the next step). Group j = positions j*r .. j*r+r-1 closes at the
-    token with (p+1) % r == 0; its members before this step are read from the state.
+    state_score [S, R, D] fp32, R >= ratio: a ring of each slot's last R tokens, token p in
+    entry p % R (updated in place: the last R positions of each request in this step are
+    parked there). Group j = positions j*r .. j*r+r-1 closes at the token with
+    (p+1) % r == 0; its members before this step are read from the ring. R > r keeps entries of
+    tokens whose group a (later rejected) speculative token closed: with R >= r + drafts, a
+    verify step never overwrites an accepted token's entry.
 
     Returns (pooled [Tc, D] bf16, row ids j [Tc] int64, closing token index [Tc] int64).
     """
@@ -104,7 +109,7 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
         same_req = tok_ok & (slots[tok_clamped] == slots[closing].unsqueeze(1)) & (
             positions[tok_clamped] == member_pos)
         st_slot = slots[closing].unsqueeze(1).expand_as(member_pos)
-        st_idx = member_pos.remainder(ratio)
+        st_idx = member_pos.remainder(state_kv.shape[1])
         kv_m = torch.where(same_req.unsqueeze(-1), kv[tok_clamped], state_kv[st_slot, st_idx])
         sc_m = torch.where(same_req.unsqueeze(-1), score[tok_clamped],
                            state_score[st_slot, st_idx])
@@ -114,11 +119,11 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
         pooled = kv.new_zeros(0, dim)
         rows = positions.new_zeros(0)
     if t:
-        # Park only the trailing partial group of each request (unique (slot, p % r) entries;
-        # members of groups that closed in this step are never read again).
+        # Park the last R positions of each request (unique (slot, p % R) entries).
+        ring = state_kv.shape[1]
         last = torch.full((state_kv.shape[0],), -1, dtype=positions.dtype, device=kv.device)
         last = last.scatter_reduce(0, slots, positions, reduce="amax")
-        pending = (positions // ratio) * ratio + ratio - 1 > last[slots]
-        state_kv[slots[pending], positions[pending] % ratio] = kv[pending]
-        state_score[slots[pending], positions[pending] % ratio] = score[pending]
+        park = positions > last[slots] - ring
+        state_kv[slots[park], positions[park] % ring] = kv[park]
+        state_score[slots[park], positions[park] % ring] = score[park]
     return pooled.to(torch.bfloat16), rows, closing

@@ -1,0 +1,76 @@
+"""Speculative decoding with the DSpark draft block: exact-match verification.
+
+A step that verifies k drafts runs the target on [anchor, d_1..d_k] and samples every row with
+the request's own counter-based RNG at that row's position, as if the drafts had been
+generated. Draft d_j is accepted while it equals the target's sample at its position, and the
+first mismatching sample (or the bonus sample after all k) ends the step. Because samples are
+keyed by (seed, position) and each row sees the same history as plain decoding would, the
+output is token-for-token identical to decoding without drafts, for any sampling parameters.
+
+Nothing is rolled back: rejected rows wrote SWA/compressed/index rows and compressor state at
+positions that are recomputed before anything reads them (state slot p % r, position-indexed
+rings and pages); the scheduler counts only anchor + accepted drafts as computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shoal.model.batch import ForwardBatch
+from shoal.model.dspark import dspark_context, dspark_draft
+from shoal.scheduler.step_plan import StepPlan
+
+
+def accept_drafts(plan: StepPlan, out) -> None:
+    """Cut each verifying request's samples at the first one that differs from its draft."""
+    for item in plan.scheduled:
+        k = item.num_spec_tokens
+        samples = out.sampled.get(item.request_id)
+        if not k or samples is None:
+            continue
+        drafts = item.token_ids[len(item.token_ids) - k:]
+        accepted = 0
+        while accepted < k and samples[accepted] == drafts[accepted]:
+            accepted += 1
+        out.sampled[item.request_id] = samples[:accepted + 1]
+        if item.request_id in out.logprobs:
+            out.logprobs[item.request_id] = out.logprobs[item.request_id][:accepted + 1]
+
+
+def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
+                   plan: StepPlan, rows: Mapping, out) -> None:
+    """Write the draft context of this step's valid rows, then draft the next block for every
+    request that sampled (structured-output requests excluded: their matcher would have to
+    follow the drafts)."""
+    cfg = model.config
+    keep, at = [], 0
+    anchors, positions, slots, ids = [], [], [], []
+    for item in plan.scheduled:
+        n = item.num_new_tokens
+        tokens = out.sampled.get(item.request_id)
+        computed = len(tokens) if (item.num_spec_tokens and tokens) else n
+        if item.num_spec_tokens and not tokens:
+            computed = 0  # invalid row: the request ends
+        lo = max(item.start_position, item.prefill_len - cfg.sliding_window)
+        hi = item.start_position + computed  # exclusive
+        keep.extend(range(at + lo - item.start_position, at + hi - item.start_position))
+        at += n
+        row = rows.get(item.request_id)
+        if item.sample and tokens and row is not None and row.matcher is None:
+            anchors.append(tokens[-1])
+            positions.append(hi - 1)
+            slots.append(item.slot)
+            ids.append(item.request_id)
+    device = batch.positions.device
+    if keep and captures is not None:
+        dspark_context(model, batch, caches, captures,
+                       torch.tensor(keep, dtype=torch.int64, device=device))
+    if not ids:
+        return
+    draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
+                         torch.tensor(positions, dtype=torch.int64, device=device),
+                         torch.tensor(slots, dtype=torch.int64, device=device))
+    for rid, drafted in zip(ids, draft.draft_ids.tolist(), strict=True):
+        out.spec_tokens[rid] = drafted[: cfg.dspark_block_size]

@@ -1,0 +1,102 @@
+"""Speculative decoding (DSpark drafts, exact-match verification): outputs are token-for-token
+those of plain decoding, for greedy and for seeded sampling with penalties, whatever the drafts
+are; accepted drafts save steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import shoal.runner.model_runner as runner_mod
+from shoal import LLM, SamplingParams
+from shoal.model.presets import TINY
+
+OPTS = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY.vocab_size) for _ in range(rng.randint(3, 30))]
+            for _ in range(3)]
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True,
+                         repetition_penalty=1.2, logprobs=2)]
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM("tiny", **OPTS)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+def test_dspark_drafts_keep_outputs_identical(plain, params):
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    expected, ref_outs = _run(plain, prompts, params)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    got, outs = _run(spec, prompts, params)
+    assert got == expected, f"seed {seed}"
+    if params.logprobs:
+        for a, b in zip(outs, ref_outs, strict=True):
+            assert [list(d) for d in a.outputs[0].logprobs] == \
+                [list(d) for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monkeypatch):
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    expected, _ = _run(plain, prompts, params)
+    k = TINY.dspark_block_size
+    plain_steps = LLM("tiny", **OPTS)
+    _run(plain_steps, prompts, params)
+
+    def oracle(model, caches, batch, captures, plan, rows, out):
+        for item in plan.scheduled:
+            tokens = out.sampled.get(item.request_id)
+            if not item.sample or not tokens:
+                continue
+            done = list(rows[item.request_id].output_token_ids) + tokens
+            future = expected[int(item.request_id)][len(done): len(done) + k]
+            if wrong_at is not None and len(future) > wrong_at:
+                future[wrong_at] = (future[wrong_at] + 1) % TINY.vocab_size
+            if future:
+                out.spec_tokens[item.request_id] = future
+
+    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    got, _ = _run(spec, prompts, params)
+    assert got == expected, f"seed {seed}"
+    assert spec.engine.stats.steps < plain_steps.engine.stats.steps
+
+
+def test_speculative_needs_draft_layers():
+    from shoal.config import EngineConfig, RunnerConfig, ShoalError
+    from shoal.runner.model_runner import ModelRunner
+
+    no_drafts = TINY.replace(num_draft_layers=0, compress_ratios=TINY.compress_ratios[:12])
+    config = EngineConfig("tiny", no_drafts, runner=RunnerConfig(device="cpu", speculative=True))
+    with pytest.raises(ShoalError, match="draft"):
+        ModelRunner(config, None)
+
+
+def test_spec_rows_are_recomputed_not_rolled_back(plain):
+    """A draft rejected at its first token leaves cache rows at positions that the next step
+    recomputes: outputs stay equal over many steps crossing ratio-2 groups and ring wraps."""
+    prompts = [[5 + i for i in range(17)]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected, _ = _run(plain, prompts, params)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    got, _ = _run(spec, prompts, params)
+    assert got == expected
+    assert torch.tensor(got).numel() == 24
