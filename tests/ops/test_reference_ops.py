@@ -11,8 +11,6 @@ Seeds: fresh each session; the test id shows the seed. Set ``SHOAL_TEST_SEED=<n>
 from __future__ import annotations
 
 import math
-import os
-import secrets
 
 import numpy as np
 import pytest
@@ -32,27 +30,9 @@ from shoal.quant.records import (
     unpack_index_k_record,
     unpack_swa_record,
 )
-
-_BASE_SEED = int(os.environ.get("SHOAL_TEST_SEED", secrets.randbits(31)))
-
-
-@pytest.fixture(params=[_BASE_SEED], ids=lambda s: f"seed={s}")
-def seed(request: pytest.FixtureRequest) -> int:
-    print(f"SHOAL_TEST_SEED={request.param}")
-    return request.param
-
-
-def _gen(seed: int, salt: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1009 + salt)
-
-
-def _randn(g: torch.Generator, *shape: int, scale: float = 1.0,
-           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-
-def _f64(x: torch.Tensor) -> np.ndarray:
-    return x.detach().to(torch.float64).numpy()
+from support.rand import f64 as _f64
+from support.rand import gen as _gen
+from support.rand import randn as _randn
 
 
 def assert_bf16_close(out: torch.Tensor, ref: np.ndarray, ulps: float = 1.0,

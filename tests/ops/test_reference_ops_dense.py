@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import cmath
 import math
-import os
-import secrets
 
 import numpy as np
 import pytest
@@ -22,27 +20,9 @@ import torch
 from shoal.ops.reference import gemm, head, hyper_connections, moe, norm, rope
 from shoal.quant.fp4 import quant_mxfp4
 from shoal.quant.fp8 import quant_fp8_act, quant_fp8_weight
-
-_BASE_SEED = int(os.environ.get("SHOAL_TEST_SEED", secrets.randbits(31)))
-
-
-@pytest.fixture(params=[_BASE_SEED], ids=lambda s: f"seed={s}")
-def seed(request: pytest.FixtureRequest) -> int:
-    print(f"SHOAL_TEST_SEED={request.param}")
-    return request.param
-
-
-def _gen(seed: int, salt: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1013 + salt)
-
-
-def _randn(g: torch.Generator, *shape: int, scale: float = 1.0,
-           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-
-def _f64(x: torch.Tensor) -> np.ndarray:
-    return x.detach().to(torch.float64).numpy()
+from support.rand import f64 as _f64
+from support.rand import gen as _gen
+from support.rand import randn as _randn
 
 
 def _bf16(x: np.ndarray | float) -> np.ndarray:
