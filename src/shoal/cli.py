@@ -37,6 +37,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
     p.add_argument("--seed", type=int, default=None, help="engine seed")
+    p.add_argument("--speculative", action="store_true", default=None,
+                   help="DSpark drafts with exact-match verification")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +55,7 @@ def _make_llm(args):
     opts = {k: getattr(args, k) for k in ("device", "prefill_mode", "replay_window",
                                            "max_num_seqs", "max_num_batched_tokens",
                                            "max_model_len", "kv_cache_memory_gb",
-                                           "load_format", "seed")
+                                           "load_format", "seed", "speculative")
             if getattr(args, k, None) is not None}
     return LLM(args.model, **opts)
 
@@ -145,7 +147,9 @@ def _summary(llm, results, elapsed: float) -> None:
           f"{s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
           f"{s.output_tokens / max(elapsed, 1e-9):.1f} tok/s | KV "
           f"{layout.bytes_per_context_token():.0f} B/token | decoder row-layers skipped by "
-          f"tail-only prefill {s.decoder_rows_skipped} ({rows:.1%})", file=sys.stderr)
+          f"tail-only prefill {s.decoder_rows_skipped} ({rows:.1%})"
+          + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed}"
+             if s.drafts_proposed else ""), file=sys.stderr)
 
 
 def cmd_chat(args) -> int:

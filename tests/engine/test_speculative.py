@@ -78,6 +78,10 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
     got, _ = _run(spec, prompts, params)
     assert got == expected, f"seed {seed}"
     assert spec.engine.stats.steps < plain_steps.engine.stats.steps
+    stats = spec.engine.stats
+    assert 0 < stats.drafts_accepted <= stats.drafts_proposed
+    if wrong_at is None:  # a perfect oracle is accepted except where max_tokens cuts it
+        assert stats.drafts_accepted >= stats.drafts_proposed // 2
 
 
 def test_speculative_needs_draft_layers():

@@ -46,6 +46,8 @@ class EngineStats:
     prepare_time: float = 0.0
     decoder_rows_skipped: int = 0
     decoder_rows_total: int = 0
+    drafts_proposed: int = 0  # speculative decoding: draft tokens verified
+    drafts_accepted: int = 0
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
@@ -237,6 +239,11 @@ class Engine:
         s.decoder_rows_skipped += result.decoder_rows_skipped
         cfg = self.config.model_config
         s.decoder_rows_total += plan.num_scheduled_tokens * (cfg.num_layers - cfg.decoder_start)
+        for item in plan.scheduled:
+            tokens = result.sampled.get(item.request_id)
+            if item.num_spec_tokens and tokens:
+                s.drafts_proposed += item.num_spec_tokens
+                s.drafts_accepted += len(tokens) - 1
 
     # ---- outputs ----------------------------------------------------------------------------
     def output(self, group: str) -> RequestOutput:
