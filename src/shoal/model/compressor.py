@@ -1,7 +1,8 @@
 """Compressor of a kv-source layer (model.md §2.6) and the index keys derived from it (§2.7).
 
 Ratio r >= 2: kv = wkv.x and s = wgate.x in fp32, per-channel softmax pooling over each group of
-r tokens (the open group carried in `KVCaches.comp_state`), bf16, compressor.norm. Ratio 1: the
+r tokens (earlier members of a group read from the ring `KVCaches.comp_state`), bf16,
+compressor.norm. Ratio 1: the
 normed bf16 projection of every token. Each emitted row j: index key k_norm(wk . latent) roped
 at j*r and stored MXFP4; the latent roped at j*r and stored NVFP4. Invariant: rows are written
 to the paged planes before any indexer or attention of the step reads them.

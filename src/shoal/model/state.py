@@ -1,8 +1,9 @@
 """Explicit model state: the KV caches and per-request fixed state, as plain tensors.
 
 Owns `KVCaches`: per layer an SWA plane (request rings + a scratch tail for the step's own
-keys), per kv source paged compressed-KV and index-K planes, and per gated source the pending
-compressor group. Invariant: the model never hides state in modules; one `KVCaches` serves
+keys), per kv source paged compressed-KV and index-K planes, and per gated source a ring of
+the last r + slack compressor inputs (fp32 kv and score; token p in entry p % rows), from which
+a group closing in a later step reads its earlier members. Invariant: the model never hides state in modules; one `KVCaches` serves
 whole-prompt forwards, chunked prefill and decode, and the engine pages it (block ids, slots).
 
 SWA plane of every layer: rows [slot * ring_size + p % ring_size] hold the request's last

@@ -13,8 +13,9 @@ Two kinds of KV memory (model.md §4):
   the same page in every source's planes. Flash: 3 x (288 + 68) / 2 + (288 + 68) = **890 B/token**.
 - **Request slots** (fixed per request): an SWA ring of `sliding_window + slack` records of
   `head_dim + head_dim // 32` bytes (528 B) for **every** layer incl. the draft layers, and the
-  fp32 compressor pending state of each gated source (`r` rows x [kv | score] x head_dim x 4 B,
-  the slot-`p % r` layout of model.md §2.6). Engram history (3 ids) lives in the request, not here.
+  fp32 compressor state of each gated source: a ring of `r + slack` rows x [kv | score] x
+  head_dim x 4 B (token p in row p % rows), so that a rejected speculative token never
+  overwrites an accepted one's entry. Engram history (3 ids) lives in the request, not here.
 
 Invariant: `block_size` is a multiple of 128 and of lcm(source ratios) * candidate_block_size, so
 every source's rows and every 8-row candidate block stay whole inside a page.
