@@ -93,3 +93,25 @@ def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r["prompt"] for r in records] == ["The quick brown fox", "Hello, shoal!",
                                               "def add(a, b):"]
     assert all(r["finish_reason"] in ("stop", "length") for r in records)
+
+
+def test_chat_cli_two_turns(monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`shoal chat`: each turn is sent with the conversation so far (user, assistant, user);
+    an empty line quits."""
+    from shoal.llm import LLM
+
+    lines = iter(["hello", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen: list[list[str]] = []
+    original = LLM.chat
+
+    def chat(self, messages, *args, **kwargs):
+        seen.append([m["role"] for m in messages])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "chat", chat)
+    assert main(["chat", "--model", "tiny", "--device", "cpu", "--max-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert seen == [["user"], ["user", "assistant", "user"]]
+    assert "error" not in capsys.readouterr().out
