@@ -102,11 +102,6 @@ class OpRegistry:
 
         return wrap
 
-    def add_cases(self, name: str, cases: Iterable[OpCase]) -> None:
-        op = self._defs[name]
-        self._defs[name] = OpDef(op.name, op.reference, op.tolerances, op.cases + tuple(cases),
-                                 op.inplace, op.compare)
-
     @property
     def ops(self) -> dict[str, OpDef]:
         return dict(self._defs)

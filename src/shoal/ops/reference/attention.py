@@ -15,10 +15,8 @@ from shoal.ops.reference._cases import randn
 from shoal.ops.reference._math import einsum, exp
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.records import (
-    compressed_record_bytes,
     pack_compressed_record,
     pack_swa_record,
-    swa_record_bytes,
     unpack_compressed_record,
     unpack_swa_record,
 )
@@ -97,14 +95,6 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
         run_max = new_max
     denom = denom + exp(sink.float().unsqueeze(0) - run_max)
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)
-
-
-def swa_record_size(dim: int) -> int:
-    return swa_record_bytes(dim)
-
-
-def compressed_record_size(dim: int) -> int:
-    return compressed_record_bytes(dim)
 
 
 def _swa_idx_case(t: int, window: int) -> OpCase:

@@ -13,7 +13,7 @@ import torch
 from shoal.ops.reference._cases import randn
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import qdq_mxfp4
-from shoal.quant.records import index_k_record_bytes, pack_index_k_record, unpack_index_k_record
+from shoal.quant.records import pack_index_k_record, unpack_index_k_record
 
 
 @REGISTRY.define("index_q_quant", tolerances={torch.bfloat16: Tolerance()}, cases=[
@@ -156,7 +156,3 @@ def topk_rows(*, logits: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch
     idx = torch.where((n_visible <= k).unsqueeze(1),
                       torch.where(fast, rows[:k].unsqueeze(0), -1), idx)
     return idx.to(torch.int32)
-
-
-def index_k_record_size(dim: int) -> int:
-    return index_k_record_bytes(dim)

@@ -14,7 +14,7 @@ from shoal.ops.reference._cases import fp4_weight, randn
 from shoal.ops.reference._math import matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import dequant_mxfp4
-from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
+from shoal.quant.fp8 import qdq_fp8_act
 
 
 def _router_case(t: int, d: int, e: int, k: int) -> OpCase:
@@ -62,11 +62,6 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     return h.to(torch.bfloat16)
 
 
-def _fp8_act_qdq(x: torch.Tensor) -> torch.Tensor:
-    codes, scales = quant_fp8_act(x, 32)
-    return dequant_fp8_act(codes, scales, 32)
-
-
 def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False) -> OpCase:
     def make(g: torch.Generator, dev: torch.device) -> dict:
         w13 = [fp4_weight(g, 2 * inter, d, dev) for _ in range(e)]
@@ -103,13 +98,13 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     if t == 0:
         return out
     inter = w2.shape[2] * 2
-    xq = _fp8_act_qdq(x)
+    xq = qdq_fp8_act(x, 32).float()
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         w13_e = dequant_mxfp4(w13[e], w13_scale[e], 32)
         gu = matmul_nt(xq[tok], w13_e).to(torch.bfloat16).float()
         h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
                          limit=limit)
-        y = matmul_nt(_fp8_act_qdq(h), dequant_mxfp4(w2[e], w2_scale[e], 32))
+        y = matmul_nt(qdq_fp8_act(h, 32).float(), dequant_mxfp4(w2[e], w2_scale[e], 32))
         out.index_add_(0, tok, y.to(torch.bfloat16).float())
     return out
