@@ -1,0 +1,63 @@
+"""Where a decode step's time goes: run `mini` (dummy weights) to pure decode at a batch size,
+then profile a few engine steps with torch.profiler and print the top ops by device time and by
+host time (host syncs show up as cudaStreamSynchronize / aten::item / aten::_local_scalar_dense).
+
+    PYTHONPATH=src python3 benchmarks/profile_decode.py --batch 1 --batch 64 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from shoal import LLM, SamplingParams
+
+
+def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
+    g = torch.Generator().manual_seed(batch)
+    vocab = llm.config.model_config.vocab_size
+    budget = llm.config.scheduler.max_num_batched_tokens
+    warm = -(-batch * prompt_len // budget) + 3
+    params = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
+    groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
+        3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
+    for _ in range(warm):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    for g_id in groups:
+        llm.engine.release(g_id)
+    ka = prof.key_averages()
+    text = [f"==== batch {batch}, {steps} steps ====",
+            ka.table(sort_by="self_cuda_time_total", row_limit=35),
+            ka.table(sort_by="self_cpu_time_total", row_limit=25)]
+    print("\n".join(text), flush=True)
+    if out:
+        with open(os.path.join(out, f"profile_decode_b{batch}.txt"), "w") as f:
+            f.write("\n".join(text))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--batch", type=int, action="append", default=[])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    batches = args.batch or [1]
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=max(batches),
+              max_num_batched_tokens=2048, max_model_len=args.prompt_len + 64)
+    print(dict(llm.engine.runner.ops.origin), flush=True)
+    for b in batches:
+        run(llm, b, args.prompt_len, args.steps, args.out)
+
+
+if __name__ == "__main__":
+    main()
