@@ -22,8 +22,9 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
     budget = llm.config.scheduler.max_num_batched_tokens
     warm = -(-batch * prompt_len // budget) + 3
     params = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
-    groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
-        3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
+    for _ in range(batch):
+        llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
+            3, vocab, (prompt_len,), generator=g).tolist())
     for _ in range(warm):
         llm.engine.step()
     torch.cuda.synchronize()
@@ -31,12 +32,12 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
         for _ in range(steps):
             llm.engine.step()
         torch.cuda.synchronize()
-    for g_id in groups:
-        llm.engine.release(g_id)
+    while llm.engine.has_unfinished():  # drain, so the next batch size starts clean
+        llm.engine.step()
     ka = prof.key_averages()
     text = [f"==== batch {batch}, {steps} steps ====",
-            ka.table(sort_by="self_cuda_time_total", row_limit=35),
-            ka.table(sort_by="self_cpu_time_total", row_limit=25)]
+            ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
+            ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
     print("\n".join(text), flush=True)
     if out:
         with open(os.path.join(out, f"profile_decode_b{batch}.txt"), "w") as f:

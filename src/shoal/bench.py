@@ -3,7 +3,7 @@ with dummy weights on one GPU: decode TPOT per batch size against the step's HBM
 tokens/s of the decoder tail-only prefill against `full`, host overhead per step, KV bytes per
 token. (benchmarks/bench_e2e.py runs the same.)
 
-    shoal bench [--batches 1 16 64] [--prefill-len 2048]
+    shoal bench [--batches 1 16 64 256] [--prefill-len 8192] [--modes full bounded]
 
 Floor of a decode step = bytes that must move / 4.24 TB/s: every non-expert weight of the
 backbone, the expected number of distinct routed experts touched by B tokens
@@ -125,13 +125,16 @@ def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shoal bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mini")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill-prompts", type=int, default=8)
-    ap.add_argument("--prefill-len", type=int, default=2048)
-    ap.add_argument("--prefill-budget", type=int, default=2048)
+    ap.add_argument("--prefill-len", type=int, default=8192)
+    ap.add_argument("--prefill-budget", type=int, default=8192)
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["full", "bounded", "staircase"],
+                    help="prefill modes to time (the first is the baseline)")
+    ap.add_argument("--plot", default="bench_e2e_tpot.png", help="where to write the PNG")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=max(args.prompt_len + args.steps, args.prefill_len) + 16)
     prefill = []
     if not args.skip_prefill:
-        for mode in ("full", "bounded", "staircase"):
+        for mode in args.modes:
             prefill.append(bench_prefill(llm, args.prefill_prompts, args.prefill_len, mode))
             print(f"prefill {mode:9s} {prefill[-1]['tokens_per_s']:10.0f} tok/s "
                   f"({prefill[-1]['decoder_row_layers_skipped']:.1%} decoder row-layers "
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         plt.ylabel("ms per decode step")
         plt.title(f"{args.model} decode on {gpu}")
         plt.legend()
-        plt.savefig("bench_e2e_tpot.png", dpi=120)
+        plt.savefig(args.plot, dpi=120)
     except ImportError:
         print("(matplotlib missing: no plot)")
     print(json.dumps(result))

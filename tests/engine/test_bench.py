@@ -1,0 +1,19 @@
+"""`shoal bench` runs end to end on the tiny model (CPU) and ends with one JSON line holding
+every decode batch size and prefill mode asked for."""
+
+import json
+
+from shoal.bench import main
+
+
+def test_bench_tiny_json_line(tmp_path, capsys):
+    rc = main(["--model", "tiny", "--batches", "1", "3", "--prompt-len", "16", "--steps", "3",
+               "--prefill-prompts", "2", "--prefill-len", "48", "--prefill-budget", "32",
+               "--modes", "full", "bounded", "--plot", str(tmp_path / "p.png")])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [d["batch"] for d in result["decode"]] == [1, 3]
+    assert all(d["tpot_ms"] > 0 and 0 < d["fraction_of_floor"] for d in result["decode"])
+    assert [p["mode"] for p in result["prefill"]] == ["full", "bounded"]
+    assert result["prefill"][0]["speedup_vs_full"] == 1.0
+    assert result["kv_bytes_per_token"] > 0
