@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.tokenizer.encoding import EffortTable, encode_messages, render_dsml_tool_calls
+from shoal.tokenizer.encoding import EffortTable, encode_messages
+from shoal.tokenizer.render import render_dsml_tool_calls
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

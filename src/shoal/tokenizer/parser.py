@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.tokenizer.encoding import to_json
+from shoal.tokenizer.render import to_json
 from shoal.tokenizer.special import (
     CALLS_CLOSE,
     CALLS_OPEN,
