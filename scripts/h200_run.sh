@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One batched GPU session on a bare H200 machine (torch + Triton preinstalled, no network):
+#   bash scripts/h200_run.sh STAGE[:SECONDS] ...      results under $OUT (default ./h200_out)
+# Stages: tests (whole pytest suite, GPU tests included), probe (every Triton op at real shapes,
+# one fresh process each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick),
+# profile (benchmarks/profile_decode.py at batch 1 and 64), e2e (shoal bench; E2E_ARGS adds
+# arguments). Packages the machine lacks travel as wheels in .whl/ (see README's GPU section).
+set -u
+OUT=${OUT:-h200_out}
+mkdir -p "$OUT"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt"
+git rev-parse --short HEAD >> "$OUT/gpu.txt" 2>/dev/null
+
+for spec in "$@"; do
+    stage=${spec%%:*}
+    limit=${spec#*:}
+    [ "$limit" = "$spec" ] && limit=300
+    start=$(date +%s)
+    case $stage in
+        tests) timeout "$limit" python3 -m pytest tests -q -rfEs -p no:cacheprovider \
+                   > "$OUT/tests.log" 2>&1 ;;
+        probe) for op in ${PROBE_OPS:-index_scores topk_rows candidate_mask swa_write \
+                   compressed_write index_k_write index_q_quant rope_tail rmsnorm hc_coeffs \
+                   hc_collapse_norm hc_post router moe_mxfp4 act_quant_fp8}; do
+                   timeout 60 python3 scripts/probe_triton_ops.py "$op" 2>&1 | tail -1
+               done > "$OUT/probe.log" ;;
+        ops) timeout "$limit" python3 benchmarks/bench_ops.py --quick --out "$OUT" \
+                 ${OPS_ARGS:-} > "$OUT/ops.txt" 2>&1 ;;
+        moe) timeout "$limit" python3 benchmarks/bench_moe.py --quick ${MOE_ARGS:-} \
+                 > "$OUT/moe.txt" 2>&1 ;;
+        profile) timeout "$limit" python3 benchmarks/profile_decode.py --batch 1 --batch 64 \
+                     --out "$OUT" > /dev/null 2> "$OUT/profile_err.log" ;;
+        e2e) timeout "$limit" python3 -m shoal.cli bench --plot "$OUT/bench_e2e_tpot.png" \
+                 ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1 ;;
+        *) echo "unknown stage $stage" >&2; exit 2 ;;
+    esac
+    echo "$stage rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/stages.txt"
+done
