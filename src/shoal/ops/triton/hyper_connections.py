@@ -1,5 +1,5 @@
-"""Triton (sm_90) mHC kernels (model.md §2.2): `hc_coeffs`, `hc_collapse`, `hc_collapse_norm`,
-`hc_post`.
+"""Triton (sm_90) mHC kernels (model.md §2.1, §2.2, §2.12): `hc_coeffs`, `hc_collapse`,
+`hc_collapse_norm`, `hc_post`, and the family's `embed` and `stream_mean`.
 
 - hc_coeffs: two launches. (1) grid (tokens / 16, SPLIT): the fp32 mix `fn . f` and sum(f^2)
   over one fixed K chunk of the flattened [4*D] stream as an IEEE-fp32 `tl.dot` (no TF32), into
@@ -9,6 +9,8 @@
   SPLIT depends only on D, so results are batch-invariant (a token's sums never depend on T).
 - hc_collapse(_norm): one program per token; the bf16 collapse is rounded once, then normed.
 - hc_post: one program per (token, D tile); every output stream j reads the 4 input streams once.
+- embed: row gather on the 16-bit patterns (bit-exact). stream_mean: fp64 sum of the 4 streams,
+  rounded to fp32 then bf16 as the reference (bit-exact whenever that fp64 sum is exact).
 Invariant: reference contracts and orders; only fp32 summation order differs (fp64 in the
 reference's products), inside the registered tolerances. hc = 4 streams only.
 """
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.engram import bf16_rne
 from shoal.ops.triton.norm import MAX_K, on_device
 
 HC = 4
@@ -246,4 +249,75 @@ def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
         y, stream, post, comb, out, d, y.stride(0), y.stride(1), stream.stride(0),
         stream.stride(1), stream.stride(2), post.stride(0), post.stride(1), comb.stride(0),
         comb.stride(1), comb.stride(2), BD=bd, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------- embed, stream_mean
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, tab_ptr, o_ptr, D, V, tab_v, tab_d, BD: tl.constexpr):
+    """Row gather of the bf16 table on the raw 16-bit patterns (bit-exact, NaN payloads too)."""
+    t = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = dd < D
+    row = tl.load(ids_ptr + t).to(tl.int64)
+    row = tl.where(row < 0, row + V, row)  # python-style negative ids, as torch indexing
+    x = tl.load(tab_ptr + row * tab_v + dd * tab_d, mask=dmask)
+    tl.store(o_ptr + t * D + dd, x, mask=dmask)
+
+
+def _supports_embed(*, ids: torch.Tensor, table: torch.Tensor) -> bool:
+    return (on_device(table) and ids.dim() == 1 and table.dim() == 2
+            and table.dtype.itemsize == 2 and not ids.is_floating_point())
+
+
+@REGISTRY.implement("triton", "embed", supports=_supports_embed)
+def embed(*, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ids [T] int, table [V, D] bf16 -> [T, D] bf16, bit-identical rows (ids must be in
+    [-V, V); unlike the reference, an out-of-range id is not checked)."""
+    t, (v, d) = ids.shape[0], table.shape
+    out = torch.empty(t, d, dtype=table.dtype, device=table.device)
+    if t == 0 or d == 0:
+        return out
+    bd = min(2048, triton.next_power_of_2(d))
+    tab = table.view(torch.int16)
+    _embed_kernel[(t, triton.cdiv(d, bd))](ids, tab, out.view(torch.int16), d, v, tab.stride(0),
+                                           tab.stride(1), BD=bd, num_warps=4)
+    return out
+
+
+@triton.jit
+def _stream_mean_kernel(s_ptr, o_ptr, D, st_t, st_i, st_d, BD: tl.constexpr):
+    """bf16(fp32(mean)) with the mean of the 4 streams in fp64, as the reference."""
+    t = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = dd < D
+    base = s_ptr + t * st_t + dd * st_d
+    acc = tl.load(base, mask=dmask, other=0.0).to(tl.float64)
+    for i in tl.static_range(1, 4):
+        acc += tl.load(base + i * st_i, mask=dmask, other=0.0).to(tl.float64)
+    mean = (acc * 0.25).to(tl.float32)
+    tl.store(o_ptr + t * D + dd, bf16_rne(mean), mask=dmask)
+
+
+def _supports_stream_mean(*, stream: torch.Tensor) -> bool:
+    return (on_device(stream) and stream.dim() == 3 and stream.shape[1] == HC
+            and stream.dtype in (torch.bfloat16, torch.float32))
+
+
+@REGISTRY.implement("triton", "stream_mean", supports=_supports_stream_mean)
+def stream_mean(*, stream: torch.Tensor) -> torch.Tensor:
+    """bf16(fp32(mean_i X_i)), stream [T, 4, D] -> [T, D] bf16. The 4 values are added in fp64
+    (exact for bf16 inputs whose exponents lie within 45 binades of each other, i.e. always in
+    practice), halved twice (exact), then rounded to fp32 and to bf16 as the reference does:
+    bit-identical to it whenever the fp64 sum is exact."""
+    t, _, d = stream.shape
+    out = torch.empty(t, d, dtype=torch.bfloat16, device=stream.device)
+    if t == 0 or d == 0:
+        return out
+    bd = min(1024, triton.next_power_of_2(d))
+    _stream_mean_kernel[(t, triton.cdiv(d, bd))](
+        stream, out.view(torch.int16), d, stream.stride(0), stream.stride(1), stream.stride(2),
+        BD=bd, num_warps=4)
     return out
