@@ -372,7 +372,10 @@ NT_SPLIT_MAX_M = 64  # above this, chunks are walked inside one program (no part
 
 @dataclass(frozen=True)
 class NTConfig:
-    """Launch shape of the bf16-weight GEMM for a weight [N, K]; a function of (N, K) only."""
+    """Launch shape of the bf16-weight GEMM for a weight [N, K]; a function of (N, K) only.
+
+    block_m stays NT_BM in every config the ops use (another value may change the MMA
+    instruction, hence the bits; benchmarks/bench_ops.py measures whether it does)."""
 
     block_n: int
     block_k: int
@@ -380,6 +383,7 @@ class NTConfig:
     chunk: int  # K values per chunk (a multiple of block_k)
     num_warps: int
     num_stages: int
+    block_m: int = NT_BM
 
 
 def nt_config(n: int, k: int) -> NTConfig:
@@ -489,10 +493,10 @@ def gemm_nt(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     if partial is None:
         partial = m <= NT_SPLIT_MAX_M
     partial = partial and cfg.split > 1
-    grid = (triton.cdiv(m, NT_BM), triton.cdiv(n, cfg.block_n))
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     args = (x, weight)
     strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
-    meta = dict(SPLIT=cfg.split, X_F32=x_f32, BM=NT_BM, BN=cfg.block_n, BK=cfg.block_k,
+    meta = dict(SPLIT=cfg.split, X_F32=x_f32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         part = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
