@@ -60,18 +60,17 @@ def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r
     rmask = offs_r < 24
     acc = tl.zeros((BT, 32), dtype=tl.float32)
     sq = tl.zeros((BT,), dtype=tl.float32)
-    k_end = 4 * D
-    for it in range(ITERS):
-        k0 = (s * ITERS + it) * BK
-        if k0 < k_end:
-            i = k0 // D
-            dd = k0 - i * D + offs_k
-            f = tl.load(s_ptr + toks[:, None] * st_t + i * st_i + dd[None, :] * st_d,
-                        mask=tmask[:, None], other=0.0).to(tl.float32)
-            sq += tl.sum(f * f, axis=1)
-            w = tl.load(fn_ptr + offs_r[None, :] * fn_r + (k0 + offs_k[:, None]) * fn_c,
-                        mask=rmask[None, :], other=0.0)
-            acc = tl.dot(f, w, acc, input_precision="ieee")
+    k_lo = s * (ITERS * BK)
+    k_hi = tl.minimum(k_lo + ITERS * BK, 4 * D)
+    for k0 in range(k_lo, k_hi, BK):  # BK divides D: a tile never straddles two streams
+        i = k0 // D
+        dd = k0 - i * D + offs_k
+        f = tl.load(s_ptr + toks[:, None] * st_t + i * st_i + dd[None, :] * st_d,
+                    mask=tmask[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(f * f, axis=1)
+        w = tl.load(fn_ptr + offs_r[None, :] * fn_r + (k0 + offs_k[:, None]) * fn_c,
+                    mask=rmask[None, :], other=0.0)
+        acc = tl.dot(f, w, acc, input_precision="ieee")
     out = tl.where(offs_r[None, :] == 24, sq[:, None], acc)
     tl.store(part_ptr + (toks[:, None] * SPLIT + s) * 32 + offs_r[None, :], out,
              mask=tmask[:, None])
