@@ -272,7 +272,12 @@ HEAD_SHAPES = {  # name: (N, K, x dtype, out dtype)
     "ratio-1 wkv": (512, 5120, torch.bfloat16, torch.bfloat16),
     "indexer weights_proj": (32, 5120, torch.bfloat16, torch.bfloat16),
     "indexer wk": (128, 512, torch.bfloat16, torch.bfloat16),
+    "dspark markov head": (129280, 256, torch.bfloat16, torch.float32),
 }
+PREFILL_M = 4096  # the small-N shapes also at a prefill-sized M
+VARIANTS = [dict(block_n=128), dict(block_k=256), dict(block_n=128, block_k=64),
+            dict(num_stages=3), dict(num_stages=6), dict(num_warps=8, block_n=128),
+            dict(block_m=64), dict(block_m=64, block_n=128, num_warps=8)]
 
 
 def bench_head(ms_list: list[int], sweep: bool) -> None:
@@ -283,10 +288,11 @@ def bench_head(ms_list: list[int], sweep: bool) -> None:
         cfg = tri_gemm.nt_config(n, k)
         log(f"{name} [N={n}, K={k}] x {str(xd)[6:]} -> {str(od)[6:]}: {cfg}")
         w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
-        xs = (torch.randn(max(ms_list), k, generator=gen, device="cuda")).to(xd)
+        m_list = ms_list + ([PREFILL_M] if n < 100000 else [])
+        xs = (torch.randn(max(m_list), k, generator=gen, device="cuda")).to(xd)
         full = tri_gemm.gemm_nt(xs, w, od)
         ws = [w] + [w.clone() for _ in range(copies(n * k * 2) - 1)]
-        for m in ms_list:
+        for m in m_list:
             x = xs[:m].contiguous()
             got = tri_gemm.gemm_nt(x, w, od)
             ref = ref_gemm.gemm_bf16(x=x, weight=w, out_dtype=od)
@@ -294,9 +300,9 @@ def bench_head(ms_list: list[int], sweep: bool) -> None:
             nbytes = m * k * x.element_size() + n * k * 2 + m * n * got.element_size()
             ms = bench([lambda x=x, wi=wi, od=od: tri_gemm.gemm_nt(x, wi, od) for wi in ws])
             extra = dict(rel_err=f"{rel_err(got, ref):.1e}", rows_equal_big_M=inv)
-            if m in (1, 64) or n < 100000:
-                ms_ref = bench([lambda x=x, w=w, od=od: ref_gemm.gemm_bf16(x=x, weight=w, out_dtype=od)],
-                               warmup=3, rep=20)
+            if m in (1, 64) or (n < 100000 and m < PREFILL_M):
+                ms_ref = bench([lambda x=x, w=w, od=od: ref_gemm.gemm_bf16(
+                    x=x, weight=w, out_dtype=od)], warmup=3, rep=20)
                 extra.update(ref_gpu_us=round(ms_ref * 1e3, 1), speedup=round(ms_ref / ms, 1))
             xb = x.to(torch.bfloat16)
             ms_cublas = bench([lambda xb=xb, wi=wi: torch.matmul(xb, wi.t()) for wi in ws])
@@ -304,25 +310,21 @@ def bench_head(ms_list: list[int], sweep: bool) -> None:
             record("gemm_nt", f"{name} M{m}xN{n}xK{k}", ms, 2.0 * m * n * k, nbytes,
                    BF16_PEAK, **extra)
         if sweep and name == "lm_head":
-            sweep_nt(xs, w, od, ws, ms_list)
+            sweep_nt(xs, w, od, ws, ms_list, VARIANTS)
+        if sweep and name == "compressor wkv|wgate":
+            sweep_nt(xs, w, od, ws, [64, PREFILL_M], VARIANTS[-2:])
+
 
 
 def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
-             ms_list: list[int]) -> None:
-    """Alternative tiles for the head: time, and whether the bits equal the default config's
-    (block_m 64 may switch the MMA instruction; the ops keep block_m 16 unless it is equal)."""
+             ms_list: list[int], variants: list[dict]) -> None:
+    """Alternative tiles: time, and whether the bits equal the default config's (block_m 64
+    may switch the MMA instruction; the ops keep block_m 16 unless the bits are equal)."""
     n, k = w.shape
     base = tri_gemm.nt_config(n, k)
-    variants = [dict(block_n=128), dict(block_k=256), dict(block_n=128, block_k=64),
-                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8, block_n=128),
-                dict(block_m=64), dict(block_m=64, block_n=128, num_warps=8)]
     for v in variants:
-        cfg = tri_gemm.NTConfig(**{**base.__dict__, **v})
-        if "block_k" in v:
-            cfg = tri_gemm.NTConfig(**{**cfg.__dict__, "chunk": k})
-        for m in (1, 64, 256):
-            if m not in ms_list:
-                continue
+        cfg = tri_gemm.NTConfig(**{**base.__dict__, **v})  # chunk stays a multiple of BK
+        for m in ms_list:
             x = xs[:m].contiguous()
             try:
                 got = tri_gemm.gemm_nt(x, w, od, config=cfg)
@@ -330,10 +332,10 @@ def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
                 ms = bench([lambda x=x, wi=wi, cfg=cfg: tri_gemm.gemm_nt(x, wi, od, config=cfg)
                             for wi in ws])
             except Exception as exc:  # a variant that fails to compile is reported, not fatal
-                log(f"lm_head variant {v} M{m}: failed {type(exc).__name__}: {exc!s:.150}")
+                log(f"gemm_nt variant {v} M{m}: failed {type(exc).__name__}: {exc!s:.150}")
                 continue
             nbytes = m * k * x.element_size() + n * k * 2 + m * n * 4
-            record(f"lm_head{v}", f"M{m}xN{n}xK{k}", ms, 2.0 * m * n * k, nbytes, BF16_PEAK,
+            record(f"gemm_nt{v}", f"M{m}xN{n}xK{k}", ms, 2.0 * m * n * k, nbytes, BF16_PEAK,
                    bits_equal_default=same)
 
 
