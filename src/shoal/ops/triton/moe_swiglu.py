@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.engram import bf16_rne
@@ -20,7 +21,7 @@ from shoal.ops.triton.norm import on_device
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, I, limit, g_t, g_i, u_t, u_i,
-                   HAS_W: tl.constexpr, BI: tl.constexpr):
+                   HAS_W: tl.constexpr, LIBDEVICE: tl.constexpr, BI: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ii = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = ii < I
@@ -29,7 +30,11 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, I, limit, g_t, g_i, u_t, u_i,
     nan = tl.PropagateNan.ALL  # NaN stays NaN, as torch.clamp
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
     g = tl.minimum(g, limit, propagate_nan=nan).to(tl.float64)
-    silu = (g / (1.0 + tl.exp(-g))).to(tl.float32)
+    if LIBDEVICE:  # fp64 exp from libdevice (__nv_exp) on the GPU
+        e = libdevice.exp(-g)
+    else:  # the interpreter has no libdevice; its tl.exp is NumPy's fp64 exp
+        e = tl.exp(-g)
+    silu = (g / (1.0 + e)).to(tl.float32)
     h = silu * u
     if HAS_W:
         h = tl.load(w_ptr + t).to(tl.float32) * h
@@ -54,5 +59,6 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     w = weight.contiguous() if weight is not None else gate
     _swiglu_kernel[(t, triton.cdiv(inter, bi))](
         gate, up, w, out.view(torch.int16), inter, float(limit), gate.stride(0), gate.stride(1),
-        up.stride(0), up.stride(1), HAS_W=weight is not None, BI=bi, num_warps=4)
+        up.stride(0), up.stride(1), HAS_W=weight is not None, LIBDEVICE=gate.is_cuda, BI=bi,
+        num_warps=4)
     return out
