@@ -19,7 +19,7 @@ summation order. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -368,6 +368,12 @@ NT_BM = 16  # rows per tile, for every M (one tl.dot shape: the same MMA instruc
 NT_TARGET_PROGRAMS = 264  # split K until the N tiles x chunks cover ~2 waves of 132 SMs
 NT_MIN_CHUNK = 512  # never cut K below this many values per chunk
 NT_SPLIT_MAX_M = 64  # above this, chunks are walked inside one program (no partial buffer)
+# Wider row tiles (64, one warpgroup MMA) for M > NT_BM. Off: a 16-row tile and a 64-row tile
+# may use different MMA instructions, and the rows' bits must not depend on M. Turn on only
+# after benchmarks/bench_ops.py --only head reports bits_equal_default=True for block_m 64 and
+# tests/gpu/test_triton_head.py passes with it on the H200 (it saves re-reading the weight once
+# per 16 rows from L2 at large M).
+NT_WIDE_M = False
 
 
 @dataclass(frozen=True)
@@ -482,6 +488,8 @@ def gemm_nt(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or nt_config(n, k)
+    if config is None and NT_WIDE_M and m > NT_BM:
+        cfg = replace(cfg, block_m=64)
     out_bf16 = out_dtype == torch.bfloat16
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
