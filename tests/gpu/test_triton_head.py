@@ -236,8 +236,9 @@ def test_gemm_nt_batch_invariant(x_dtype: torch.dtype, out_dtype: torch.dtype) -
 
 def test_gemm_fp32_input_split_is_exact() -> None:
     """fp32 x with 24 significant bits over a wide exponent range: the 3xBF16 split keeps every
-    product exact, so the error is fp32 accumulation only (|err| <~ K * 2^-24 * sum|x w|); a
-    TF32 or bf16 rounding of x would be ~2^-11 or ~2^-9 of it."""
+    product exact, so the error is fp32 accumulation only (tensor cores: about one ulp of the
+    accumulator per K/16 step, ~1e-6 of sum|x w| here); a TF32 or bf16 rounding of x would
+    leave ~2^-11 or ~2^-9 of it."""
     g = torch.Generator().manual_seed(9)
     m, n, k = 5, 24, 512
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
@@ -247,7 +248,7 @@ def test_gemm_fp32_input_split_is_exact() -> None:
     exact = x.double() @ w.double().t()
     scale = x.double().abs() @ w.double().abs().t()
     rel = ((got - exact).abs() / scale).max().item()
-    assert rel < 2e-6, f"relative error {rel:.3g} (exact products give ~1e-7)"
+    assert rel < 3e-5, f"relative error {rel:.3g} (exact products give <~ 4e-6)"
 
 
 def test_gemm_odd_shapes_and_strides() -> None:
