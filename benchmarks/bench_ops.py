@@ -7,7 +7,11 @@ torch._scaled_mm (per-tensor FP8) on the same shape. Ceilings are re-measured in
 A correctness line (relative error vs the reference op, run in fp32 on the GPU) precedes each
 kernel. Prints a table, ends with one JSON line, and writes a dated copy to --out.
 
-Run: PYTHONPATH=src python3 benchmarks/bench_ops.py [--quick] [--out DIR]
+`--only hc,head`: the decode hot path (mHC coefficients at T = 1..4096, the LM head and the
+bf16-weight GEMMs at M = 1..256), each against the reference on the GPU (the old path) in the
+same run, plus bit-identity checks of batch invariance and of alternative tile configs.
+
+Run: PYTHONPATH=src python3 benchmarks/bench_ops.py [--quick] [--out DIR] [--only LIST]
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import triton
 
 from shoal.ops.reference import attention as ref_attn
 from shoal.ops.reference import gemm as ref_gemm
+from shoal.ops.reference import hyper_connections as ref_hc
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
+from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
 
@@ -225,6 +231,114 @@ def bench_attention(batches: list[int]) -> None:
                    frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))
 
 
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32}[a.dtype.itemsize]
+    return a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+def bench_hc(ts: list[int]) -> None:
+    """hc_coeffs at D = 5120 (Flash): split-K Triton vs the reference on the GPU (fp64)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    d = 5120
+    fn = torch.randn(24, 4 * d, generator=gen, device="cuda") * 0.05
+    scale = torch.rand(3, generator=gen, device="cuda") + 0.5
+    base = torch.randn(24, generator=gen, device="cuda")
+    consts = dict(scale=scale, base=base, norm_eps=1e-6, hc_eps=1e-6, iters=20)
+    bk, iters, split = tri_hc.coeff_split(d)
+    log(f"hc_coeffs D={d}: BK={bk} x {iters} iterations per chunk, SPLIT={split}")
+    big = (torch.randn(max(ts), 4, d, generator=gen, device="cuda")).to(torch.bfloat16)
+    full = tri_hc.hc_coeffs(stream=big, fn=fn, **consts)
+    for t in ts:
+        stream = big[:t].contiguous()
+        got = tri_hc.hc_coeffs(stream=stream, fn=fn, **consts)
+        ref = ref_hc.hc_coeffs(stream=stream[:256], fn=fn, **consts)
+        err = max(float((g[:256] - r).abs().max()) for g, r in zip(got, ref, strict=True))
+        inv = all(bits_equal(g, f[:t]) for g, f in zip(got, full, strict=True))
+        nbytes = t * 4 * d * 2 + 24 * 4 * d * 4 + t * 24 * 4
+        n_copies = copies(nbytes)
+        sets = [(stream.clone(), fn.clone()) for _ in range(n_copies)]
+        ms = bench([lambda s=s, f=f: tri_hc.hc_coeffs(stream=s, fn=f, **consts)
+                    for s, f in sets])
+        ms_ref = bench([lambda s=s, f=f: ref_hc.hc_coeffs(stream=s, fn=f, **consts)
+                        for s, f in sets[:2]], warmup=5, rep=20)
+        record("hc_coeffs", f"T{t}xD{d}", ms, 2.0 * t * 24 * 4 * d, nbytes, BF16_PEAK,
+               ref_gpu_us=round(ms_ref * 1e3, 1), speedup=round(ms_ref / ms, 1),
+               max_abs_err=f"{err:.1e}", rows_equal_big_T=inv)
+
+
+HEAD_SHAPES = {  # name: (N, K, x dtype, out dtype)
+    "lm_head": (129280, 5120, torch.bfloat16, torch.float32),
+    "compressor wkv|wgate": (512, 5120, torch.float32, torch.float32),
+    "ratio-1 wkv": (512, 5120, torch.bfloat16, torch.bfloat16),
+    "indexer weights_proj": (32, 5120, torch.bfloat16, torch.bfloat16),
+    "indexer wk": (128, 512, torch.bfloat16, torch.bfloat16),
+    "dspark markov head": (129280, 256, torch.bfloat16, torch.float32),
+}
+PREFILL_M = 4096  # the small-N shapes also at a prefill-sized M
+VARIANTS = [dict(block_n=128), dict(block_k=256), dict(block_n=128, block_k=64),
+            dict(num_stages=3), dict(num_stages=6), dict(num_warps=8, block_n=128),
+            dict(block_m=64), dict(block_m=64, block_n=128, num_warps=8)]
+
+
+def bench_head(ms_list: list[int], sweep: bool) -> None:
+    """lm_head and gemm_bf16 (Triton gemm_nt) vs the reference on the GPU (fp64 matmul_nt) and
+    cuBLAS bf16 (speed only); rows of M=1 vs the largest M must be bit-identical."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for name, (n, k, xd, od) in HEAD_SHAPES.items():
+        cfg = tri_gemm.nt_config(n, k)
+        log(f"{name} [N={n}, K={k}] x {str(xd)[6:]} -> {str(od)[6:]}: {cfg}")
+        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+        m_list = ms_list + ([PREFILL_M] if n < 100000 else [])
+        xs = (torch.randn(max(m_list), k, generator=gen, device="cuda")).to(xd)
+        full = tri_gemm.gemm_nt(xs, w, od)
+        ws = [w] + [w.clone() for _ in range(copies(n * k * 2) - 1)]
+        for m in m_list:
+            x = xs[:m].contiguous()
+            got = tri_gemm.gemm_nt(x, w, od)
+            ref = ref_gemm.gemm_bf16(x=x, weight=w, out_dtype=od)
+            inv = bits_equal(got, full[:m])
+            nbytes = m * k * x.element_size() + n * k * 2 + m * n * got.element_size()
+            ms = bench([lambda x=x, wi=wi, od=od: tri_gemm.gemm_nt(x, wi, od) for wi in ws])
+            extra = dict(rel_err=f"{rel_err(got, ref):.1e}", rows_equal_big_M=inv)
+            if m in (1, 64) or (n < 100000 and m < PREFILL_M):
+                ms_ref = bench([lambda x=x, w=w, od=od: ref_gemm.gemm_bf16(
+                    x=x, weight=w, out_dtype=od)], warmup=3, rep=20)
+                extra.update(ref_gpu_us=round(ms_ref * 1e3, 1), speedup=round(ms_ref / ms, 1))
+            xb = x.to(torch.bfloat16)
+            ms_cublas = bench([lambda xb=xb, wi=wi: torch.matmul(xb, wi.t()) for wi in ws])
+            extra["cublas_bf16_us"] = round(ms_cublas * 1e3, 1)
+            record("gemm_nt", f"{name} M{m}xN{n}xK{k}", ms, 2.0 * m * n * k, nbytes,
+                   BF16_PEAK, **extra)
+        if sweep and name == "lm_head":
+            sweep_nt(xs, w, od, ws, ms_list, VARIANTS)
+        if sweep and name == "compressor wkv|wgate":
+            sweep_nt(xs, w, od, ws, [64, PREFILL_M], VARIANTS[-2:])
+
+
+
+def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
+             ms_list: list[int], variants: list[dict]) -> None:
+    """Alternative tiles: time, and whether the bits equal the default config's (block_m 64
+    may switch the MMA instruction; the ops keep block_m 16 unless the bits are equal)."""
+    n, k = w.shape
+    base = tri_gemm.nt_config(n, k)
+    for v in variants:
+        cfg = tri_gemm.NTConfig(**{**base.__dict__, **v})  # chunk stays a multiple of BK
+        for m in ms_list:
+            x = xs[:m].contiguous()
+            try:
+                got = tri_gemm.gemm_nt(x, w, od, config=cfg)
+                same = bits_equal(got, tri_gemm.gemm_nt(x, w, od))
+                ms = bench([lambda x=x, wi=wi, cfg=cfg: tri_gemm.gemm_nt(x, wi, od, config=cfg)
+                            for wi in ws])
+            except Exception as exc:  # a variant that fails to compile is reported, not fatal
+                log(f"gemm_nt variant {v} M{m}: failed {type(exc).__name__}: {exc!s:.150}")
+                continue
+            nbytes = m * k * x.element_size() + n * k * 2 + m * n * 4
+            record(f"gemm_nt{v}", f"M{m}xN{n}xK{k}", ms, 2.0 * m * n * k, nbytes, BF16_PEAK,
+                   bits_equal_default=same)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -243,6 +357,10 @@ def main() -> None:
         bench_grouped([1, 64, 4096])
     if "attn" in only:
         bench_attention([1, 16, 64, 256] if args.quick else [1, 16, 64, 256, 2048])
+    if "hc" in only:
+        bench_hc([1, 16, 64, 256, 4096])
+    if "head" in only:
+        bench_head([1, 16, 64, 256], sweep=not args.quick)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

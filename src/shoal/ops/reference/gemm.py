@@ -102,7 +102,10 @@ def _bf16_case(t: int, n: int, k: int, x_dtype, out_dtype) -> OpCase:
     _bf16_case(1, 8, 32, torch.bfloat16, torch.bfloat16),
     _bf16_case(7, 83, 128, torch.float32, torch.float32),
     _bf16_case(0, 16, 64, torch.bfloat16, torch.float32),
-    _bf16_case(769, 32, 128, torch.bfloat16, torch.bfloat16)])
+    _bf16_case(769, 32, 128, torch.bfloat16, torch.bfloat16),
+    _bf16_case(5, 19, 100, torch.float32, torch.bfloat16),  # odd N and K
+    _bf16_case(3, 512, 5120, torch.float32, torch.float32),  # ratio-2 compressor wkv / wgate
+    _bf16_case(2, 32, 5120, torch.bfloat16, torch.bfloat16)])  # indexer weights_proj
 def gemm_bf16(*, x: torch.Tensor, weight: torch.Tensor,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x @ W^T with a bf16 weight [N, K], computed in fp32, cast to `out_dtype`.

@@ -19,7 +19,7 @@ F32_TOL = {torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
     OpCase(f"T{t}xD{d}xV{v}", (lambda t, d, v: lambda g, dev: {
         "h": randn(g, t, d, device=dev), "weight": randn(g, v, d, scale=d**-0.5, device=dev)})(
         t, d, v), heavy=v > 10000)
-    for t, d, v in ((1, 32, 97), (7, 128, 512), (0, 32, 16), (3, 5120, 129280))])
+    for t, d, v in ((1, 32, 97), (7, 128, 512), (0, 32, 16), (5, 96, 1000), (3, 5120, 129280))])
 def lm_head(*, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """h [T', D] bf16 (normed) x head [V, D] bf16 -> logits [T', V] fp32."""
     return matmul_nt(h.float(), weight.float())

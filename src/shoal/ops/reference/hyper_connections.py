@@ -43,7 +43,7 @@ def _coeff_case(t: int, d: int) -> OpCase:
 
 @REGISTRY.define("hc_coeffs", tolerances=F32_TOL,
                  cases=[_coeff_case(1, 32), _coeff_case(7, 128), _coeff_case(0, 32),
-                        _coeff_case(83, 256)])
+                        _coeff_case(83, 256), _coeff_case(20, 96), _coeff_case(3, 5120)])
 def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
               base: torch.Tensor, norm_eps: float, hc_eps: float,
               iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
