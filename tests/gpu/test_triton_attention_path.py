@@ -20,14 +20,14 @@ triton = pytest.importorskip("triton")
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-pytestmark = pytest.mark.skipif(not (ON_GPU or INTERP),
-                                reason="needs sm_90 or TRITON_INTERPRET=1")
+needs_run = pytest.mark.skipif(not (ON_GPU or INTERP), reason="needs sm_90 or TRITON_INTERPRET=1")
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 from shoal.ops.reference import cache as rcache  # noqa: E402
 from shoal.ops.reference import indexer as rindexer  # noqa: E402
 from shoal.ops.triton import cache as tcache  # noqa: E402
 from shoal.ops.triton import indexer as tindexer  # noqa: E402
+from shoal.quant.records import pack_index_k_record  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +79,7 @@ def _hard_values(t: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@needs_run
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["swa_write", "compressed_write", "index_k_write"])
 def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None:
@@ -96,6 +97,7 @@ def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None
     assert bad.numel() == 0, f"{name}: {bad.numel()} records differ, first row {bad[:3].tolist()}"
 
 
+@needs_run
 def test_index_q_quant_bit_exact_on_hard_values() -> None:
     q = _hard_values(24, 64, torch.bfloat16).view(6, 4, 64)
     want = rindexer.index_q_quant(q=q)
@@ -103,6 +105,7 @@ def test_index_q_quant_bit_exact_on_hard_values() -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@needs_run
 def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(-3, 4, (6, 300), generator=g).float()  # massive exact ties
@@ -116,6 +119,7 @@ def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     assert torch.equal(got, want)
 
 
+@needs_run
 def test_candidate_mask_ties_and_pinned_block() -> None:
     g = torch.Generator().manual_seed(4)
     logits = torch.randint(-2, 3, (5, 203), generator=g).float()
@@ -125,3 +129,79 @@ def test_candidate_mask_ties_and_pinned_block() -> None:
     got = tindexer.candidate_mask(logits=logits.to(DEV), n_visible=n.to(DEV), block_size=8,
                                   topk_blocks=7).cpu()
     assert torch.equal(got, want)
+
+
+def _scores_inputs(t: int, h: int, d: int, n_req: int, rows: int, rpb: int, seed: int,
+                   one_request: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    nb = (rows + rpb - 1) // rpb
+    table = torch.randperm(n_req * nb + 3, generator=g)[:n_req * nb].view(n_req, nb)
+    keys = torch.randn((n_req * nb + 3) * rpb, d, generator=g)
+    keys[::5] *= 2.0 ** -100  # small UE8M0 scales (subnormal-range products)
+    keys[1::7] *= 2.0 ** 40
+    cache = pack_index_k_record(keys)
+    req = (torch.zeros(t, dtype=torch.long) if one_request
+           else torch.randint(0, n_req, (t,), generator=g))
+    nv = torch.randint(0, rows + 1, (t,), generator=g)
+    if t:
+        nv[0] = rows
+    return {"q": torch.randn(t, h, d, generator=g).to(torch.bfloat16),
+            "weights": torch.randn(t, h, generator=g), "k_cache": cache,
+            "block_table": table.to(torch.int32), "req": req, "n_visible": nv,
+            "num_rows": rows, "rows_per_block": rpb}
+
+
+@needs_run
+@pytest.mark.parametrize("t,h,d,n_req,rows,rpb,tb,one", [
+    (1, 32, 128, 1, 200, 16, None, False),   # decode, RPB % 16 == 0 (the faulting case)
+    (7, 3, 128, 2, 77, 4, None, False),      # odd heads (HP padding), odd rows
+    (9, 32, 128, 1, 130, 64, 4, True),       # prefill tiling: 4 tokens share a key tile
+    (11, 8, 128, 3, 100, 16, 4, False),      # mixed requests in a token block: fallback
+    (5, 4, 256, 2, 70, 16, 2, False),        # Di = 256 (two scale words)
+    (0, 32, 128, 1, 64, 16, None, False),    # empty batch
+    (3, 32, 128, 1, 0, 16, None, False),     # no rows
+])
+def test_index_scores_matches_reference(t, h, d, n_req, rows, rpb, tb, one) -> None:
+    kw = _scores_inputs(t, h, d, n_req, rows, rpb, seed=1000 + t * 7 + rows, one_request=one)
+    want = rindexer.index_scores(**kw)
+    dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    assert tindexer._supports_scores(**dev_kw)
+    got = tindexer.index_scores_tuned(**dev_kw, tb=tb).cpu()
+    assert got.shape == want.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    assert torch.isfinite(got[fin]).all()
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
+
+
+def test_index_scores_kernel_emits_no_vector_loads_of_records() -> None:
+    """Compile the scores kernel for sm_90 (PTX only: no GPU needed) with the launcher's
+    specialisation at the probe shape (pointers and multiples of 16 get tt.divisibility 16,
+    except the kernel's do_not_specialize arguments) and check that no global load is wider
+    than 4 bytes. q/w/table strides are left unspecialised so that only the key records could
+    be vectorised: a 16-byte load at a 68-byte record offset is the misaligned-address fault."""
+    if INTERP:
+        pytest.skip("compiles PTX: run without TRITON_INTERPRET")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = tindexer._scores_kernel
+    names = kern.arg_names
+    ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kw_ptr": "*i32", "bt_ptr": "*i32",
+            "req_ptr": "*i64", "nv_ptr": "*i64", "o_ptr": "*fp32"}
+    ints = {"T": 256, "H": 32, "N": 2048, "RPB": 256, "sq_t": 4096, "sq_h": 128, "sq_d": 3,
+            "sw_t": 32, "sw_h": 3, "bt_r": 8, "bt_c": 3}
+    consts = {"HP": 32, "DI": 128, "BN": 64, "TB": 4}
+    skip = {names[i] if isinstance(i, int) else i for i in kern.do_not_specialize or ()}
+    assert "RPB" in skip
+    sig = {n: ptrs.get(n, "i32") if n not in consts else "constexpr" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs or (n in ints and n not in skip and ints[n] % 16 == 0)}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    loads = set(re.findall(r"ld\.global[\w.]*", ptx))
+    assert loads and not any(".v2" in x or ".v4" in x for x in loads), loads
