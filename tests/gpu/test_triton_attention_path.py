@@ -27,7 +27,11 @@ from shoal.ops.reference import cache as rcache  # noqa: E402
 from shoal.ops.reference import indexer as rindexer  # noqa: E402
 from shoal.ops.triton import cache as tcache  # noqa: E402
 from shoal.ops.triton import indexer as tindexer  # noqa: E402
-from shoal.quant.records import pack_index_k_record  # noqa: E402
+from shoal.quant.records import (  # noqa: E402
+    pack_compressed_record,
+    pack_index_k_record,
+    pack_swa_record,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -205,3 +209,54 @@ def test_index_scores_kernel_emits_no_vector_loads_of_records() -> None:
                          options={"num_warps": 4}).asm["ptx"]
     loads = set(re.findall(r"ld\.global[\w.]*", ptx))
     assert loads and not any(".v2" in x or ".v4" in x for x in loads), loads
+
+
+def _attn_inputs(t: int, h: int, d: int, n_swa: int, n_comp: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pool = 97
+    keys = torch.randn(pool, d, generator=g)
+    keys[::9] *= 2.0 ** -20  # wide scale range across records
+    keys[1::11] *= 30.0
+    swa_idx = torch.randint(-1, pool, (t, n_swa), generator=g, dtype=torch.int32)
+    comp_idx = torch.randint(-1, pool, (t, n_comp), generator=g, dtype=torch.int32)
+    if t:
+        swa_idx[0] = -1
+        comp_idx[0] = -1  # an all-empty row: output 0
+    if t > 1:
+        swa_idx[1, 3:] = -1  # a row with only a few keys
+    return {"q": (torch.randn(t, h, d, generator=g) * 2).to(torch.bfloat16),
+            "swa_cache": pack_swa_record(keys),
+            "swa_idx": swa_idx, "comp_cache": pack_compressed_record(keys.flip(0)),
+            "comp_idx": comp_idx if n_comp else None,
+            "sink": torch.randn(h, generator=g), "scale": d ** -0.5}
+
+
+ATTN_VARIANTS = [
+    ("flat", {}), ("flat-d2-qloop", {"dsplit": 2, "q_in_loop": True}),
+    ("flat-bn32-nobcast", {"block_n": 32, "scale_bcast": False}),
+    ("chunked", {"variant": "chunked"}), ("chunked-keep", {"variant": "chunked", "keep_k": True}),
+    ("chunked-d2", {"variant": "chunked", "dsplit": 2}),
+    ("chunked-d4-bn32", {"variant": "chunked", "dsplit": 4, "block_n": 32}),
+]
+
+
+@needs_run
+@pytest.mark.parametrize("vname,opts", ATTN_VARIANTS, ids=[v[0] for v in ATTN_VARIANTS])
+@pytest.mark.parametrize("t,h,d,n_swa,n_comp,split", [
+    (3, 4, 128, 13, 70, 1), (3, 4, 128, 13, 70, 4), (2, 5, 256, 64, 0, 2), (0, 4, 128, 8, 8, None),
+])
+def test_sparse_attn_variants_match_reference(vname, opts, t, h, d, n_swa, n_comp,
+                                              split) -> None:
+    from shoal.ops.reference import attention as rattn
+    from shoal.ops.triton import attention as tattn
+
+    kw = _attn_inputs(t, h, d, n_swa, n_comp, seed=500 + t + d + n_comp)
+    if kw["comp_idx"] is None:
+        kw["comp_cache"] = None
+    want = rattn.sparse_attn_sink(**kw)
+    dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    got = tattn.sparse_attn(**dev_kw, split=split, **opts).cpu()
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    if t:
+        assert not got[0].any(), "an all-empty row must give 0"
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

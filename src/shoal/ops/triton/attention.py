@@ -186,6 +186,182 @@ def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.co
              mask=hmask[:, None])
 
 
+# ------------------------------------------------------------------ D-chunked variant (v2)
+
+
+@triton.jit
+def _ue8m0(e):
+    """int32 UE8M0 byte -> fp32 2^(e - 127) (byte 0 -> 2^-127)."""
+    return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swa_chunk(swa_ptr, row, valid, c0, BLOCK_N: tl.constexpr, DC: tl.constexpr,
+               D: tl.constexpr):
+    """SWA records (row byte offsets [N]) at columns c0 .. c0 + DC -> bf16 [N, DC]; each
+    UE8M0 byte is loaded once and broadcast over its 32 columns."""
+    codes = tl.load(swa_ptr + row[:, None] + c0 + tl.arange(0, DC)[None, :],
+                    mask=valid[:, None], other=0)
+    e = tl.load(swa_ptr + row[:, None] + D + c0 // 32 + tl.arange(0, DC // 32)[None, :],
+                mask=valid[:, None], other=127)
+    v = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                   (BLOCK_N, DC // 32, 32))
+    return tl.reshape(v * _ue8m0(e.to(tl.int32))[:, :, None], (BLOCK_N, DC)).to(tl.bfloat16)
+
+
+@triton.jit
+def _comp_chunk(comp_ptr, row, valid, c0, BLOCK_N: tl.constexpr, DC: tl.constexpr,
+                D: tl.constexpr):
+    """Compressed records at columns c0 .. c0 + DC -> bf16 [N, DC]; each e4m3 scale byte is
+    loaded once and broadcast over its 16 columns."""
+    packed = tl.load(comp_ptr + row[:, None] + c0 // 2 + tl.arange(0, DC // 2)[None, :],
+                     mask=valid[:, None], other=0).to(tl.int32)
+    lo = _e2m1_bits(packed & 0xF).to(tl.float32, bitcast=True)
+    hi = _e2m1_bits(packed >> 4).to(tl.float32, bitcast=True)
+    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, DC // 16, 16))
+    sb = tl.load(comp_ptr + row[:, None] + D // 2 + c0 // 16 + tl.arange(0, DC // 16)[None, :],
+                 mask=valid[:, None], other=0)
+    sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(v * sc[:, :, None], (BLOCK_N, DC)).to(tl.bfloat16)
+
+
+@triton.jit
+def _kchunk(kptr, row, valid, c0, COMP: tl.constexpr, BLOCK_N: tl.constexpr,
+            DC: tl.constexpr, D: tl.constexpr):
+    if COMP:
+        k = _comp_chunk(kptr, row, valid, c0, BLOCK_N, DC, D)
+    else:
+        k = _swa_chunk(kptr, row, valid, c0, BLOCK_N, DC, D)
+    return k
+
+
+@triton.jit
+def _chunked_step(q_base, hmask, kptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
+                  c_own, COMP: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr, NACC: tl.constexpr, KEEP_K: tl.constexpr):
+    """One block of BLOCK_N keys: s = q . k^T accumulated over 4 column chunks of D / 4 (the
+    key tile is never materialised whole), the online-softmax update, then acc_i += p . k
+    over this program's NACC output chunks c_own .. c_own + NACC - 1 (KEEP_K: reuse the
+    chunks of the score pass, NACC = 4 only; else dequantise them again: an L1 hit)."""
+    DC: tl.constexpr = D // 4
+    k0 = _kchunk(kptr, row, valid, 0, COMP, BLOCK_N, DC, D)
+    s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0))
+    k1 = _kchunk(kptr, row, valid, DC, COMP, BLOCK_N, DC, D)
+    s = tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1), s)
+    k2 = _kchunk(kptr, row, valid, 2 * DC, COMP, BLOCK_N, DC, D)
+    s = tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0), tl.trans(k2), s)
+    k3 = _kchunk(kptr, row, valid, 3 * DC, COMP, BLOCK_N, DC, D)
+    s = tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0), tl.trans(k3), s)
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    new_m = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - new_m)
+    p = tl.exp(s - new_m[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(tl.bfloat16)
+    if KEEP_K:
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+    else:
+        acc0 = tl.dot(p, _kchunk(kptr, row, valid, c_own * DC, COMP, BLOCK_N, DC, D),
+                      acc0 * alpha[:, None])
+        if NACC > 1:
+            acc1 = tl.dot(p, _kchunk(kptr, row, valid, (c_own + 1) * DC, COMP, BLOCK_N, DC, D),
+                          acc1 * alpha[:, None])
+        if NACC > 2:
+            acc2 = tl.dot(p, _kchunk(kptr, row, valid, (c_own + 2) * DC, COMP, BLOCK_N, DC, D),
+                          acc2 * alpha[:, None])
+            acc3 = tl.dot(p, _kchunk(kptr, row, valid, (c_own + 3) * DC, COMP, BLOCK_N, DC, D),
+                          acc3 * alpha[:, None])
+    return new_m, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_chunk(acc, c, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr, part_ptr,
+                 H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr):
+    DC: tl.constexpr = D // 4
+    cols = c * DC + tl.arange(0, DC)
+    if NSPLIT == 1:
+        tl.store(o_ptr + t * H * D + offs_h[:, None] * D + cols[None, :],
+                 (acc / denom[:, None]).to(tl.bfloat16), mask=hmask[:, None])
+    else:
+        base = (t * NSPLIT + split) * H
+        tl.store(part_ptr + (base + offs_h[:, None]) * D + cols[None, :], acc,
+                 mask=hmask[:, None])
+
+
+@triton.jit
+def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr,
+                                o_ptr, part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt,
+                                stride_qh, stride_si, stride_ci, H: tl.constexpr,
+                                HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                NSPLIT: tl.constexpr, DSPLIT: tl.constexpr,
+                                HAS_COMP: tl.constexpr, KEEP_K: tl.constexpr):
+    """Grid (T, NSPLIT, DSPLIT): program (t, split, dpart) scores all heads of token t (M =
+    HP) against its share of the index blocks and owns output chunks dpart * NACC ..
+    (dpart + 1) * NACC - 1 of the 4 chunks of D / 4 (DSPLIT > 1 recomputes the scores in every
+    D part: more matrix work, fewer registers). Same numerics as _sparse_attn_kernel."""
+    DC: tl.constexpr = D // 4
+    NACC: tl.constexpr = 4 // DSPLIT
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    c_own = tl.program_id(2) * NACC
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    q_base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + tl.arange(0, DC)[None, :]
+    nb_swa = tl.cdiv(n_swa, BLOCK_N)
+    nb = nb_swa
+    if HAS_COMP:
+        nb += tl.cdiv(n_comp, BLOCK_N)
+    per = tl.cdiv(nb, NSPLIT)
+    b0 = split * per
+    b1 = tl.minimum(b0 + per, nb)
+    m_i = tl.full((HP,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((HP,), dtype=tl.float32)
+    acc0 = tl.zeros((HP, DC), dtype=tl.float32)
+    acc1 = tl.zeros((HP, DC), dtype=tl.float32)
+    acc2 = tl.zeros((HP, DC), dtype=tl.float32)
+    acc3 = tl.zeros((HP, DC), dtype=tl.float32)
+    swa_rec: tl.constexpr = D + D // 32
+    for b in range(b0, tl.minimum(b1, nb_swa)):
+        n = b * BLOCK_N + offs_n
+        idx = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
+        valid = idx >= 0
+        row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
+        m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
+            q_base, hmask, swa_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale, c_own,
+            False, HP, BLOCK_N, D, NACC, KEEP_K)
+    if HAS_COMP:
+        comp_rec: tl.constexpr = D // 2 + D // 16
+        for b in range(tl.maximum(b0, nb_swa), b1):
+            n = (b - nb_swa) * BLOCK_N + offs_n
+            idx = tl.load(comp_idx_ptr + t * stride_ci + n, mask=n < n_comp, other=-1)
+            valid = idx >= 0
+            row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
+            m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
+                q_base, hmask, comp_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
+                c_own, True, HP, BLOCK_N, D, NACC, KEEP_K)
+    denom = l_i
+    if NSPLIT == 1:
+        denom = l_i + tl.exp(tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) - m_i)
+    else:
+        base = (t * NSPLIT + split) * H
+        tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
+    _store_chunk(acc0, c_own, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr, part_ptr, H, D,
+                 NSPLIT)
+    if NACC > 1:
+        _store_chunk(acc1, c_own + 1, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr,
+                     part_ptr, H, D, NSPLIT)
+    if NACC > 2:
+        _store_chunk(acc2, c_own + 2, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr,
+                     part_ptr, H, D, NSPLIT)
+        _store_chunk(acc3, c_own + 3, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr,
+                     part_ptr, H, D, NSPLIT)
+
+
 def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
     """Index-dimension split so that num_tokens * split programs cover about one wave."""
     split = 1
@@ -194,13 +370,29 @@ def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
     return split
 
 
+VARIANTS = ("flat", "chunked")
+
+
 def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
-                sink: torch.Tensor, scale: float, *, split: int | None = None,
-                block_n: int = 64, num_warps: int = 8, dsplit: int = 1,
-                q_in_loop: bool = False, scale_bcast: bool = True) -> torch.Tensor:
-    """The op with tuning knobs exposed (split=None: chosen from the SM count)."""
+                sink: torch.Tensor, scale: float, *, variant: str = "flat",
+                split: int | None = None, block_n: int = 64, num_warps: int = 8,
+                num_stages: int = 1, dsplit: int = 1, q_in_loop: bool = False,
+                scale_bcast: bool = True, keep_k: bool = False) -> torch.Tensor:
+    """The op with tuning knobs exposed (split=None: chosen from the SM count).
+
+    variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
+    dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
+    byte once). variant "chunked": _sparse_attn_chunked_kernel (D in 4 chunks, D >= 128;
+    dsplit in 1, 2, 4 output-chunk groups per program, keep_k (dsplit 1 only) keeps the score
+    pass's key chunks for P.V instead of dequantising them again). Host-sync free: shapes only.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}")
     t, h, d = q.shape
+    if variant == "chunked" and (d < 128 or dsplit not in (1, 2, 4) or (keep_k and dsplit != 1)):
+        raise ValueError(f"chunked: needs D >= 128, dsplit in (1, 2, 4), keep_k only with "
+                         f"dsplit 1 (D={d}, dsplit={dsplit}, keep_k={keep_k})")
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
     if t == 0:
         return out
@@ -220,7 +412,8 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
         comp_idx, comp_cache = swa_idx, swa_cache  # unused
     nb = triton.cdiv(n_swa, block_n) + triton.cdiv(n_comp, block_n)
     if split is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count \
+            if q.is_cuda else 132
         split = choose_split(t * dsplit, nb, sms)
     sink = sink.float().contiguous()
     if split > 1:
@@ -228,16 +421,22 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
         ml = torch.empty(t, split, h, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    _sparse_attn_kernel[(t, split, dsplit)](
-        q, swa_cache, swa_idx, comp_cache, comp_idx, sink, out, part, ml, n_swa, n_comp,
-        float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0), H=h,
-        HP=max(16, triton.next_power_of_2(h)), D=d,
-        BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit, HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop,
-        SCALE_BCAST=scale_bcast, num_warps=num_warps, num_stages=1)
+    common = (q, swa_cache, swa_idx, comp_cache, comp_idx, sink, out, part, ml, n_swa, n_comp,
+              float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0))
+    hp = max(16, triton.next_power_of_2(h))
+    if variant == "flat":
+        _sparse_attn_kernel[(t, split, dsplit)](
+            *common, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
+            HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop, SCALE_BCAST=scale_bcast,
+            num_warps=num_warps, num_stages=num_stages)
+    else:
+        _sparse_attn_chunked_kernel[(t, split, dsplit)](
+            *common, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
+            HAS_COMP=has_comp, KEEP_K=keep_k, num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         hb = 16
-        _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split, HB=hb,
-                                      num_warps=4)
+        _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split,
+                                                 HB=hb, num_warps=4)
     return out
 
 
