@@ -237,6 +237,8 @@ ATTN_VARIANTS = [
     ("chunked", {"variant": "chunked"}), ("chunked-keep", {"variant": "chunked", "keep_k": True}),
     ("chunked-d2", {"variant": "chunked", "dsplit": 2}),
     ("chunked-d4-bn32", {"variant": "chunked", "dsplit": 4, "block_n": 32}),
+    ("chunked-pmem", {"variant": "chunked", "p_mem": True}),
+    ("chunked-pmem-d2-bn32", {"variant": "chunked", "p_mem": True, "dsplit": 2, "block_n": 32}),
 ]
 
 

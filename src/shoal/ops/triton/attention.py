@@ -237,27 +237,59 @@ def _kchunk(kptr, row, valid, c0, COMP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _chunked_step(q_base, hmask, kptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
-                  c_own, COMP: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  D: tl.constexpr, NACC: tl.constexpr, KEEP_K: tl.constexpr):
+                  c_own, p_scr, a_scr, COMP: tl.constexpr, HP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, D: tl.constexpr, NACC: tl.constexpr,
+                  KEEP_K: tl.constexpr, P_MEM: tl.constexpr):
     """One block of BLOCK_N keys: s = q . k^T accumulated over 4 column chunks of D / 4 (the
     key tile is never materialised whole), the online-softmax update, then acc_i += p . k
     over this program's NACC output chunks c_own .. c_own + NACC - 1 (KEEP_K: reuse the
-    chunks of the score pass, NACC = 4 only; else dequantise them again: an L1 hit)."""
+    chunks of the score pass, NACC = 4 only; else dequantise them again: an L1 hit).
+
+    P_MEM: P and the rescale factors reach the P.V dots through this program's global scratch
+    (p_scr [HP, BLOCK_N] bf16, a_scr [HP] fp32; L1/L2-resident, fenced by CTA barriers), and
+    the four score dots are summed instead of chained. Otherwise Triton sees a score dot
+    feeding another dot and lays its warps all along M ([num_warps, 1]): with M = 64 heads
+    and 8 warps both warpgroups then compute the same scores. Unchained, the score dots get a
+    [4, 2] split (no duplicate matrix work)."""
     DC: tl.constexpr = D // 4
     k0 = _kchunk(kptr, row, valid, 0, COMP, BLOCK_N, DC, D)
-    s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0))
+    if P_MEM:  # unchained: Triton folds dot + dot into a chain, a scaled dot it cannot fold
+        s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0)) * scale
+    else:
+        s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0))
     k1 = _kchunk(kptr, row, valid, DC, COMP, BLOCK_N, DC, D)
-    s = tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1), s)
+    if P_MEM:
+        s += tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1)) * scale
+    else:
+        s = tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1), s)
     k2 = _kchunk(kptr, row, valid, 2 * DC, COMP, BLOCK_N, DC, D)
-    s = tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0), tl.trans(k2), s)
+    if P_MEM:
+        s += tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0),
+                    tl.trans(k2)) * scale
+    else:
+        s = tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0), tl.trans(k2), s)
     k3 = _kchunk(kptr, row, valid, 3 * DC, COMP, BLOCK_N, DC, D)
-    s = tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0), tl.trans(k3), s)
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    if P_MEM:
+        s += tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0),
+                    tl.trans(k3)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+    else:
+        s = tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0), tl.trans(k3), s)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
     new_m = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - new_m)
     p = tl.exp(s - new_m[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     p = p.to(tl.bfloat16)
+    if P_MEM:
+        offs_h = tl.arange(0, HP)
+        p_ptrs = p_scr + offs_h[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.debug_barrier()  # the previous block's reads of the scratch are done
+        tl.store(p_ptrs, p)
+        tl.store(a_scr + offs_h, alpha)
+        tl.debug_barrier()
+        p = tl.load(p_ptrs)
+        alpha = tl.load(a_scr + offs_h)
     if KEEP_K:
         acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
         acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
@@ -294,10 +326,11 @@ def _store_chunk(acc, c, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr, part_p
 @triton.jit
 def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr,
                                 o_ptr, part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt,
-                                stride_qh, stride_si, stride_ci, H: tl.constexpr,
+                                stride_qh, stride_si, stride_ci, scr_ptr, H: tl.constexpr,
                                 HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                 NSPLIT: tl.constexpr, DSPLIT: tl.constexpr,
-                                HAS_COMP: tl.constexpr, KEEP_K: tl.constexpr):
+                                HAS_COMP: tl.constexpr, KEEP_K: tl.constexpr,
+                                P_MEM: tl.constexpr):
     """Grid (T, NSPLIT, DSPLIT): program (t, split, dpart) scores all heads of token t (M =
     HP) against its share of the index blocks and owns output chunks dpart * NACC ..
     (dpart + 1) * NACC - 1 of the 4 chunks of D / 4 (DSPLIT > 1 recomputes the scores in every
@@ -324,6 +357,10 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
     acc1 = tl.zeros((HP, DC), dtype=tl.float32)
     acc2 = tl.zeros((HP, DC), dtype=tl.float32)
     acc3 = tl.zeros((HP, DC), dtype=tl.float32)
+    # P_MEM scratch of this program: HP * BLOCK_N bf16 (P), then HP fp32 (alpha)
+    pid = (t * NSPLIT + split) * DSPLIT + tl.program_id(2)
+    p_scr = scr_ptr + pid * (HP * BLOCK_N + 2 * HP)
+    a_scr = (p_scr + HP * BLOCK_N).to(tl.pointer_type(tl.float32), bitcast=True)
     swa_rec: tl.constexpr = D + D // 32
     for b in range(b0, tl.minimum(b1, nb_swa)):
         n = b * BLOCK_N + offs_n
@@ -332,7 +369,7 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
         row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
         m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
             q_base, hmask, swa_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale, c_own,
-            False, HP, BLOCK_N, D, NACC, KEEP_K)
+            p_scr, a_scr, False, HP, BLOCK_N, D, NACC, KEEP_K, P_MEM)
     if HAS_COMP:
         comp_rec: tl.constexpr = D // 2 + D // 16
         for b in range(tl.maximum(b0, nb_swa), b1):
@@ -342,7 +379,7 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
             row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
             m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
                 q_base, hmask, comp_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
-                c_own, True, HP, BLOCK_N, D, NACC, KEEP_K)
+                c_own, p_scr, a_scr, True, HP, BLOCK_N, D, NACC, KEEP_K, P_MEM)
     denom = l_i
     if NSPLIT == 1:
         denom = l_i + tl.exp(tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) - m_i)
@@ -378,14 +415,16 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 sink: torch.Tensor, scale: float, *, variant: str = "flat",
                 split: int | None = None, block_n: int = 64, num_warps: int = 8,
                 num_stages: int = 1, dsplit: int = 1, q_in_loop: bool = False,
-                scale_bcast: bool = True, keep_k: bool = False) -> torch.Tensor:
+                scale_bcast: bool = True, keep_k: bool = False,
+                p_mem: bool = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: chosen from the SM count).
 
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
     dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
     byte once). variant "chunked": _sparse_attn_chunked_kernel (D in 4 chunks, D >= 128;
     dsplit in 1, 2, 4 output-chunk groups per program, keep_k (dsplit 1 only) keeps the score
-    pass's key chunks for P.V instead of dequantising them again). Host-sync free: shapes only.
+    pass's key chunks for P.V instead of dequantising them again), p_mem routes P through a
+    scratch buffer (see _chunked_step). Host-sync free: shapes only.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
@@ -430,9 +469,12 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
             HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop, SCALE_BCAST=scale_bcast,
             num_warps=num_warps, num_stages=num_stages)
     else:
+        scr = torch.empty(t * split * dsplit * (hp * block_n + 2 * hp) if p_mem else 1,
+                          dtype=torch.bfloat16, device=q.device)
         _sparse_attn_chunked_kernel[(t, split, dsplit)](
-            *common, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
-            HAS_COMP=has_comp, KEEP_K=keep_k, num_warps=num_warps, num_stages=num_stages)
+            *common, scr, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
+            HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, num_warps=num_warps,
+            num_stages=num_stages)
     if split > 1:
         hb = 16
         _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split,
