@@ -5,9 +5,9 @@ over paged MXFP4 index-key records, and the exact selections `topk_rows` and `ca
 - index_scores: one program per (block of TB tokens, 64-row tile): records are gathered
   through the block table as int32 words (a 68-B record is 17 words; record offsets are only
   4-byte aligned, so every load is one scalar word) and dequantised to bf16 in registers
-  (e2m1 * 2^e is exact); q . k runs on the matrix unit (fp32 accumulation, M = TB * heads, so
-  a prefill chunk's tokens share each key tile), then relu, the head-weighted sum and the
-  visibility mask. TB = 1 for decode-sized batches.
+  (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request in turn
+  (prefill: TB tokens per dequantised tile): q . k on the matrix unit (fp32 accumulation),
+  relu, the head-weighted sum and the visibility mask. TB = 1 for decode-sized batches.
 - Selection: one program per query row finds the k-th largest value exactly by a 32-step
   bisection on order-preserving integer keys (counting passes over the row), then one ordered
   pass selects every value above it plus the lowest-index ties (the reference's stable order)
@@ -90,31 +90,28 @@ def _index_k_tile(kw_ptr, bt_ptr, r, j, valid, RPB, bt_r, bt_c, DI: tl.constexpr
 
 
 @triton.jit
-def _score_tokens(q_ptr, w_ptr, o_ptr, k, tt, tmask, nv, j, H, N, sq_t, sq_h, sq_d, sw_t, sw_h,
-                  HP: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, TB: tl.constexpr):
-    """Logits of tokens tt [TB] (one request) against the key tile k [BN, DI] -> stored."""
+def _score_token(q_ptr, w_ptr, o_ptr, k, t, nv, j, H, N, sq_t, sq_h, sq_d, sw_t, sw_h,
+                 HP: tl.constexpr, DI: tl.constexpr):
+    """Logits of token t against the key tile k [BN, DI] (rows j), stored to o[t, j]."""
     hh = tl.arange(0, HP)
     hmask = hh < H
-    dd = tl.arange(0, DI)
-    q = tl.load(q_ptr + tt[:, None, None] * sq_t + hh[None, :, None] * sq_h
-                + dd[None, None, :] * sq_d,
-                mask=tmask[:, None, None] & hmask[None, :, None], other=0.0)
-    s = tl.maximum(tl.dot(tl.reshape(q, (TB * HP, DI)), tl.trans(k)), 0.0)  # fp32
-    w = tl.load(w_ptr + tt[:, None] * sw_t + hh[None, :] * sw_h,
-                mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-    logit = tl.sum(tl.reshape(s, (TB, HP, BN)) * w[:, :, None], axis=1)  # [TB, BN]
-    logit = tl.where(j[None, :] < nv[:, None], logit, float("-inf"))
-    tl.store(o_ptr + tt[:, None] * N + j[None, :], logit,
-             mask=tmask[:, None] & (j < N)[None, :])
+    q = tl.load(q_ptr + t * sq_t + hh[:, None] * sq_h + tl.arange(0, DI)[None, :] * sq_d,
+                mask=hmask[:, None], other=0.0)
+    s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0)  # [HP, BN] fp32
+    w = tl.load(w_ptr + t * sw_t + hh * sw_h, mask=hmask, other=0.0).to(tl.float32)
+    logit = tl.sum(s * w[:, None], axis=0)
+    logit = tl.where(j < nv, logit, float("-inf"))
+    tl.store(o_ptr + t * N + j, logit, mask=j < N)
 
 
 @triton.jit(do_not_specialize=["RPB"])
 def _scores_kernel(q_ptr, w_ptr, kw_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, T, H, N, RPB, sq_t,
                    sq_h, sq_d, sw_t, sw_h, bt_r, bt_c, HP: tl.constexpr, DI: tl.constexpr,
                    BN: tl.constexpr, TB: tl.constexpr):
-    """One program per (block of TB tokens, tile of BN rows). When the TB tokens belong to one
-    request (prefill chunks), one dequantised key tile feeds all of them (matrix-unit M =
-    TB * HP); otherwise each token loads its own tile.
+    """One program per (block of TB tokens, tile of BN rows). The key tile is dequantised
+    once per request met in the token block (a prefill chunk: once) and feeds the tokens in
+    turn; it covers the rows visible to any token of that request in the block (the block
+    table is allocated that far), each token masks its own.
 
     RPB must not be specialised: Triton's axis analysis gives blk * RPB + j % RPB the
     divisibility of RPB when RPB % 16 == 0 (although the sum is not a multiple of 16), then
@@ -122,25 +119,21 @@ def _scores_kernel(q_ptr, w_ptr, kw_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, T, H, N
     t0 = tl.program_id(0).to(tl.int64) * TB
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     tt = t0 + tl.arange(0, TB)
-    tmask = tt < T
-    req = tl.load(req_ptr + tt, mask=tmask, other=0).to(tl.int64)
-    nv = tl.load(nv_ptr + tt, mask=tmask, other=0)
-    r0 = tl.load(req_ptr + t0).to(tl.int64)
-    if tl.sum(((req != r0) & tmask).to(tl.int32), axis=0) == 0:
-        valid = (j < tl.max(nv, axis=0)) & (j < N)
-        k = _index_k_tile(kw_ptr, bt_ptr, r0, j, valid, RPB, bt_r, bt_c, DI, BN)
-        _score_tokens(q_ptr, w_ptr, o_ptr, k, tt, tmask, nv, j, H, N, sq_t, sq_h, sq_d, sw_t,
-                      sw_h, HP, DI, BN, TB)
-    else:
-        for i in range(TB):
-            t1 = t0 + i + tl.arange(0, 1)
-            m1 = t1 < T
-            nv1 = tl.load(nv_ptr + t1, mask=m1, other=0)
-            r1 = tl.sum(tl.load(req_ptr + t1, mask=m1, other=0).to(tl.int64), axis=0)
-            valid = (j < tl.max(nv1, axis=0)) & (j < N)
-            k = _index_k_tile(kw_ptr, bt_ptr, r1, j, valid, RPB, bt_r, bt_c, DI, BN)
-            _score_tokens(q_ptr, w_ptr, o_ptr, k, t1, m1, nv1, j, H, N, sq_t, sq_h, sq_d, sw_t,
-                          sw_h, HP, DI, BN, 1)
+    req_v = tl.load(req_ptr + tt, mask=tt < T, other=-1).to(tl.int64)
+    nv_v = tl.load(nv_ptr + tt, mask=tt < T, other=0)
+    r_cur = tl.full((), -1, tl.int64)
+    k = tl.zeros((BN, DI), dtype=tl.bfloat16)
+    for i in range(TB):
+        t = t0 + i
+        if t < T:
+            r = tl.load(req_ptr + t).to(tl.int64)
+            if r != r_cur:
+                nv_r = tl.max(tl.where(req_v == r, nv_v, 0), axis=0)
+                k = _index_k_tile(kw_ptr, bt_ptr, r, j, (j < nv_r) & (j < N), RPB, bt_r, bt_c,
+                                  DI, BN)
+                r_cur = r
+            _score_token(q_ptr, w_ptr, o_ptr, k, t, tl.load(nv_ptr + t), j, H, N, sq_t, sq_h,
+                         sq_d, sw_t, sw_h, HP, DI)
 
 
 def _supports_scores(*, q: torch.Tensor, k_cache: torch.Tensor, **_) -> bool:
@@ -154,16 +147,18 @@ def _supports_scores(*, q: torch.Tensor, k_cache: torch.Tensor, **_) -> bool:
 def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                        block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
                        num_rows: int, rows_per_block: int, *, tb: int | None = None,
-                       bn: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """The op with its tiling exposed (tb: tokens per program; None = 1 for decode-sized T,
-    else 128 // padded heads)."""
+                       bn: int = 64, num_warps: int | None = None) -> torch.Tensor:
+    """The op with its tiling exposed (tb: tokens per program, each key tile is reused by the
+    block's tokens of its request; None = 1 for decode-sized T, else 8)."""
     t, h, d = q.shape
     out = torch.empty(t, num_rows, dtype=torch.float32, device=q.device)
     if t == 0 or num_rows == 0:
         return out.fill_(float("-inf"))
     hp = max(16, triton.next_power_of_2(h))
     if tb is None:
-        tb = 1 if t <= 64 else max(1, 128 // hp)
+        tb = 1 if t <= 64 else 8
+    if num_warps is None:  # sm_90 static counts: no spills at (1, 64, 4) and (8, 64, 8)
+        num_warps = 4 if tb == 1 else 8
     kw = k_cache.view(torch.int32)  # [rows, record / 4]; records are 4-byte aligned
     _scores_kernel[(triton.cdiv(t, tb), triton.cdiv(num_rows, bn))](
         q, weights, kw, block_table, req, n_visible, out, t, h, num_rows, rows_per_block,
