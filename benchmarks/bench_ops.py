@@ -199,7 +199,9 @@ ATTN_VARIANTS = {
     "pmem": dict(variant="chunked", p_mem=True),
     "pmem-bn32": dict(variant="chunked", p_mem=True, block_n=32),
     "pmem-d2": dict(variant="chunked", p_mem=True, dsplit=2),
-    "pmem-bn32-ns2": dict(variant="chunked", p_mem=True, block_n=32, num_stages=2),
+    "pmem-bn32-s1": dict(variant="chunked", p_mem=True, block_n=32, split=1),
+    "pmem-qres": dict(variant="chunked", p_mem=True, q_res=True),
+    "pmem-qres-bn32": dict(variant="chunked", p_mem=True, q_res=True, block_n=32),
 }
 
 
@@ -217,7 +219,7 @@ def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
         good = True
         for split in (1, None):
             try:
-                got = tri_attn.sparse_attn(**kw, split=split, **opts)
+                got = tri_attn.sparse_attn(**kw, **{"split": split, **opts})
                 torch.cuda.synchronize()
             except Exception as exc:  # a variant that fails to compile is reported, not fatal
                 log(f"check sparse_attn_sink[{vname}]: failed {type(exc).__name__}: "
@@ -246,9 +248,9 @@ def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
                 continue
             block_n = opts.get("block_n", 64)
             nb = -(-n_swa // block_n) + -(-n_comp // block_n)
-            split = tri_attn.choose_split(t * opts.get("dsplit", 1), nb,
-                                          torch.cuda.get_device_properties(0)
-                                          .multi_processor_count)
+            split = opts.get("split") or tri_attn.choose_split(
+                t * opts.get("dsplit", 1), nb,
+                torch.cuda.get_device_properties(0).multi_processor_count)
             record(f"sparse_attn[{vname}]", f"T{t}xH{h}xD{d} swa{n_swa}+comp{n_comp}", ms,
                    flops, nbytes, BF16_PEAK, split=split,
                    frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))

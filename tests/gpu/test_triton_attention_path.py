@@ -239,6 +239,8 @@ ATTN_VARIANTS = [
     ("chunked-d4-bn32", {"variant": "chunked", "dsplit": 4, "block_n": 32}),
     ("chunked-pmem", {"variant": "chunked", "p_mem": True}),
     ("chunked-pmem-d2-bn32", {"variant": "chunked", "p_mem": True, "dsplit": 2, "block_n": 32}),
+    ("chunked-pmem-qres", {"variant": "chunked", "p_mem": True, "q_res": True}),
+    ("chunked-qres-d4", {"variant": "chunked", "q_res": True, "dsplit": 4}),
 ]
 
 

@@ -236,13 +236,15 @@ def _kchunk(kptr, row, valid, c0, COMP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _chunked_step(q_base, hmask, kptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
-                  c_own, p_scr, a_scr, COMP: tl.constexpr, HP: tl.constexpr,
+def _chunked_step(q_base, q0, q1, q2, q3, hmask, kptr, row, valid, m_i, l_i, acc0, acc1, acc2,
+                  acc3, scale, c_own, p_scr, a_scr, COMP: tl.constexpr, HP: tl.constexpr,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, NACC: tl.constexpr,
-                  KEEP_K: tl.constexpr, P_MEM: tl.constexpr):
+                  KEEP_K: tl.constexpr, P_MEM: tl.constexpr, Q_RES: tl.constexpr):
     """One block of BLOCK_N keys: s = q . k^T accumulated over 4 column chunks of D / 4 (the
     key tile is never materialised whole), the online-softmax update, then acc_i += p . k
-    over this program's NACC output chunks c_own .. c_own + NACC - 1 (KEEP_K: reuse the
+    over this program's NACC output chunks c_own .. c_own + NACC - 1. The q chunks are
+    q0 .. q3 (Q_RES: loaded once per program) or loaded here from q_base (an L1/L2 hit).
+    KEEP_K: reuse the
     chunks of the score pass, NACC = 4 only; else dequantise them again: an L1 hit).
 
     P_MEM: P and the rescale factors reach the P.V dots through this program's global scratch
@@ -253,28 +255,34 @@ def _chunked_step(q_base, hmask, kptr, row, valid, m_i, l_i, acc0, acc1, acc2, a
     [4, 2] split (no duplicate matrix work)."""
     DC: tl.constexpr = D // 4
     k0 = _kchunk(kptr, row, valid, 0, COMP, BLOCK_N, DC, D)
+    if not Q_RES:
+        q0 = tl.load(q_base, mask=hmask[:, None], other=0.0)
     if P_MEM:  # unchained: Triton folds dot + dot into a chain, a scaled dot it cannot fold
-        s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0)) * scale
+        s = tl.dot(q0, tl.trans(k0)) * scale
     else:
-        s = tl.dot(tl.load(q_base, mask=hmask[:, None], other=0.0), tl.trans(k0))
+        s = tl.dot(q0, tl.trans(k0))
     k1 = _kchunk(kptr, row, valid, DC, COMP, BLOCK_N, DC, D)
+    if not Q_RES:
+        q1 = tl.load(q_base + DC, mask=hmask[:, None], other=0.0)
     if P_MEM:
-        s += tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1)) * scale
+        s += tl.dot(q1, tl.trans(k1)) * scale
     else:
-        s = tl.dot(tl.load(q_base + DC, mask=hmask[:, None], other=0.0), tl.trans(k1), s)
+        s = tl.dot(q1, tl.trans(k1), s)
     k2 = _kchunk(kptr, row, valid, 2 * DC, COMP, BLOCK_N, DC, D)
+    if not Q_RES:
+        q2 = tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0)
     if P_MEM:
-        s += tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0),
-                    tl.trans(k2)) * scale
+        s += tl.dot(q2, tl.trans(k2)) * scale
     else:
-        s = tl.dot(tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0), tl.trans(k2), s)
+        s = tl.dot(q2, tl.trans(k2), s)
     k3 = _kchunk(kptr, row, valid, 3 * DC, COMP, BLOCK_N, DC, D)
+    if not Q_RES:
+        q3 = tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0)
     if P_MEM:
-        s += tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0),
-                    tl.trans(k3)) * scale
+        s += tl.dot(q3, tl.trans(k3)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
     else:
-        s = tl.dot(tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0), tl.trans(k3), s)
+        s = tl.dot(q3, tl.trans(k3), s)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
     new_m = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - new_m)
@@ -330,7 +338,7 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
                                 HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                 NSPLIT: tl.constexpr, DSPLIT: tl.constexpr,
                                 HAS_COMP: tl.constexpr, KEEP_K: tl.constexpr,
-                                P_MEM: tl.constexpr):
+                                P_MEM: tl.constexpr, Q_RES: tl.constexpr):
     """Grid (T, NSPLIT, DSPLIT): program (t, split, dpart) scores all heads of token t (M =
     HP) against its share of the index blocks and owns output chunks dpart * NACC ..
     (dpart + 1) * NACC - 1 of the 4 chunks of D / 4 (DSPLIT > 1 recomputes the scores in every
@@ -361,6 +369,12 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
     pid = (t * NSPLIT + split) * DSPLIT + tl.program_id(2)
     p_scr = scr_ptr + pid * (HP * BLOCK_N + 2 * HP)
     a_scr = (p_scr + HP * BLOCK_N).to(tl.pointer_type(tl.float32), bitcast=True)
+    q0, q1, q2, q3 = 0, 0, 0, 0  # Q_RES: the q chunks, loaded once per program
+    if Q_RES:
+        q0 = tl.load(q_base, mask=hmask[:, None], other=0.0)
+        q1 = tl.load(q_base + DC, mask=hmask[:, None], other=0.0)
+        q2 = tl.load(q_base + 2 * DC, mask=hmask[:, None], other=0.0)
+        q3 = tl.load(q_base + 3 * DC, mask=hmask[:, None], other=0.0)
     swa_rec: tl.constexpr = D + D // 32
     for b in range(b0, tl.minimum(b1, nb_swa)):
         n = b * BLOCK_N + offs_n
@@ -368,8 +382,8 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
         valid = idx >= 0
         row = tl.maximum(idx, 0).to(tl.int64) * swa_rec
         m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
-            q_base, hmask, swa_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale, c_own,
-            p_scr, a_scr, False, HP, BLOCK_N, D, NACC, KEEP_K, P_MEM)
+            q_base, q0, q1, q2, q3, hmask, swa_ptr, row, valid, m_i, l_i, acc0, acc1, acc2,
+            acc3, scale, c_own, p_scr, a_scr, False, HP, BLOCK_N, D, NACC, KEEP_K, P_MEM, Q_RES)
     if HAS_COMP:
         comp_rec: tl.constexpr = D // 2 + D // 16
         for b in range(tl.maximum(b0, nb_swa), b1):
@@ -378,8 +392,9 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
             valid = idx >= 0
             row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
             m_i, l_i, acc0, acc1, acc2, acc3 = _chunked_step(
-                q_base, hmask, comp_ptr, row, valid, m_i, l_i, acc0, acc1, acc2, acc3, scale,
-                c_own, p_scr, a_scr, True, HP, BLOCK_N, D, NACC, KEEP_K, P_MEM)
+                q_base, q0, q1, q2, q3, hmask, comp_ptr, row, valid, m_i, l_i, acc0, acc1,
+                acc2, acc3, scale, c_own, p_scr, a_scr, True, HP, BLOCK_N, D, NACC, KEEP_K,
+                P_MEM, Q_RES)
     denom = l_i
     if NSPLIT == 1:
         denom = l_i + tl.exp(tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) - m_i)
@@ -415,8 +430,8 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 sink: torch.Tensor, scale: float, *, variant: str = "flat",
                 split: int | None = None, block_n: int = 64, num_warps: int = 8,
                 num_stages: int = 1, dsplit: int = 1, q_in_loop: bool = False,
-                scale_bcast: bool = True, keep_k: bool = False,
-                p_mem: bool = False) -> torch.Tensor:
+                scale_bcast: bool = True, keep_k: bool = False, p_mem: bool = False,
+                q_res: bool = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: chosen from the SM count).
 
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
@@ -424,7 +439,8 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     byte once). variant "chunked": _sparse_attn_chunked_kernel (D in 4 chunks, D >= 128;
     dsplit in 1, 2, 4 output-chunk groups per program, keep_k (dsplit 1 only) keeps the score
     pass's key chunks for P.V instead of dequantising them again), p_mem routes P through a
-    scratch buffer (see _chunked_step). Host-sync free: shapes only.
+    scratch buffer (see _chunked_step), q_res loads q once per program instead of per block.
+    Host-sync free: shapes only.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
@@ -473,7 +489,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                           dtype=torch.bfloat16, device=q.device)
         _sparse_attn_chunked_kernel[(t, split, dsplit)](
             *common, scr, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
-            HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, num_warps=num_warps,
+            HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, Q_RES=q_res, num_warps=num_warps,
             num_stages=num_stages)
     if split > 1:
         hb = 16
