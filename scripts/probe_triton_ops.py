@@ -52,6 +52,19 @@ def inputs(op: str, g: torch.Generator) -> dict:
 
     if op.startswith("index_scores"):
         return index_scores_inputs(op.partition("@")[2] or "flash", g)
+    if op == "sparse_attn_sink":  # Flash decode batch: 64 heads x 512, 128 SWA + 512 selected
+        from shoal.quant.records import pack_compressed_record, pack_swa_record
+
+        n_swa, n_comp, pool = 128, 512, 4096
+        swa_idx = torch.randint(-1, pool, (t, n_swa), generator=g, dtype=torch.int32)
+        comp_idx = torch.randint(-1, pool, (t, n_comp), generator=g, dtype=torch.int32)
+        swa_idx[0] = -1
+        comp_idx[0] = -1  # an all-empty row
+        return dict(q=rn(t, 64, 512), swa_cache=pack_swa_record(torch.randn(
+                        pool, 512, generator=g)).to(d), swa_idx=swa_idx.to(d),
+                    comp_cache=pack_compressed_record(torch.randn(pool, 512, generator=g)).to(d),
+                    comp_idx=comp_idx.to(d), sink=rn(64, dt=torch.float32),
+                    scale=512 ** -0.5)
     if op in ("topk_rows", "candidate_mask"):
         n = 20000
         nv = torch.randint(1, n + 1, (t,), generator=g)

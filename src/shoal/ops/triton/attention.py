@@ -12,13 +12,26 @@ Decode (few tokens) splits the index blocks of each token over NSPLIT programs s
 fills the SMs; a combine pass merges the fp32 partials (m, l, acc) and adds the sink. With
 NSPLIT = 1 (prefill, many tokens) the kernel finishes the row itself (no combine pass).
 
+Two kernels (sparse_attn(variant=...); OP_KNOBS picks the registered op's):
+- "flat" (_sparse_attn_kernel): the whole [BLOCK_N, D] key tile dequantised at once, q
+  resident. At 64 heads x 512 (8 warps) ptxas spills ~880 B/thread (sm_90 static count) and
+  the score dot is computed twice (see below).
+- "chunked" (_sparse_attn_chunked_kernel): D in 4 chunks of D/4: the score dot sums 4
+  chunk dots, P.V updates 4 [H, D/4] accumulators (or DSPLIT programs own 4/DSPLIT of them).
+  p_mem=True passes P and the rescale factors through a small per-program scratch so Triton
+  does not treat score and P.V dots as a chain: a chained dot gets warps [num_warps, 1], and
+  with M = 64 heads and 8 warps both warpgroups then compute the same scores.
+
 Deviation from the reference (within its bf16 tolerance): P is rounded to bf16 relative to the
 running max *of its split* (the reference: of the whole row so far), the block partition follows
 each pool separately (the reference blocks the concatenated index list), and exp is the fast
-hardware exp2. All change P's bf16 rounding or fp32 summation order only.
+hardware exp2; chunked with p_mem scales each chunk's scores before summing them. All change
+P's bf16 rounding or fp32 summation order only.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import torch
 import triton
@@ -423,6 +436,9 @@ def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
 
 
 VARIANTS = ("flat", "chunked")
+# The knobs the registered op runs with (D >= 128; smaller D always runs "flat"): to be set
+# from the H200 run of benchmarks/bench_ops.py --only attn (its ATTN_VARIANTS entries).
+OP_KNOBS = MappingProxyType({"variant": "flat"})
 
 
 def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
@@ -509,4 +525,5 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
                      comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Same contract as the reference op (q [T, H, D] bf16 -> o [T, H, D] bf16)."""
-    return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale)
+    knobs = OP_KNOBS if q.shape[2] >= 128 else {}
+    return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale, **knobs)
