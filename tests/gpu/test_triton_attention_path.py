@@ -20,14 +20,18 @@ triton = pytest.importorskip("triton")
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-pytestmark = pytest.mark.skipif(not (ON_GPU or INTERP),
-                                reason="needs sm_90 or TRITON_INTERPRET=1")
+needs_run = pytest.mark.skipif(not (ON_GPU or INTERP), reason="needs sm_90 or TRITON_INTERPRET=1")
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 from shoal.ops.reference import cache as rcache  # noqa: E402
 from shoal.ops.reference import indexer as rindexer  # noqa: E402
 from shoal.ops.triton import cache as tcache  # noqa: E402
 from shoal.ops.triton import indexer as tindexer  # noqa: E402
+from shoal.quant.records import (  # noqa: E402
+    pack_compressed_record,
+    pack_index_k_record,
+    pack_swa_record,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +83,7 @@ def _hard_values(t: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@needs_run
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["swa_write", "compressed_write", "index_k_write"])
 def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None:
@@ -96,6 +101,7 @@ def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None
     assert bad.numel() == 0, f"{name}: {bad.numel()} records differ, first row {bad[:3].tolist()}"
 
 
+@needs_run
 def test_index_q_quant_bit_exact_on_hard_values() -> None:
     q = _hard_values(24, 64, torch.bfloat16).view(6, 4, 64)
     want = rindexer.index_q_quant(q=q)
@@ -103,6 +109,7 @@ def test_index_q_quant_bit_exact_on_hard_values() -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@needs_run
 def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(-3, 4, (6, 300), generator=g).float()  # massive exact ties
@@ -116,6 +123,7 @@ def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     assert torch.equal(got, want)
 
 
+@needs_run
 def test_candidate_mask_ties_and_pinned_block() -> None:
     g = torch.Generator().manual_seed(4)
     logits = torch.randint(-2, 3, (5, 203), generator=g).float()
@@ -125,3 +133,143 @@ def test_candidate_mask_ties_and_pinned_block() -> None:
     got = tindexer.candidate_mask(logits=logits.to(DEV), n_visible=n.to(DEV), block_size=8,
                                   topk_blocks=7).cpu()
     assert torch.equal(got, want)
+
+
+def _scores_inputs(t: int, h: int, d: int, n_req: int, rows: int, rpb: int, seed: int,
+                   one_request: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    nb = (rows + rpb - 1) // rpb
+    table = torch.randperm(n_req * nb + 3, generator=g)[:n_req * nb].view(n_req, nb)
+    keys = torch.randn((n_req * nb + 3) * rpb, d, generator=g)
+    keys[::5] *= 2.0 ** -100  # small UE8M0 scales (subnormal-range products)
+    keys[1::7] *= 2.0 ** 40
+    cache = pack_index_k_record(keys)
+    req = (torch.zeros(t, dtype=torch.long) if one_request
+           else torch.randint(0, n_req, (t,), generator=g))
+    nv = torch.randint(0, rows + 1, (t,), generator=g)
+    if t:
+        nv[0] = rows
+    return {"q": torch.randn(t, h, d, generator=g).to(torch.bfloat16),
+            "weights": torch.randn(t, h, generator=g), "k_cache": cache,
+            "block_table": table.to(torch.int32), "req": req, "n_visible": nv,
+            "num_rows": rows, "rows_per_block": rpb}
+
+
+@needs_run
+@pytest.mark.parametrize("t,h,d,n_req,rows,rpb,tb,one", [
+    (1, 32, 128, 1, 200, 16, None, False),   # decode, RPB % 16 == 0 (the faulting case)
+    (7, 3, 128, 2, 77, 4, None, False),      # odd heads (HP padding), odd rows
+    (9, 32, 128, 1, 130, 64, 4, True),       # prefill tiling: 4 tokens share a key tile
+    (11, 8, 128, 3, 100, 16, 4, False),      # mixed requests in a token block: fallback
+    (5, 4, 256, 2, 70, 16, 2, False),        # Di = 256 (two scale words)
+    (0, 32, 128, 1, 64, 16, None, False),    # empty batch
+    (3, 32, 128, 1, 0, 16, None, False),     # no rows
+])
+def test_index_scores_matches_reference(t, h, d, n_req, rows, rpb, tb, one) -> None:
+    kw = _scores_inputs(t, h, d, n_req, rows, rpb, seed=1000 + t * 7 + rows, one_request=one)
+    want = rindexer.index_scores(**kw)
+    dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    assert tindexer._supports_scores(**dev_kw)
+    got = tindexer.index_scores_tuned(**dev_kw, tb=tb).cpu()
+    assert got.shape == want.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    assert torch.isfinite(got[fin]).all()
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
+
+
+def test_index_scores_kernel_emits_no_vector_loads_of_records() -> None:
+    """Compile the scores kernel for sm_90 (PTX only: no GPU needed) with the launcher's
+    specialisation at the probe shape (pointers and multiples of 16 get tt.divisibility 16,
+    except the kernel's do_not_specialize arguments) and check that no global load is wider
+    than 4 bytes. q/w/table strides are left unspecialised so that only the key records could
+    be vectorised: a 16-byte load at a 68-byte record offset is the misaligned-address fault."""
+    if INTERP:
+        pytest.skip("compiles PTX: run without TRITON_INTERPRET")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = tindexer._scores_kernel
+    names = kern.arg_names
+    ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kw_ptr": "*i32", "bt_ptr": "*i32",
+            "req_ptr": "*i64", "nv_ptr": "*i64", "o_ptr": "*fp32"}
+    ints = {"T": 256, "H": 32, "N": 2048, "RPB": 256, "sq_t": 4096, "sq_h": 128, "sq_d": 3,
+            "sw_t": 32, "sw_h": 3, "bt_r": 8, "bt_c": 3}
+    consts = {"HP": 32, "DI": 128, "BN": 64, "TB": 4}
+    skip = {names[i] if isinstance(i, int) else i for i in kern.do_not_specialize or ()}
+    assert "RPB" in skip
+    sig = {n: ptrs.get(n, "i32") if n not in consts else "constexpr" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs or (n in ints and n not in skip and ints[n] % 16 == 0)}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    loads = set(re.findall(r"ld\.global[\w.]*", ptx))
+    assert loads and not any(".v2" in x or ".v4" in x for x in loads), loads
+
+
+def _attn_inputs(t: int, h: int, d: int, n_swa: int, n_comp: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pool = 97
+    keys = torch.randn(pool, d, generator=g)
+    keys[::9] *= 2.0 ** -20  # wide scale range across records
+    keys[1::11] *= 30.0
+    swa_idx = torch.randint(-1, pool, (t, n_swa), generator=g, dtype=torch.int32)
+    comp_idx = torch.randint(-1, pool, (t, n_comp), generator=g, dtype=torch.int32)
+    if t:
+        swa_idx[0] = -1
+        comp_idx[0] = -1  # an all-empty row: output 0
+    if t > 1:
+        swa_idx[1, 3:] = -1  # a row with only a few keys
+    return {"q": (torch.randn(t, h, d, generator=g) * 2).to(torch.bfloat16),
+            "swa_cache": pack_swa_record(keys),
+            "swa_idx": swa_idx, "comp_cache": pack_compressed_record(keys.flip(0)),
+            "comp_idx": comp_idx if n_comp else None,
+            "sink": torch.randn(h, generator=g), "scale": d ** -0.5}
+
+
+ATTN_VARIANTS = [
+    ("flat", {}), ("flat-d2-qloop", {"dsplit": 2, "q_in_loop": True}),
+    ("flat-bn32-nobcast", {"block_n": 32, "scale_bcast": False}),
+    ("chunked", {"variant": "chunked"}), ("chunked-keep", {"variant": "chunked", "keep_k": True}),
+    ("chunked-d2", {"variant": "chunked", "dsplit": 2}),
+    ("chunked-d4-bn32", {"variant": "chunked", "dsplit": 4, "block_n": 32}),
+    ("chunked-pmem", {"variant": "chunked", "p_mem": True}),
+    ("chunked-pmem-d2-bn32", {"variant": "chunked", "p_mem": True, "dsplit": 2, "block_n": 32}),
+    ("chunked-pmem-qres", {"variant": "chunked", "p_mem": True, "q_res": True}),
+    ("chunked-qres-d4", {"variant": "chunked", "q_res": True, "dsplit": 4}),
+]
+
+
+def _attn_grid() -> list:
+    """Every variant on the main case and a split case with an empty split; a few on the
+    others (the interpreter is slow)."""
+    few = {"flat", "chunked-pmem-qres", "chunked-qres-d4"}
+    grid = []
+    for shape, names in [((3, 4, 128, 13, 70, 1), None), ((3, 4, 128, 13, 70, 4), None),
+                         ((2, 5, 256, 64, 0, 2), few), ((0, 4, 128, 8, 8, None), few)]:
+        grid += [pytest.param(v, o, *shape, id=f"{v}-T{shape[0]}D{shape[2]}s{shape[5]}")
+                 for v, o in ATTN_VARIANTS if names is None or v in names]
+    return grid
+
+
+@needs_run
+@pytest.mark.parametrize("vname,opts,t,h,d,n_swa,n_comp,split", _attn_grid())
+def test_sparse_attn_variants_match_reference(vname, opts, t, h, d, n_swa, n_comp,
+                                              split) -> None:
+    from shoal.ops.reference import attention as rattn
+    from shoal.ops.triton import attention as tattn
+
+    kw = _attn_inputs(t, h, d, n_swa, n_comp, seed=500 + t + d + n_comp)
+    if kw["comp_idx"] is None:
+        kw["comp_cache"] = None
+    want = rattn.sparse_attn_sink(**kw)
+    dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    got = tattn.sparse_attn(**dev_kw, split=split, **opts).cpu()
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    if t:
+        assert not got[0].any(), "an all-empty row must give 0"
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

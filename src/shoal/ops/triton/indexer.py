@@ -2,9 +2,12 @@
 over paged MXFP4 index-key records, and the exact selections `topk_rows` and `candidate_mask`.
 
 - index_q_quant: one program per (token, head) row; the shared bit-exact MXFP4 encoder.
-- index_scores: one program per (token, 64-row tile): records are gathered through the block
-  table and dequantised to bf16 in registers (e2m1 * 2^e is exact), q . k runs on the matrix
-  unit (fp32 accumulation), then relu, the head-weighted sum and the visibility mask.
+- index_scores: one program per (block of TB tokens, 64-row tile): records are gathered
+  through the block table as int32 words (a 68-B record is 17 words; record offsets are only
+  4-byte aligned, so every load is one scalar word) and dequantised to bf16 in registers
+  (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request in turn
+  (prefill: TB tokens per dequantised tile): q . k on the matrix unit (fp32 accumulation),
+  relu, the head-weighted sum and the visibility mask. TB = 1 for decode-sized batches.
 - Selection: one program per query row finds the k-th largest value exactly by a 32-step
   bisection on order-preserving integer keys (counting passes over the row), then one ordered
   pass selects every value above it plus the lowest-index ties (the reference's stable order)
@@ -58,25 +61,38 @@ def index_q_quant(*, q: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, H, N, RPB, sq_t, sq_h,
-                   sq_d, sw_t, sw_h, bt_r, bt_c, HP: tl.constexpr, DI: tl.constexpr,
-                   BN: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    nv = tl.load(nv_ptr + t)
-    valid = (j < nv) & (j < N)
-    r = tl.load(req_ptr + t).to(tl.int64)
+def _index_k_tile(kw_ptr, bt_ptr, r, j, valid, RPB, bt_r, bt_c, DI: tl.constexpr,
+                  BN: tl.constexpr):
+    """Dequantise the index-key records of logical rows j of request r -> bf16 [BN, DI].
+
+    The records are read as int32 words (a 68-B record = 17 words), one scalar load per word:
+    a record offset is only a multiple of 4 bytes, and nothing here lets the compiler assume
+    more (RPB is not specialised, see _scores_kernel). Word w of the nibble area holds values
+    8w .. 8w + 7 at bit offsets 0, 4, .., 28 (byte 4w + i // 2, low nibble = even value); the
+    UE8M0 scale of value v (block v // 32 = w // 4) is byte w // 4 of the scale words."""
+    NW: tl.constexpr = DI // 8
+    RW: tl.constexpr = NW + DI // 128
     blk = tl.load(bt_ptr + r * bt_r + (j // RPB) * bt_c, mask=valid, other=0).to(tl.int64)
-    rec: tl.constexpr = DI // 2 + DI // 32
-    row = (blk * RPB + j % RPB) * rec
-    pk = tl.load(k_ptr + row[:, None] + tl.arange(0, DI // 2)[None, :], mask=valid[:, None],
-                 other=0).to(tl.int32)
-    kv = tl.reshape(tl.join(e2m1_value(pk & 15), e2m1_value(pk >> 4)), (BN, DI // 32, 32))
-    e = tl.load(k_ptr + row[:, None] + DI // 2 + tl.arange(0, DI // 32)[None, :],
-                mask=valid[:, None], other=127).to(tl.int32)
+    row = (blk * RPB + j % RPB) * RW
+    wi = tl.arange(0, NW)
+    words = tl.load(kw_ptr + row[:, None] + wi[None, :], mask=valid[:, None], other=0)
+    if NW == 16:
+        sw = tl.load(kw_ptr + row + NW, mask=valid, other=0x7F7F7F7F)[:, None]
+    else:
+        sw = tl.load(kw_ptr + row[:, None] + NW + wi[None, :] // 16, mask=valid[:, None],
+                     other=0x7F7F7F7F)
+    e = (sw >> (((wi // 4) % 4) * 8)[None, :]) & 255  # [BN, NW] scale byte of each word
     sc = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
     sc = tl.where(e == 255, float("nan"), sc)
-    k = tl.reshape(kv * sc[:, :, None], (BN, DI)).to(tl.bfloat16)
+    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+    kv = e2m1_value(nib) * sc[:, :, None]  # exact: e2m1 * 2^e
+    return tl.reshape(kv, (BN, DI)).to(tl.bfloat16)
+
+
+@triton.jit
+def _score_token(q_ptr, w_ptr, o_ptr, k, t, nv, j, H, N, sq_t, sq_h, sq_d, sw_t, sw_h,
+                 HP: tl.constexpr, DI: tl.constexpr):
+    """Logits of token t against the key tile k [BN, DI] (rows j), stored to o[t, j]."""
     hh = tl.arange(0, HP)
     hmask = hh < H
     q = tl.load(q_ptr + t * sq_t + hh[:, None] * sq_h + tl.arange(0, DI)[None, :] * sq_d,
@@ -84,21 +100,72 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, H, N, RP
     s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0)  # [HP, BN] fp32
     w = tl.load(w_ptr + t * sw_t + hh * sw_h, mask=hmask, other=0.0).to(tl.float32)
     logit = tl.sum(s * w[:, None], axis=0)
-    logit = tl.where(valid, logit, float("-inf"))
+    logit = tl.where(j < nv, logit, float("-inf"))
     tl.store(o_ptr + t * N + j, logit, mask=j < N)
 
 
+@triton.jit(do_not_specialize=["RPB"])
+def _scores_kernel(q_ptr, w_ptr, kw_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, T, H, N, RPB, sq_t,
+                   sq_h, sq_d, sw_t, sw_h, bt_r, bt_c, HP: tl.constexpr, DI: tl.constexpr,
+                   BN: tl.constexpr, TB: tl.constexpr):
+    """One program per (block of TB tokens, tile of BN rows). The key tile is dequantised
+    once per request met in the token block (a prefill chunk: once) and feeds the tokens in
+    turn; it covers the rows visible to any token of that request in the block (the block
+    table is allocated that far), each token masks its own.
+
+    RPB must not be specialised: Triton's axis analysis gives blk * RPB + j % RPB the
+    divisibility of RPB when RPB % 16 == 0 (although the sum is not a multiple of 16), then
+    emits 16-byte vector loads at 68-byte record offsets: the "misaligned address" fault."""
+    t0 = tl.program_id(0).to(tl.int64) * TB
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    tt = t0 + tl.arange(0, TB)
+    req_v = tl.load(req_ptr + tt, mask=tt < T, other=-1).to(tl.int64)
+    nv_v = tl.load(nv_ptr + tt, mask=tt < T, other=0)
+    r_cur = tl.full((), -1, tl.int64)
+    k = tl.zeros((BN, DI), dtype=tl.bfloat16)
+    for i in range(TB):
+        t = t0 + i
+        if t < T:
+            r = tl.load(req_ptr + t).to(tl.int64)
+            if r != r_cur:
+                nv_r = tl.max(tl.where(req_v == r, nv_v, 0), axis=0)
+                k = _index_k_tile(kw_ptr, bt_ptr, r, j, (j < nv_r) & (j < N), RPB, bt_r, bt_c,
+                                  DI, BN)
+                r_cur = r
+            _score_token(q_ptr, w_ptr, o_ptr, k, t, tl.load(nv_ptr + t), j, H, N, sq_t, sq_h,
+                         sq_d, sw_t, sw_h, HP, DI)
+
+
 def _supports_scores(*, q: torch.Tensor, k_cache: torch.Tensor, **_) -> bool:
-    # Disabled for record sizes that are not a multiple of 16 bytes (the real 68-B index-key
-    # record): at Flash shapes (32 heads x 128, 2048 rows) the kernel faults with a misaligned
-    # address on the H200 (scripts/probe_triton_ops.py index_scores), most likely vectorised
-    # loads from a wrongly inferred record alignment. The reference serves until it is fixed.
     d = q.shape[-1]
-    if (d // 2 + d // 32) % 16:
-        return False
-    return (on_device(q) and q.dim() == 3 and q.dtype == torch.bfloat16 and d in (32, 64, 128)
+    return (on_device(q) and q.dim() == 3 and q.dtype == torch.bfloat16 and d in (128, 256)
             and q.shape[1] <= 128 and k_cache.dtype == torch.uint8 and k_cache.dim() == 2
-            and k_cache.stride(1) == 1 and k_cache.stride(0) == d // 2 + d // 32)
+            and k_cache.stride(1) == 1 and k_cache.stride(0) == d // 2 + d // 32
+            and k_cache.data_ptr() % 4 == 0)
+
+
+def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                       block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
+                       num_rows: int, rows_per_block: int, *, tb: int | None = None,
+                       bn: int = 64, num_warps: int | None = None) -> torch.Tensor:
+    """The op with its tiling exposed (tb: tokens per program, each key tile is reused by the
+    block's tokens of its request; None = 1 for decode-sized T, else 8)."""
+    t, h, d = q.shape
+    out = torch.empty(t, num_rows, dtype=torch.float32, device=q.device)
+    if t == 0 or num_rows == 0:
+        return out.fill_(float("-inf"))
+    hp = max(16, triton.next_power_of_2(h))
+    if tb is None:
+        tb = 1 if t <= 64 else 8
+    if num_warps is None:  # sm_90 static counts: no spills at (1, 64, 4) and (8, 64, 8)
+        num_warps = 4 if tb == 1 else 8
+    kw = k_cache.view(torch.int32)  # [rows, record / 4]; records are 4-byte aligned
+    _scores_kernel[(triton.cdiv(t, tb), triton.cdiv(num_rows, bn))](
+        q, weights, kw, block_table, req, n_visible, out, t, h, num_rows, rows_per_block,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+        block_table.stride(0), block_table.stride(1), HP=hp, DI=d, BN=bn, TB=tb,
+        num_warps=num_warps)
+    return out
 
 
 @REGISTRY.implement("triton", "index_scores", supports=_supports_scores)
@@ -106,18 +173,10 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
                  block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
                  num_rows: int, rows_per_block: int) -> torch.Tensor:
     """logit[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) -> [T, num_rows] fp32 (-inf if not
-    visible); k_j dequantised from the request's paged MXFP4 records."""
-    t, h, d = q.shape
-    out = torch.empty(t, num_rows, dtype=torch.float32, device=q.device)
-    if t == 0 or num_rows == 0:
-        return out.fill_(float("-inf"))
-    bn = 64
-    _scores_kernel[(t, triton.cdiv(num_rows, bn))](
-        q, weights, k_cache, block_table, req, n_visible, out, h, num_rows, rows_per_block,
-        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-        block_table.stride(0), block_table.stride(1), HP=max(16, triton.next_power_of_2(h)),
-        DI=d, BN=bn, num_warps=4)
-    return out
+    visible); k_j dequantised from the request's paged MXFP4 records (Di = 128 or 256, whose
+    records are whole int32 words)."""
+    return index_scores_tuned(q, weights, k_cache, block_table, req, n_visible, num_rows,
+                              rows_per_block)
 
 
 # ----------------------------------------------------------------------------- selection
