@@ -24,7 +24,8 @@ for spec in "$@"; do
     case $stage in
         tests) timeout "$limit" python3 -m pytest tests -q -rfEs -p no:cacheprovider \
                    > "$OUT/tests.log" 2>&1 ;;
-        probe) for op in ${PROBE_OPS:-index_scores topk_rows candidate_mask swa_write \
+        probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
+                   index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \
                    compressed_write index_k_write index_q_quant rope_tail rmsnorm hc_coeffs \
                    hc_collapse_norm hc_post router moe_mxfp4 act_quant_fp8}; do
                    timeout 60 python3 scripts/probe_triton_ops.py "$op" 2>&1 | tail -1
