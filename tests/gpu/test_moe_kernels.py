@@ -68,6 +68,12 @@ def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
     assert torch.equal(lut[8].view(torch.float8_e4m3fn).float(), exact)
 
 
+SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
+PLAIN = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
+BIG = (tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3))
+BIG_SWAP = (tmoe.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
+
+
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
                                                    (83, 128, 64, 8, 3, 0), (19, 256, 96, 6, 3, 6)])
 def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spread: int) -> None:
@@ -77,12 +83,52 @@ def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spre
     _check(got, want)
 
 
+@pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
+                                          ("big_swap", BIG_SWAP)])
+def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
+    """Every tile orientation (swap-AB or plain) and size, with N and K not multiples of the
+    tile and several row blocks per expert."""
+    kw = _case(2000 + len(name), 25, 160, 96, 4, 3, spread=4)
+    want = ref.moe_mxfp4(**_cpu(kw))
+    _check(tmoe.moe_experts(**kw, configs=configs), want)
+
+
+@pytest.mark.parametrize("rows_k", [(1, 1), (1, 6), (7, 2), (83, 3), (200, 6)])
+def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
+    """The one-launch counting sort gives exactly torch's stable argsort permutation and the
+    scatter-add counts (many ties, experts with no rows, E not a multiple of the block)."""
+    t, k = rows_k
+    e = 70
+    g = torch.Generator().manual_seed(31 * t + k)
+    ids = torch.randint(0, 9 if t > 50 else e, (t, k), generator=g)  # heavy ties when large
+    w = torch.rand(t, k, generator=g)
+    got = tmoe._route(ids.to(DEV), w.to(DEV), e)
+    want = tmoe._route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    assert int(got[3].sum()) == t * k
+
+
 @pytest.mark.skipif(not ON_GPU, reason="prmt inline asm needs the device")
-def test_w4a8_asm_equals_portable_conversion() -> None:
+@pytest.mark.parametrize("configs", [None, SWAP, PLAIN, BIG, BIG_SWAP])
+def test_w4a8_asm_equals_portable_conversion(configs) -> None:
     kw = _case(7, 40, 512, 256, 16, 6, spread=9)
-    a = tmoe.moe_experts(**kw, use_asm=True)
-    b = tmoe.moe_experts(**kw, use_asm=False)
+    a = tmoe.moe_experts(**kw, use_asm=True, configs=configs)
+    b = tmoe.moe_experts(**kw, use_asm=False, configs=configs)
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a property of the device's tensor cores")
+def test_batch_invariance() -> None:
+    """A token's output is bitwise the same alone (T = 1, decode tiles), in a decode batch
+    (T = 40) and in a prefill batch (T = 120: T * k > 512 rows, prefill tiles), default configs
+    (the op's path: asm conversion)."""
+    kw = _case(9, 120, 512, 256, 16, 6, spread=3)
+    full = tmoe.moe_experts(**kw)
+    for t in (1, 3, 40):
+        part = {n: (v[:t] if n in ("x", "ids", "weights") else v) for n, v in kw.items()}
+        got = tmoe.moe_experts(**part)
+        assert torch.equal(got, full[:t]), (t, float((got - full[:t]).abs().max()))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter's bf16 tl.dot is wrong (checked: 4.5e10 off)")
