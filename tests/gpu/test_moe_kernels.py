@@ -104,7 +104,7 @@ def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
     w = torch.rand(t, k, generator=g)
     got = tmoe._route(ids.to(DEV), w.to(DEV), e)
     want = tmoe._route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
     assert int(got[3].sum()) == t * k
 

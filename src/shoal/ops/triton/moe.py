@@ -416,7 +416,8 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         orow, rw, w, ws, counts, _lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
-        W4A8=w4a8, USE_ASM=use_asm, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4A8=w4a8, USE_ASM=use_asm, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
