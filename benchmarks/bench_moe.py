@@ -1,9 +1,10 @@
 """Routed-expert MoE benchmark (mini layer: D 5120, I 2304, 384 experts, top-6) on sm_90.
 
 Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
-`asm` (W4A8, prmt e2m1 -> e4m3, the op's default), `asm_v0` (asm with the previous decode tiles:
-plain 16 x 32 / 16 x 64 mma tiles, decode T only), `port` (W4A8, portable conversion) and `w4a16`
-(the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+`asm` (W4A8, prmt e2m1 -> e4m3 conversion and tiles as the op's defaults), `asm_v1` (default
+tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
+path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `port` (W4A8, portable
+conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
 syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
@@ -128,8 +129,10 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     """moe_experts keyword arguments of a named variant at `rows` routed rows (None: n/a)."""
     if name == "asm":
         return {"use_asm": True}
+    if name == "asm_v1":
+        return {"use_asm": True, "asm_variant": 1}
     if name == "asm_v0":
-        return {"use_asm": True, "configs": V0_DECODE} if rows <= 512 else None
+        return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
     if name == "port":
         return {"use_asm": False}
     if name == "w4a16":
@@ -178,22 +181,22 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
     """Per-stage ms of the asm op at T = t (default tiles), each stage replayed on its own."""
     s = routing(t, E, 10, dev)
     k = TOPK
-    cfg1, cfg2 = tmoe.default_configs(t * k)
+    cfg1, cfg2 = tmoe.default_configs(t * k, E)
     tok, orow, rw, counts = tmoe._route(s["ids"], s["weights"], E)
     xq, xs = tmoe._quant_folded(s["x"])
     h = torch.empty(t * k, INTER, dtype=torch.bfloat16, device=dev)
     y = torch.empty(t * k, D, dtype=torch.bfloat16, device=dev)
     tmoe._launch(xq, xs, tok, h, orow, rw, w["w13"], w["w13_scale"], counts, INTER, D, 10.0,
-                 cfg1, True, True, True, True)
+                 cfg1, True, True, True, None)
     hq, hs = tmoe._quant_folded(h)
     stages = {
         "route": lambda: tmoe._route(s["ids"], s["weights"], E),
         "x_quant": lambda: tmoe._quant_folded(s["x"]),
         "w13_gemm": lambda: tmoe._launch(xq, xs, tok, h, orow, rw, w["w13"], w["w13_scale"],
-                                         counts, INTER, D, 10.0, cfg1, True, True, True, True),
+                                         counts, INTER, D, 10.0, cfg1, True, True, True, None),
         "h_quant": lambda: tmoe._quant_folded(h),
         "w2_gemm": lambda: tmoe._launch(hq, hs, None, y, orow, rw, w["w2"], w["w2_scale"],
-                                        counts, D, INTER, 10.0, cfg2, False, False, True, True),
+                                        counts, D, INTER, 10.0, cfg2, False, False, True, None),
         "combine": lambda: tmoe._combine(y, t, k, D),
     }
     touched = int(torch.unique(s["ids"]).numel())
@@ -218,7 +221,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
-    ap.add_argument("--variants", default="asm,asm_v0,port,w4a16")
+    ap.add_argument("--variants", default="asm,asm_v1,asm_v0,port,w4a16")
     ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")

@@ -110,19 +110,25 @@ def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="prmt inline asm needs the device")
-@pytest.mark.parametrize("configs", [None, SWAP, PLAIN, BIG, BIG_SWAP])
-def test_w4a8_asm_equals_portable_conversion(configs) -> None:
+@pytest.mark.parametrize("variant", [None, 1, 2])
+@pytest.mark.parametrize("name,configs", [("default", None), ("swap", SWAP), ("plain", PLAIN),
+                                          ("big", BIG), ("big_swap", BIG_SWAP)])
+def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> None:
+    """Both prmt conversions on every tile family give the portable conversion's bits (the asm
+    relies on 4 packed elements being 4 consecutive K of one weight row; spread = 9 makes every
+    row's 32-blocks use different LUTs, so a wrong packing shows)."""
     kw = _case(7, 40, 512, 256, 16, 6, spread=9)
-    a = tmoe.moe_experts(**kw, use_asm=True, configs=configs)
+    a = tmoe.moe_experts(**kw, use_asm=True, asm_variant=variant, configs=configs)
     b = tmoe.moe_experts(**kw, use_asm=False, configs=configs)
     assert torch.equal(a, b)
+    _check(a, ref.moe_mxfp4(**_cpu(kw)))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a property of the device's tensor cores")
 def test_batch_invariance() -> None:
-    """A token's output is bitwise the same alone (T = 1, decode tiles), in a decode batch
-    (T = 40) and in a prefill batch (T = 120: T * k > 512 rows, prefill tiles), default configs
-    (the op's path: asm conversion)."""
+    """A token's output is bitwise the same alone (T = 1, 3: 16-row swap-AB tiles), in a
+    T = 40 batch (15 rows per expert: 64-row swap-AB tiles) and in a T = 120 batch (45 rows per
+    expert: plain 128-row tiles), default configs (the op's path: asm conversion)."""
     kw = _case(9, 120, 512, 256, 16, 6, spread=3)
     full = tmoe.moe_experts(**kw)
     for t in (1, 3, 40):

@@ -102,15 +102,23 @@ class TileConfig:
     the same K order as the plain orientation."""
 
 
-def default_configs(rows: int) -> tuple[TileConfig, TileConfig]:
-    """(w13 config, w2 config) for `rows` = T * k routed rows.
+def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
 
-    Decode (rows <= 512: ~1-2 rows per expert, bandwidth-bound): swap-AB tiles of 64 weight rows
-    x 16 routed rows, so the few touched experts split into N / 64 programs each and the tensor
-    core runs wgmma (M = 64) instead of mma.sync on a 16-row tile."""
-    if rows <= 512:
+    Decode (<= 8 rows per expert on average: bandwidth-bound): swap-AB tiles of 64 weight rows
+    x 16 routed rows (the touched experts split into N / 64 programs each, wgmma M = 64 with the
+    converted weights as the register operand); up to 40 rows per expert the same with 64 routed
+    rows; above, plain 128-row tiles (one weight conversion per 128 rows). Numbers from sm_90
+    SASS of the main loop (AOT-compiled): the swap tiles with the 16-bit-word prmt conversion
+    take ~3.2-3.6 instructions per weight element, the previous plain 16-row decode tile ~4.4
+    (plus fp8 -> fp16 conversions for mma.sync)."""
+    per_expert = rows / max(experts, 1)
+    if per_expert <= 8:
         return (TileConfig(16, 64, 256, 4, 4, swap_ab=True),
                 TileConfig(16, 64, 256, 4, 4, swap_ab=True))
+    if per_expert <= 40:
+        return (TileConfig(64, 64, 128, 4, 3, swap_ab=True),
+                TileConfig(64, 64, 128, 4, 3, swap_ab=True))
     return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
 
 
@@ -135,52 +143,83 @@ def _expert_tile(cnt_ptr, pid_m, E, E_P2: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
     """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
-    wb = tl.load(w_ptr + wrow[:, None] * K2 + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+    offs = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)  # (hint: 16-byte loads)
+    wb = tl.load(w_ptr + wrow[:, None] * K2 + offs[None, :])
     return tl.reshape(tl.join(wb, wb), (BN, BK))
 
 
 @triton.jit
 def _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
-            USE_ASM: tl.constexpr):
-    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN])."""
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+            CONVERT: tl.constexpr):
+    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
+
+    CONVERT 0: portable integer ops per element (runs under the interpreter); 1: `prmt` on
+    duplicated bytes; 2: `prmt` on the 16-bit word of each 4 K elements (fewest instructions).
+    1 and 2 need every 4 packed elements of the asm to be 4 consecutive K of one row (true for
+    the wgmma / mma operand layouts Triton picks; test_w4a8_asm_equals_portable_conversion
+    checks all three give identical bits on the device)."""
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
     sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
     lut0 = tl.load(lut_ptr + sh * 2)
     lut1 = tl.load(lut_ptr + sh * 2 + 1)
     lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
-    if USE_ASM:
-        # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; one prmt looks up
-        # the 4 magnitudes, a second (sign-replicate mode over 0x80 bytes) yields the signs.
+    if CONVERT == 2:
+        # $1 = two int16 elements, the low one the word [b0, b1] of K 0..3 (codes c0..c3 in its
+        # 4 nibbles); $3 / $7 = the 8-byte LUT of element 0 (4 consecutive K: one 32-block).
+        # prmt #1 looks up the 4 magnitudes; prmt #2 (sign-replicate mode on 0x80 bytes) gives
+        # 0xFF / 0x80 per sign nibble, whose bit 0 shifted to bit 7 is the e4m3 sign.
+        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        offs = tl.multiple_of(k0 // 4, BK // 4) + tl.arange(0, BK // 4)
+        w16 = tl.load(w16_ptr + wrow[:, None] * (K2 // 2) + offs[None, :])
+        w16 = tl.reshape(tl.broadcast_to(w16[:, :, None], (BN, BK // 4, 4)), (BN, BK))
         byte = tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 s, m, v, g, c80, z;
-            mov.b32 z, 0;
+            .reg .b32 m, v, g, c80;
             mov.b32 c80, 0x80808080;
-            prmt.b32 s, $1, z, 0x0020;
-            and.b32 m, s, 0x7777;
-            prmt.b32 v, $2, $6, m;
-            prmt.b32 g, c80, c80, s;
+            and.b32 m, $1, 0x7777;
+            prmt.b32 v, $3, $7, m;
+            prmt.b32 g, c80, c80, $1;
             shl.b32 g, g, 7;
             and.b32 g, g, 0x80808080;
             or.b32 $0, v, g;
             }""",
-            constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+            constraints="=r,r,r,r,r,r,r,r,r,r,r", args=[w16, lut0, lut1], dtype=tl.uint8,
             is_pure=True, pack=4)
     else:
-        par = (tl.arange(0, BK) % 2)[None, :]
-        code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
-        mag = code & 7
-        lut = tl.where(mag < 4, lut0, lut1)
-        byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
+        wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+        if CONVERT == 1:
+            # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; then as above.
+            byte = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 s, m, v, g, c80, z;
+                mov.b32 z, 0;
+                mov.b32 c80, 0x80808080;
+                prmt.b32 s, $1, z, 0x0020;
+                and.b32 m, s, 0x7777;
+                prmt.b32 v, $2, $6, m;
+                prmt.b32 g, c80, c80, s;
+                shl.b32 g, g, 7;
+                and.b32 g, g, 0x80808080;
+                or.b32 $0, v, g;
+                }""",
+                constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+                is_pure=True, pack=4)
+        else:
+            par = (tl.arange(0, BK) % 2)[None, :]
+            code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
+            mag = code & 7
+            lut = tl.where(mag < 4, lut0, lut1)
+            byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
     return byte.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def _w_bf16(w_ptr, ws_ptr, wrow, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr):
     """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale."""
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
     f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     f = tl.where(sc == 255, float("nan"), f)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
@@ -222,7 +261,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
-                     USE_ASM: tl.constexpr, SWAP_AB: tl.constexpr):
+                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
@@ -264,7 +303,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
             if W4A8:
-                bg = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, USE_ASM)
+                bg = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT)
             else:
                 bg = _w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
             if SWAP_AB:
@@ -273,7 +312,8 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                 acc_g = tl.dot(a, tl.trans(bg), acc_g)
             if SWIGLU:
                 if W4A8:
-                    bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK, USE_ASM)
+                    bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
+                                CONVERT)
                 else:
                     bu = _w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
                 if SWAP_AB:
@@ -403,8 +443,13 @@ def _quant_folded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: TileConfig,
-            swiglu: bool, gather: bool, w4a8: bool, use_asm: bool) -> None:
+            swiglu: bool, gather: bool, w4a8: bool, convert: int | None) -> None:
+    """One grouped GEMM. convert: the `_w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
+    prmt variant with the fewest instructions for the tile orientation (2 for swap-AB, where
+    the weights are the register operand; 1 for plain tiles, where 2 costs more)."""
     rows, e = orow.shape[0], w.shape[0]
+    if convert is None:
+        convert = 2 if cfg.swap_ab else 1
     bk = cfg.block_k
     while k % bk:
         bk //= 2
@@ -416,7 +461,7 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         orow, rw, w, ws, counts, _lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
-        W4A8=w4a8, USE_ASM=use_asm, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
@@ -430,13 +475,16 @@ def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
                 *, w4a8: bool = True, use_asm: bool | None = None,
+                asm_variant: int | None = None,
                 configs: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
     """Routed experts -> [T, D] fp32 (the `moe_mxfp4` contract). w4a8=False: the W4A16 baseline
     (bf16 activations, weights dequantised to bf16; no activation quantisation, so it differs
     from the reference by the FP8 activation rounding). use_asm: the prmt conversion (CUDA only;
-    default there); False (and always under the Triton interpreter, where inline asm cannot run):
-    the portable integer conversion, bit-identical. configs: (w13, w2) tiles, default
-    `default_configs(T * k)`."""
+    default there); `asm_variant` 2 (16-bit words) or 1 (duplicated bytes, the first
+    device-verified version), default per tile orientation (see `_launch`); use_asm False (and
+    always under the Triton interpreter, where inline asm cannot run): the portable integer
+    conversion. All give identical bits. configs: (w13, w2) tiles, default
+    `default_configs(T * k, E)`."""
     t, d = x.shape
     k = ids.shape[1]
     e, two_i, _ = w13.shape
@@ -445,7 +493,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         return torch.zeros(t, d, dtype=torch.float32, device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
-    cfg1, cfg2 = configs or default_configs(t * k)
+    if asm_variant not in (None, 1, 2):
+        raise ValueError(f"asm_variant must be None, 1 or 2, got {asm_variant}")
+    convert = asm_variant if use_asm else 0
+    cfg1, cfg2 = configs or default_configs(t * k, e)
     tok, orow, rw, counts = _route(ids, weights, e)
     h = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(t * k, d, dtype=torch.bfloat16, device=x.device)
@@ -454,16 +505,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     if w4a8:
         xq, xs = _quant_folded(x)
         _launch(xq, xs, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
-                True, use_asm)
+                True, convert)
         hq, hs = _quant_folded(h)
         _launch(hq, hs, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False, False,
-                True, use_asm)
+                True, convert)
     else:
         xb = x.contiguous()
         _launch(xb, None, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
-                False, False)
+                False, 0)
         _launch(h, None, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False, False,
-                False, False)
+                False, 0)
     return _combine(y, t, k, d)
 
 
