@@ -15,9 +15,12 @@ correctness line per variant (vs the reference on the CPU, T = 16 on 8 experts) 
 PREFILL_CFGS (a pair that fails to build is reported and skipped) and name the best.
 --breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
 combine; each stage its own graph) with each GEMM's own HBM floor.
+--sass (no GPU needed): AOT-compile the tiles for sm_90 and print registers, spills and the
+SASS instructions of the K loop per converted weight element, then exit.
 Ends with one JSON line; --out keeps a dated copy.
 
 Run: PYTHONPATH=src python3 benchmarks/bench_moe.py [--quick] [--sweep S] [--breakdown] [--out DIR]
+     PYTHONPATH=src python3 benchmarks/bench_moe.py --sass
 """
 
 from __future__ import annotations
@@ -217,6 +220,84 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
     return out
 
 
+def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
+               k: int = D) -> str:
+    """AOT-compile one `_moe_gemm_kernel` specialisation for sm_90 (no GPU needed: Triton's
+    bundled ptxas / cuobjdump) -> registers, stack (spills), shared memory, and the SASS
+    instructions of the main loop per weight element a thread converts."""
+    import collections
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"a_ptr": "*fp8e4nv" if w4a8 else "*bf16", "as_ptr": "*fp32", "arow_ptr": "*i32",
+           "out_ptr": "*bf16", "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8",
+           "ws_ptr": "*u8", "cnt_ptr": "*i32", "lut_ptr": "*i32", "N": "i32", "E": "i32",
+           "limit": "fp32"}
+    bk = cfg.block_k
+    while k % bk:
+        bk //= 2
+    consts = {"K": k, "E_P2": triton.next_power_of_2(E),
+              "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
+              "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
+              "SWAP_AB": cfg.swap_ab}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]  # as the JIT specialises them
+             for n in names if n.endswith("_ptr") or n in ("N", "E")}
+    sig.update({c: "constexpr" for c in consts})
+    src = ASTSource(fn=tmoe._moe_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kern.asm["cubin"])
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
+           if m]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    loop = 0
+    ops: collections.Counter = collections.Counter()
+    for i, (a, text) in enumerate(ins):  # the longest backward branch = the K loop
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and i + 1 - where.get(int(m.group(1), 16), i) > loop:
+            body = [t for _, t in ins[where[int(m.group(1), 16)]:i + 1]]
+            loop = len(body)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+    per_thread = cfg.block_n * bk * (2 if swiglu else 1) // (32 * cfg.num_warps)
+    top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(6))
+    return (f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} "
+            f"smem {kern.metadata.shared} loop {loop} instr / {per_thread} elem = "
+            f"{loop / max(per_thread, 1):.2f}  [{top}]")
+
+
+def sass_report() -> None:
+    """--sass: sm_90 SASS statistics of the default and sweep tiles (runs on a CPU machine)."""
+    rows = [("default decode", tmoe.default_configs(6, E)),
+            ("default mid (T=1024)", tmoe.default_configs(6 * 1024, E)),
+            ("default prefill", tmoe.default_configs(6 * 8192, E)),
+            *DECODE_CFGS.items(), *PREFILL_CFGS.items()]
+    for name, (c13, c2) in rows:
+        for conv in ((2, 1) if c13.swap_ab else (1, 2)):
+            for label, cfg, swiglu, k in (("w13", c13, True, D), ("w2", c2, False, INTER)):
+                try:
+                    stats = sass_stats(cfg, swiglu, conv, k=k)
+                except Exception as exc:  # report and go on
+                    stats = f"FAILED {type(exc).__name__}: {exc}"[:300]
+                log(f"sass {name:22s} asm v{conv} {label:3s} {stats}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -225,7 +306,13 @@ def main() -> None:
     ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU: sm_90 SASS statistics of the tiles (registers, spills, "
+                         "main-loop instructions per weight element), then exit")
     args = ap.parse_args()
+    if args.sass:
+        sass_report()
+        return
     dev = torch.device("cuda")
     results: dict = {"gpu": torch.cuda.get_device_name(), "shape": [D, INTER, E, TOPK]}
     keep = args.variants.split(",")

@@ -10,15 +10,19 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    re-encoded relative to the row's largest block exponent, one fp32 scale per row remains.
 3. grouped GEMM w1|w3 (w13 [E, 2I, D/2]): weights stay 4-bit in memory; in registers each e2m1
    code becomes an e4m3 byte whose exponent is shifted by (block scale - row max scale) through a
-   256-entry table of 8-byte LUTs (one `prmt` per 4 codes on the device, `inline asm`), so the main
-   loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. Epilogue: row x column scales, g/u rounded to
-   bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
-   The `prmt` path (`use_asm`) is the default on CUDA (H200, 2026-11-29: bench_moe correctness
-   rel 1.7e-4 for both, 1.55x W4A16 at T = 8192); the portable conversion (integer ops per
-   element, bit-identical) stays selectable (`use_asm=False`) and is what the Triton interpreter
-   runs. Decode sizes use swap-AB tiles (`TileConfig.swap_ab`: W . A^T, weights as the M >= 64
-   wgmma operand, 16 routed rows as N), so the touched experts' weight rows spread over N / 64
-   programs each; every program still sums the full K in order (no split-K).
+   256-entry table of 8-byte LUTs (`prmt` byte permutes via `inline asm`, 4 codes at a time), so
+   the main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. Epilogue: row x column scales, g/u
+   rounded to bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
+   Conversions (`_w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
+   `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
+   1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
+   CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
+   one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
+   swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
+   Tiles (`default_configs`, by routed rows per expert): decode (<= 8) swap-AB 64 weight rows x
+   16 routed rows: W . A^T with the converted weights as the wgmma register operand (M = 64), so
+   the few touched experts' rows spread over N / 64 programs each; <= 40: swap-AB x 64 rows;
+   above: plain 128-row tiles. Every program sums the full K of its rows (no split-K).
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
