@@ -68,6 +68,48 @@ def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
     assert torch.equal(lut[8].view(torch.float8_e4m3fn).float(), exact)
 
 
+def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """PTX prmt.b32 (default mode) on int64 tensors holding uint32 values: output byte i is byte
+    (sel & 7) of the 8-byte {b:a}, or its msb replicated (0xFF / 0x00) when sel & 8, with sel the
+    i-th nibble of c."""
+    out = torch.zeros_like(c)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        idx = sel & 7
+        src = torch.where(idx < 4, a >> (8 * (idx & 3)), b >> (8 * (idx & 3))) & 0xFF
+        byte = torch.where((sel & 8) != 0, torch.where(src >= 0x80, 0xFF, 0), src)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_prmt_conversions_emulated_exhaustively() -> None:
+    """The PTX of both asm conversions (`_w_e4m3` CONVERT 1 and 2), emulated instruction by
+    instruction, gives the e4m3 bytes of the portable formula for all 65536 16-bit words (4
+    codes) under several shift LUTs (the asm itself only runs on the device)."""
+    lut = tmoe._lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
+    word = torch.arange(1 << 16, dtype=torch.int64)
+    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
+    m32 = 0xFFFFFFFF
+    c80 = torch.full_like(word, 0x80808080)
+    for d in (0, 1, 3, 8, 9, 255):
+        l0, l1 = lut[d, 0].expand_as(word), lut[d, 1].expand_as(word)
+        mag = codes & 7
+        want_lut = torch.where(mag < 4, l0[:, None], l1[:, None])
+        want = ((want_lut >> ((mag & 3) * 8)) & 0xFF) | ((codes & 8) << 4)
+        want = sum(want[:, j] << (8 * j) for j in range(4))
+        # CONVERT 2: $1 low half = the word
+        v = _prmt(l0, l1, word & 0x7777)
+        g = ((_prmt(c80, c80, word) << 7) & m32) & 0x80808080
+        assert torch.equal(v | g, want), d
+        # CONVERT 1: $1 = [b0, b0, b1, b1]
+        b0, b1 = word & 0xFF, word >> 8
+        r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)
+        s1 = _prmt(r, torch.zeros_like(r), torch.full_like(r, 0x0020))
+        v = _prmt(l0, l1, s1 & 0x7777)
+        g = ((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080
+        assert torch.equal(v | g, want), d
+
+
 SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
 PLAIN = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
 BIG = (tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3))
