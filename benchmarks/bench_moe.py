@@ -1,14 +1,26 @@
 """Routed-expert MoE benchmark (mini layer: D 5120, I 2304, 384 experts, top-6) on sm_90.
 
-Variants, side by side in one run: W4A8 (FP8 wgmma, prmt e2m1 -> e4m3 conversion: `asm`), W4A8
-with the portable in-register conversion (`port`), and the W4A16 baseline (bf16 wgmma). For
-T = 8192 (compute-bound) and decode T in {1, 16, 64}: median time of the whole op (routing sort,
-quantisers, both grouped GEMMs, combine), timed as CUDA-graph replays over rotated routings; the
-floor max(HBM bytes of the touched experts' weights + scales / 4.24e12, 2*T*6*3*D*I / 1343e12)
-and the fraction of floor; the W4A8 / W4A16 speed ratio. A correctness line (vs the reference on
-the CPU, T = 16 on 8 experts) comes first. Ends with one JSON line; --out keeps a dated copy.
+Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
+`asm` (W4A8, prmt e2m1 -> e4m3 conversion and tiles as the op's defaults), `asm_v1` (default
+tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
+path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `port` (W4A8, portable
+conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
+timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
+syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
+2*T*6*3*D*I / 1343e12), the fraction of floor, and the W4A8 (asm) / W4A16 speed ratio. A
+correctness line per variant (vs the reference on the CPU, T = 16 on 8 experts) comes first.
 
-Run: PYTHONPATH=src python3 benchmarks/bench_moe.py [--quick] [--out DIR]
+--sweep decode|prefill|all: also time `asm` with each candidate tile pair of DECODE_CFGS /
+PREFILL_CFGS (a pair that fails to build is reported and skipped) and name the best.
+--breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
+combine; each stage its own graph) with each GEMM's own HBM floor.
+--sass (no GPU needed): AOT-compile the tiles for sm_90 and print registers, spills and the
+SASS instructions of the K loop per converted weight element, then exit.
+Ends with one JSON line; --out keeps a dated copy.
+
+Run: PYTHONPATH=src python3 benchmarks/bench_moe.py [--quick] [--sweep S] [--breakdown] [--out DIR]
+     PYTHONPATH=src python3 benchmarks/bench_moe.py --sass
 """
 
 from __future__ import annotations
@@ -89,15 +101,55 @@ def realistic_weights(e: int, dev: torch.device) -> dict:
     return out
 
 
+V0_DECODE = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
+
+
+def _swap(bm: int, bn: int, bk: int, warps: int, stages: int) -> tmoe.TileConfig:
+    return tmoe.TileConfig(bm, bn, bk, warps, stages, swap_ab=True)
+
+
+DECODE_CFGS = {
+    "swap16x64k256s4": (_swap(16, 64, 256, 4, 4),) * 2,
+    "swap16x64k128s6": (_swap(16, 64, 128, 4, 6),) * 2,
+    "swap16x64k512s3": (_swap(16, 64, 512, 4, 3),) * 2,
+    "swap16x128k256w4": (_swap(16, 128, 256, 4, 3),) * 2,
+    "swap16x128k256w8": (_swap(16, 128, 256, 8, 3),) * 2,
+    "swap32x64k256s4": (_swap(32, 64, 256, 4, 4),) * 2,
+    "v0_plain": V0_DECODE,
+}
+PREFILL_CFGS = {
+    "plain128x64|128x128": (tmoe.TileConfig(128, 64, 128, 8, 3),
+                            tmoe.TileConfig(128, 128, 128, 8, 3)),
+    "plain128x128": (tmoe.TileConfig(128, 128, 128, 8, 3),) * 2,
+    "plain256x64w8": (tmoe.TileConfig(256, 64, 128, 8, 3),) * 2,
+    "swap128x128w8": (_swap(128, 128, 128, 8, 3),) * 2,
+    "swap128x64w4": (_swap(128, 64, 128, 4, 3),) * 2,
+    "swap256x64w8": (_swap(256, 64, 128, 8, 3),) * 2,
+}
+
+
+def variant_kwargs(name: str, rows: int) -> dict | None:
+    """moe_experts keyword arguments of a named variant at `rows` routed rows (None: n/a)."""
+    if name == "asm":
+        return {"use_asm": True}
+    if name == "asm_v1":
+        return {"use_asm": True, "asm_variant": 1}
+    if name == "asm_v0":
+        return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
+    if name == "port":
+        return {"use_asm": False}
+    if name == "w4a16":
+        return {"w4a8": False}
+    raise ValueError(name)
+
+
 def correctness(dev: torch.device, keep: list[str]) -> dict:
     w = realistic_weights(8, dev)
     r = routing(16, 8, 1, dev)
     want = ref.moe_mxfp4(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in {**w, **r}.items()})
     out = {}
-    for name, kw in (("asm", {"use_asm": True}), ("port", {"use_asm": False}),
-                     ("w4a16", {"w4a8": False})):
-        if name not in keep:
-            continue
+    for name in keep:
+        kw = variant_kwargs(name, 16 * TOPK)
         got = tmoe.moe_experts(**r, **w, **kw).cpu()
         err = (got - want).abs()
         ok = bool((err <= 2e-2 + 2e-2 * want.abs()).all())
@@ -116,53 +168,205 @@ def floor_ms(t: int, ids: torch.Tensor) -> tuple[float, float, float]:
     return max(hbm, flops / FP8_PEAK) * 1e3, hbm * 1e3, flops
 
 
+def gemm_floor_ms(touched: int, n: int, k: int) -> float:
+    return touched * n * (k // 2 + k // 32) / HBM * 1e3
+
+
+def time_calls(calls: list) -> float | None:
+    try:
+        return bench(calls)
+    except Exception as exc:  # a variant that fails to build is reported, not fatal
+        log(f"    failed: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+
+def breakdown(t: int, w: dict, dev: torch.device) -> dict:
+    """Per-stage ms of the asm op at T = t (default tiles), each stage replayed on its own."""
+    s = routing(t, E, 10, dev)
+    k = TOPK
+    cfg1, cfg2 = tmoe.default_configs(t * k, E)
+    tok, orow, rw, counts = tmoe._route(s["ids"], s["weights"], E)
+    xq, xs = tmoe._quant_folded(s["x"])
+    h = torch.empty(t * k, INTER, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(t * k, D, dtype=torch.bfloat16, device=dev)
+    tmoe._launch(xq, xs, tok, h, orow, rw, w["w13"], w["w13_scale"], counts, INTER, D, 10.0,
+                 cfg1, True, True, True, None)
+    hq, hs = tmoe._quant_folded(h)
+    stages = {
+        "route": lambda: tmoe._route(s["ids"], s["weights"], E),
+        "x_quant": lambda: tmoe._quant_folded(s["x"]),
+        "w13_gemm": lambda: tmoe._launch(xq, xs, tok, h, orow, rw, w["w13"], w["w13_scale"],
+                                         counts, INTER, D, 10.0, cfg1, True, True, True, None),
+        "h_quant": lambda: tmoe._quant_folded(h),
+        "w2_gemm": lambda: tmoe._launch(hq, hs, None, y, orow, rw, w["w2"], w["w2_scale"],
+                                        counts, D, INTER, 10.0, cfg2, False, False, True, None),
+        "combine": lambda: tmoe._combine(y, t, k, D),
+    }
+    touched = int(torch.unique(s["ids"]).numel())
+    floors = {"w13_gemm": gemm_floor_ms(touched, 2 * INTER, D),
+              "w2_gemm": gemm_floor_ms(touched, D, INTER)}
+    out = {}
+    for name, fn in stages.items():
+        ms = time_calls([fn])
+        if ms is None:
+            continue
+        out[name] = ms
+        extra = f"  floor {floors[name]:.4f} ms  frac {floors[name] / ms:.3f}" \
+            if name in floors else ""
+        log(f"breakdown T={t:4d} {name:9s} {ms:8.4f} ms{extra}")
+    out["sum"] = sum(v for v in out.values())
+    log(f"breakdown T={t:4d} sum       {out['sum']:8.4f} ms (separate graphs: launch gaps "
+        f"between stages not included)")
+    return out
+
+
+def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
+               k: int = D) -> str:
+    """AOT-compile one `_moe_gemm_kernel` specialisation for sm_90 (no GPU needed: Triton's
+    bundled ptxas / cuobjdump) -> registers, stack (spills), shared memory, and the SASS
+    instructions of the main loop per weight element a thread converts."""
+    import collections
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"a_ptr": "*fp8e4nv" if w4a8 else "*bf16", "as_ptr": "*fp32", "arow_ptr": "*i32",
+           "out_ptr": "*bf16", "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8",
+           "ws_ptr": "*u8", "cnt_ptr": "*i32", "lut_ptr": "*i32", "N": "i32", "E": "i32",
+           "limit": "fp32"}
+    bk = cfg.block_k
+    while k % bk:
+        bk //= 2
+    consts = {"K": k, "E_P2": triton.next_power_of_2(E),
+              "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
+              "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
+              "SWAP_AB": cfg.swap_ab}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]  # as the JIT specialises them
+             for n in names if n.endswith("_ptr") or n in ("N", "E")}
+    sig.update({c: "constexpr" for c in consts})
+    src = ASTSource(fn=tmoe._moe_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kern.asm["cubin"])
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
+           if m]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    loop = 0
+    ops: collections.Counter = collections.Counter()
+    for i, (a, text) in enumerate(ins):  # the longest backward branch = the K loop
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and i + 1 - where.get(int(m.group(1), 16), i) > loop:
+            body = [t for _, t in ins[where[int(m.group(1), 16)]:i + 1]]
+            loop = len(body)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+    per_thread = cfg.block_n * bk * (2 if swiglu else 1) // (32 * cfg.num_warps)
+    top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(6))
+    return (f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} "
+            f"smem {kern.metadata.shared} loop {loop} instr / {per_thread} elem = "
+            f"{loop / max(per_thread, 1):.2f}  [{top}]")
+
+
+def sass_report() -> None:
+    """--sass: sm_90 SASS statistics of the default and sweep tiles (runs on a CPU machine)."""
+    rows = [("default decode", tmoe.default_configs(6, E)),
+            ("default mid (T=1024)", tmoe.default_configs(6 * 1024, E)),
+            ("default prefill", tmoe.default_configs(6 * 8192, E)),
+            *DECODE_CFGS.items(), *PREFILL_CFGS.items()]
+    for name, (c13, c2) in rows:
+        for conv in ((2, 1) if c13.swap_ab else (1, 2)):
+            for label, cfg, swiglu, k in (("w13", c13, True, D), ("w2", c2, False, INTER)):
+                try:
+                    stats = sass_stats(cfg, swiglu, conv, k=k)
+                except Exception as exc:  # report and go on
+                    stats = f"FAILED {type(exc).__name__}: {exc}"[:300]
+                log(f"sass {name:22s} asm v{conv} {label:3s} {stats}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
-    ap.add_argument("--variants", default="asm,port,w4a16")
+    ap.add_argument("--variants", default="asm,asm_v1,asm_v0,port,w4a16")
+    ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU: sm_90 SASS statistics of the tiles (registers, spills, "
+                         "main-loop instructions per weight element), then exit")
     args = ap.parse_args()
+    if args.sass:
+        sass_report()
+        return
     dev = torch.device("cuda")
     results: dict = {"gpu": torch.cuda.get_device_name(), "shape": [D, INTER, E, TOPK]}
     keep = args.variants.split(",")
     results["correctness"] = correctness(dev, keep)
     w = weights(E, dev)
-    variants = {"asm": {"use_asm": True}, "port": {"use_asm": False},
-                "w4a16": {"w4a8": False}}
-    variants = {k: v for k, v in variants.items() if k in keep}
-    big = [tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3)]
+    tokens = [8192, 1, 64] if args.quick else [8192, 1, 8, 16, 64, 256]
+    if args.tokens:
+        tokens = [int(v) for v in args.tokens.split(",")]
     rows = []
-    for t in ([8192, 1, 64] if args.quick else [8192, 1, 16, 64]):
+    for t in tokens:
         sets = [routing(t, E, 10 + i, dev) for i in range(1 if t >= 1024 else 4)]
         fl, hbm_ms, flops = floor_ms(t, sets[0]["ids"])
         res = {}
-        for name, kw in variants.items():
-            cfgs = [None]
-            if t >= 1024 and name == "asm":
-                cfgs = [(big[0], big[1]), (big[1], big[1])]
-            best = None
-            for cfg in cfgs:
-                calls = [(lambda s=s, cfg=cfg, kw=kw: tmoe.moe_experts(**s, **w, **kw,
-                                                                        configs=cfg))
-                         for s in sets]
-                try:
-                    ms = bench(calls)
-                except Exception as exc:  # a variant that fails to build is reported, not fatal
-                    log(f"T={t} {name} cfg={cfg} failed: {type(exc).__name__}: {exc}"[:300])
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
-            if best is None:
+        for name in keep:
+            kw = variant_kwargs(name, t * TOPK)
+            if kw is None:
                 continue
-            ms = best[0]
-            res[name] = {"ms": ms, "frac_floor": fl / ms, "tflops": flops / ms / 1e9,
-                         "cfg": str(best[1])}
+            calls = [(lambda s=s, kw=kw: tmoe.moe_experts(**s, **w, **kw)) for s in sets]
+            ms = time_calls(calls)
+            if ms is None:
+                continue
+            res[name] = {"ms": ms, "frac_floor": fl / ms, "tflops": flops / ms / 1e9}
             log(f"T={t:5d} {name:6s} {ms:8.3f} ms  floor {fl:.3f} ms (hbm {hbm_ms:.3f})  "
                 f"frac {fl / ms:.3f}  {flops / ms / 1e9:7.1f} TF/s")
         if "asm" in res and "w4a16" in res:
             res["w4a8_over_w4a16"] = res["w4a16"]["ms"] / res["asm"]["ms"]
             log(f"T={t:5d} W4A8(asm) speed-up over W4A16: {res['w4a8_over_w4a16']:.2f}x")
+        if "asm" in res and "asm_v0" in res:
+            res["asm_over_v0"] = res["asm_v0"]["ms"] / res["asm"]["ms"]
+            log(f"T={t:5d} asm (new decode tiles) speed-up over asm_v0: "
+                f"{res['asm_over_v0']:.2f}x")
+        cands = {}
+        if args.sweep in ("decode", "all") and t < 1024:
+            cands = DECODE_CFGS
+        if args.sweep in ("prefill", "all") and t >= 1024:
+            cands = PREFILL_CFGS
+        sweep = {}
+        for cname, cfg in cands.items():
+            calls = [(lambda s=s, cfg=cfg: tmoe.moe_experts(**s, **w, use_asm=True,
+                                                            configs=cfg)) for s in sets]
+            ms = time_calls(calls)
+            if ms is None:
+                log(f"T={t:5d} sweep {cname:20s} failed")
+                continue
+            sweep[cname] = ms
+            ratio = (f"  {res['w4a16']['ms'] / ms:.2f}x w4a16" if "w4a16" in res else "")
+            log(f"T={t:5d} sweep {cname:20s} {ms:8.3f} ms  frac {fl / ms:.3f}{ratio}")
+        if sweep:
+            best = min(sweep, key=sweep.get)
+            log(f"T={t:5d} sweep best {best} {sweep[best]:.3f} ms frac {fl / sweep[best]:.3f}")
+            res["sweep"] = sweep
         rows.append({"T": t, "floor_ms": fl, "hbm_floor_ms": hbm_ms, **res})
+    if args.breakdown:
+        results["breakdown"] = {t: breakdown(t, w, dev) for t in tokens if t < 1024}
     results["rows"] = rows
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],

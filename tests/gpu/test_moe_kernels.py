@@ -68,6 +68,54 @@ def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
     assert torch.equal(lut[8].view(torch.float8_e4m3fn).float(), exact)
 
 
+def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """PTX prmt.b32 (default mode) on int64 tensors holding uint32 values: output byte i is byte
+    (sel & 7) of the 8-byte {b:a}, or its msb replicated (0xFF / 0x00) when sel & 8, with sel the
+    i-th nibble of c."""
+    out = torch.zeros_like(c)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        idx = sel & 7
+        src = torch.where(idx < 4, a >> (8 * (idx & 3)), b >> (8 * (idx & 3))) & 0xFF
+        byte = torch.where((sel & 8) != 0, torch.where(src >= 0x80, 0xFF, 0), src)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_prmt_conversions_emulated_exhaustively() -> None:
+    """The PTX of both asm conversions (`_w_e4m3` CONVERT 1 and 2), emulated instruction by
+    instruction, gives the e4m3 bytes of the portable formula for all 65536 16-bit words (4
+    codes) under several shift LUTs (the asm itself only runs on the device)."""
+    lut = tmoe._lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
+    word = torch.arange(1 << 16, dtype=torch.int64)
+    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
+    m32 = 0xFFFFFFFF
+    c80 = torch.full_like(word, 0x80808080)
+    for d in (0, 1, 3, 8, 9, 255):
+        l0, l1 = lut[d, 0].expand_as(word), lut[d, 1].expand_as(word)
+        mag = codes & 7
+        want_lut = torch.where(mag < 4, l0[:, None], l1[:, None])
+        want = ((want_lut >> ((mag & 3) * 8)) & 0xFF) | ((codes & 8) << 4)
+        want = sum(want[:, j] << (8 * j) for j in range(4))
+        # CONVERT 2: $1 low half = the word
+        v = _prmt(l0, l1, word & 0x7777)
+        g = ((_prmt(c80, c80, word) << 7) & m32) & 0x80808080
+        assert torch.equal(v | g, want), d
+        # CONVERT 1: $1 = [b0, b0, b1, b1]
+        b0, b1 = word & 0xFF, word >> 8
+        r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)
+        s1 = _prmt(r, torch.zeros_like(r), torch.full_like(r, 0x0020))
+        v = _prmt(l0, l1, s1 & 0x7777)
+        g = ((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080
+        assert torch.equal(v | g, want), d
+
+
+SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
+PLAIN = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
+BIG = (tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3))
+BIG_SWAP = (tmoe.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
+
+
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
                                                    (83, 128, 64, 8, 3, 0), (19, 256, 96, 6, 3, 6)])
 def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spread: int) -> None:
@@ -77,12 +125,58 @@ def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spre
     _check(got, want)
 
 
+@pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
+                                          ("big_swap", BIG_SWAP)])
+def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
+    """Every tile orientation (swap-AB or plain) and size, with N and K not multiples of the
+    tile and several row blocks per expert."""
+    kw = _case(2000 + len(name), 25, 160, 96, 4, 3, spread=4)
+    want = ref.moe_mxfp4(**_cpu(kw))
+    _check(tmoe.moe_experts(**kw, configs=configs), want)
+
+
+@pytest.mark.parametrize("rows_k", [(1, 1), (1, 6), (7, 2), (83, 3), (200, 6)])
+def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
+    """The one-launch counting sort gives exactly torch's stable argsort permutation and the
+    scatter-add counts (many ties, experts with no rows, E not a multiple of the block)."""
+    t, k = rows_k
+    e = 70
+    g = torch.Generator().manual_seed(31 * t + k)
+    ids = torch.randint(0, 9 if t > 50 else e, (t, k), generator=g)  # heavy ties when large
+    w = torch.rand(t, k, generator=g)
+    got = tmoe._route(ids.to(DEV), w.to(DEV), e)
+    want = tmoe._route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    assert int(got[3].sum()) == t * k
+
+
 @pytest.mark.skipif(not ON_GPU, reason="prmt inline asm needs the device")
-def test_w4a8_asm_equals_portable_conversion() -> None:
+@pytest.mark.parametrize("variant", [None, 1, 2])
+@pytest.mark.parametrize("name,configs", [("default", None), ("swap", SWAP), ("plain", PLAIN),
+                                          ("big", BIG), ("big_swap", BIG_SWAP)])
+def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> None:
+    """Both prmt conversions on every tile family give the portable conversion's bits (the asm
+    relies on 4 packed elements being 4 consecutive K of one weight row; spread = 9 makes every
+    row's 32-blocks use different LUTs, so a wrong packing shows)."""
     kw = _case(7, 40, 512, 256, 16, 6, spread=9)
-    a = tmoe.moe_experts(**kw, use_asm=True)
-    b = tmoe.moe_experts(**kw, use_asm=False)
+    a = tmoe.moe_experts(**kw, use_asm=True, asm_variant=variant, configs=configs)
+    b = tmoe.moe_experts(**kw, use_asm=False, configs=configs)
     assert torch.equal(a, b)
+    _check(a, ref.moe_mxfp4(**_cpu(kw)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a property of the device's tensor cores")
+def test_batch_invariance() -> None:
+    """A token's output is bitwise the same alone (T = 1, 3: 16-row swap-AB tiles), in a
+    T = 40 batch (15 rows per expert: 64-row swap-AB tiles) and in a T = 120 batch (45 rows per
+    expert: plain 128-row tiles), default configs (the op's path: asm conversion)."""
+    kw = _case(9, 120, 512, 256, 16, 6, spread=3)
+    full = tmoe.moe_experts(**kw)
+    for t in (1, 3, 40):
+        part = {n: (v[:t] if n in ("x", "ids", "weights") else v) for n, v in kw.items()}
+        got = tmoe.moe_experts(**part)
+        assert torch.equal(got, full[:t]), (t, float((got - full[:t]).abs().max()))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter's bf16 tl.dot is wrong (checked: 4.5e10 off)")

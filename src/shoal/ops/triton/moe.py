@@ -3,19 +3,26 @@ plus a W4A16 baseline (`moe_w4a16`, bf16 tensor cores, what vLLM/SGLang run on H
 plain function for the benchmark.
 
 W4A8 pipeline (no host synchronisation; every size below comes from tensor shapes):
-1. permutation: the T*k (token, slot) rows are sorted by expert id (stable); per-expert counts are
-   a scatter-add on device; each GEMM program finds its (expert, row block) from the counts.
+1. permutation: the T*k (token, slot) rows are sorted by expert id (stable) with per-expert
+   counts, on device: one `_route_kernel` launch for decode sizes (counting sort), torch's
+   argsort + scatter-add above; each GEMM program finds its (expert, row block) from the counts.
 2. x -> e4m3 per 32 (model.md §5.2, bit-exact `gemm._act_quant`), *folded*: every 32-block is
    re-encoded relative to the row's largest block exponent, one fp32 scale per row remains.
 3. grouped GEMM w1|w3 (w13 [E, 2I, D/2]): weights stay 4-bit in memory; in registers each e2m1
    code becomes an e4m3 byte whose exponent is shifted by (block scale - row max scale) through a
-   256-entry table of 8-byte LUTs (one `prmt` per 4 codes on the device, `inline asm`), so the main
-   loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. Epilogue: row x column scales, g/u rounded to
-   bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
-   Status (H200, 2026-11-29): the portable conversion (integer ops per element) is verified on
-   the device and is the default; the `prmt` path has not yet compiled on the device (its first
-   run had a non-literal constraint string, fixed since) and stays opt-in (`use_asm=True`) until
-   tests/gpu/test_moe_kernels.py::test_w4a8_asm_equals_portable_conversion passes there.
+   256-entry table of 8-byte LUTs (`prmt` byte permutes via `inline asm`, 4 codes at a time), so
+   the main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. Epilogue: row x column scales, g/u
+   rounded to bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
+   Conversions (`_w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
+   `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
+   1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
+   CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
+   one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
+   swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
+   Tiles (`default_configs`, by routed rows per expert): decode (<= 8) swap-AB 64 weight rows x
+   16 routed rows: W . A^T with the converted weights as the wgmma register operand (M = 64), so
+   the few touched experts' rows spread over N / 64 programs each; <= 40: swap-AB x 64 rows;
+   above: plain 128-row tiles. Every program sums the full K of its rows (no split-K).
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -25,7 +32,11 @@ Numerics versus the reference (all inside the op's 2e-2 abs/rel fp32 tolerance):
   E - e_b = 8, for e4m3 activations while |q| 2^(e_b - E) >= 2^-6 or is a multiple of 2^-9.
   Beyond that low bits are rounded (RNE) or flushed; such blocks are >= 2^6..2^8 below the row's
   largest and move the output far below bf16 resolution of its magnitude.
-- the K sum is fp32 in wgmma order (reference: fp64, then fp32); products are exact.
+- the K sum is fp32 in wgmma order (reference: fp64, then fp32); products are exact. Every
+  program sums the full K of its rows in ascending BLOCK_K steps whatever the batch, so a row's
+  result depends only on its own (token, expert); that this also holds across the decode and
+  prefill tiles (swap-AB vs plain orientation) is a tensor-core property that
+  tests/gpu/test_moe_kernels.py::test_batch_invariance checks on the device.
 - the combine adds the k bf16 expert outputs in slot order (reference: ascending expert id).
 - a weight row whose scales include 0xFF (NaN) gives NaN for the whole output column, like the
   reference's dot; a UE8M0 byte 0 (2^-127) row max is read as 0.
@@ -89,12 +100,29 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
+    """Compute the transposed tile W . A^T: the converted weight tile is the left (M >= 64,
+    wgmma) operand, the BLOCK_M routed rows the right one (any BLOCK_M >= 16). Same products and
+    the same K order as the plain orientation."""
 
 
-def default_configs(rows: int) -> tuple[TileConfig, TileConfig]:
-    """(w13 config, w2 config) for `rows` = T * k routed rows."""
-    if rows <= 512:  # decode: ~1-2 rows per expert, bandwidth-bound
-        return TileConfig(16, 32, 256, 4, 4), TileConfig(16, 64, 256, 4, 4)
+def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
+
+    Decode (<= 8 rows per expert on average: bandwidth-bound): swap-AB tiles of 64 weight rows
+    x 16 routed rows (the touched experts split into N / 64 programs each, wgmma M = 64 with the
+    converted weights as the register operand); up to 40 rows per expert the same with 64 routed
+    rows; above, plain 128-row tiles (one weight conversion per 128 rows). Numbers from sm_90
+    SASS of the main loop (AOT-compiled): the swap tiles with the 16-bit-word prmt conversion
+    take ~3.2-3.6 instructions per weight element, the previous plain 16-row decode tile ~4.4
+    (plus fp8 -> fp16 conversions for mma.sync)."""
+    per_expert = rows / max(experts, 1)
+    if per_expert <= 8:
+        return (TileConfig(16, 64, 256, 4, 4, swap_ab=True),
+                TileConfig(16, 64, 256, 4, 4, swap_ab=True))
+    if per_expert <= 40:
+        return (TileConfig(64, 64, 128, 4, 3, swap_ab=True),
+                TileConfig(64, 64, 128, 4, 3, swap_ab=True))
     return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
 
 
@@ -119,52 +147,83 @@ def _expert_tile(cnt_ptr, pid_m, E, E_P2: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
     """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
-    wb = tl.load(w_ptr + wrow[:, None] * K2 + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+    offs = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)  # (hint: 16-byte loads)
+    wb = tl.load(w_ptr + wrow[:, None] * K2 + offs[None, :])
     return tl.reshape(tl.join(wb, wb), (BN, BK))
 
 
 @triton.jit
 def _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
-            USE_ASM: tl.constexpr):
-    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN])."""
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+            CONVERT: tl.constexpr):
+    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
+
+    CONVERT 0: portable integer ops per element (runs under the interpreter); 1: `prmt` on
+    duplicated bytes; 2: `prmt` on the 16-bit word of each 4 K elements (fewest instructions).
+    1 and 2 need every 4 packed elements of the asm to be 4 consecutive K of one row (true for
+    the wgmma / mma operand layouts Triton picks; test_w4a8_asm_equals_portable_conversion
+    checks all three give identical bits on the device)."""
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
     sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
     lut0 = tl.load(lut_ptr + sh * 2)
     lut1 = tl.load(lut_ptr + sh * 2 + 1)
     lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
-    if USE_ASM:
-        # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; one prmt looks up
-        # the 4 magnitudes, a second (sign-replicate mode over 0x80 bytes) yields the signs.
+    if CONVERT == 2:
+        # $1 = two int16 elements, the low one the word [b0, b1] of K 0..3 (codes c0..c3 in its
+        # 4 nibbles); $3 / $7 = the 8-byte LUT of element 0 (4 consecutive K: one 32-block).
+        # prmt #1 looks up the 4 magnitudes; prmt #2 (sign-replicate mode on 0x80 bytes) gives
+        # 0xFF / 0x80 per sign nibble, whose bit 0 shifted to bit 7 is the e4m3 sign.
+        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        offs = tl.multiple_of(k0 // 4, BK // 4) + tl.arange(0, BK // 4)
+        w16 = tl.load(w16_ptr + wrow[:, None] * (K2 // 2) + offs[None, :])
+        w16 = tl.reshape(tl.broadcast_to(w16[:, :, None], (BN, BK // 4, 4)), (BN, BK))
         byte = tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 s, m, v, g, c80, z;
-            mov.b32 z, 0;
+            .reg .b32 m, v, g, c80;
             mov.b32 c80, 0x80808080;
-            prmt.b32 s, $1, z, 0x0020;
-            and.b32 m, s, 0x7777;
-            prmt.b32 v, $2, $6, m;
-            prmt.b32 g, c80, c80, s;
+            and.b32 m, $1, 0x7777;
+            prmt.b32 v, $3, $7, m;
+            prmt.b32 g, c80, c80, $1;
             shl.b32 g, g, 7;
             and.b32 g, g, 0x80808080;
             or.b32 $0, v, g;
             }""",
-            constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+            constraints="=r,r,r,r,r,r,r,r,r,r,r", args=[w16, lut0, lut1], dtype=tl.uint8,
             is_pure=True, pack=4)
     else:
-        par = (tl.arange(0, BK) % 2)[None, :]
-        code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
-        mag = code & 7
-        lut = tl.where(mag < 4, lut0, lut1)
-        byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
+        wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+        if CONVERT == 1:
+            # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; then as above.
+            byte = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 s, m, v, g, c80, z;
+                mov.b32 z, 0;
+                mov.b32 c80, 0x80808080;
+                prmt.b32 s, $1, z, 0x0020;
+                and.b32 m, s, 0x7777;
+                prmt.b32 v, $2, $6, m;
+                prmt.b32 g, c80, c80, s;
+                shl.b32 g, g, 7;
+                and.b32 g, g, 0x80808080;
+                or.b32 $0, v, g;
+                }""",
+                constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+                is_pure=True, pack=4)
+        else:
+            par = (tl.arange(0, BK) % 2)[None, :]
+            code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
+            mag = code & 7
+            lut = tl.where(mag < 4, lut0, lut1)
+            byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
     return byte.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def _w_bf16(w_ptr, ws_ptr, wrow, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr):
     """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale."""
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
     f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     f = tl.where(sc == 255, float("nan"), f)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
@@ -206,12 +265,13 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
     of weight rows n and N + n of the expert (w13); else out[orow[r], n] = bf16(y) (w2).
     W4A8: a is folded e4m3 with row scales as_ptr; else a is bf16 and weights dequantise to bf16.
+    SWAP_AB: the accumulators hold the transposed [BN, BM] tile (weights as the left operand).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -236,23 +296,37 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             wmax_g = _row_max_exp(ws_ptr, wrow_g, KB, BN, KB_P2)
             if SWIGLU:
                 wmax_u = _row_max_exp(ws_ptr, wrow_u, KB, BN, KB_P2)
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP_AB:
+            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         offs_k = tl.arange(0, BK)
         for k0 in range(0, K, BK):
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
             if W4A8:
-                bg = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, USE_ASM)
+                bg = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT)
             else:
                 bg = _w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
-            acc_g = tl.dot(a, tl.trans(bg), acc_g)
+            if SWAP_AB:
+                acc_g = tl.dot(bg, tl.trans(a), acc_g)
+            else:
+                acc_g = tl.dot(a, tl.trans(bg), acc_g)
             if SWIGLU:
                 if W4A8:
-                    bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK, USE_ASM)
+                    bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
+                                CONVERT)
                 else:
                     bu = _w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
-                acc_u = tl.dot(a, tl.trans(bu), acc_u)
+                if SWAP_AB:
+                    acc_u = tl.dot(bu, tl.trans(a), acc_u)
+                else:
+                    acc_u = tl.dot(a, tl.trans(bu), acc_u)
+        if SWAP_AB:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         omask = rmask[:, None] & nmask[None, :]
         if W4A8:
             rs = tl.load(as_ptr + arow, mask=rmask, other=0.0)
@@ -287,11 +361,69 @@ def _combine_kernel(y_ptr, out_ptr, D, KTOP: tl.constexpr, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------- host side
 
 
-def _route(ids: torch.Tensor, weights: torch.Tensor, e: int):
+@triton.jit
+def _route_kernel(ids_ptr, w_ptr, tok_ptr, orow_ptr, rw_ptr, cnt_ptr, R, E, KTOP: tl.constexpr,
+                  BI: tl.constexpr, BJ: tl.constexpr):
+    """Stable counting sort of the R = T * KTOP (token, slot) rows by expert id, in one launch.
+
+    Programs 0 .. cdiv(R, BI) - 1 take BI rows each: rank(r) = #{r' : e(r') < e(r) or
+    (e(r') == e(r) and r' < r)} (exactly the position of a stable argsort), then tok[rank] =
+    r // KTOP, orow[rank] = r, rw[rank] = w[r]. The remaining programs count BI experts each.
+    Every output element is written by exactly one program (no atomics, no zero-fill)."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(R, BI)
+    offs_j = tl.arange(0, BJ)
+    if pid < n_i:
+        r = pid * BI + tl.arange(0, BI)
+        rm = r < R
+        e_r = tl.load(ids_ptr + r, mask=rm, other=0)
+        rank = tl.zeros((BI,), dtype=tl.int32)
+        j0 = R * 0
+        while j0 < R:  # (a runtime-bound `range` breaks the interpreter under numpy 2)
+            j = j0 + offs_j
+            e_j = tl.load(ids_ptr + j, mask=j < R, other=E)
+            before = (e_j[None, :] < e_r[:, None]) | (
+                (e_j[None, :] == e_r[:, None]) & (j[None, :] < r[:, None]))
+            rank += tl.sum(before.to(tl.int32), 1)
+            j0 += BJ
+        tl.store(tok_ptr + rank, (r // KTOP).to(tl.int32), mask=rm)
+        tl.store(orow_ptr + rank, r.to(tl.int32), mask=rm)
+        tl.store(rw_ptr + rank, tl.load(w_ptr + r, mask=rm, other=0.0), mask=rm)
+    else:
+        ex = (pid - n_i) * BI + tl.arange(0, BI)
+        cnt = tl.zeros((BI,), dtype=tl.int32)
+        j0 = R * 0
+        while j0 < R:
+            j = j0 + offs_j
+            e_j = tl.load(ids_ptr + j, mask=j < R, other=-1)
+            cnt += tl.sum((e_j[None, :] == ex[:, None]).to(tl.int32), 1)
+            j0 += BJ
+        tl.store(cnt_ptr + ex, cnt, mask=ex < E)
+
+
+ROUTE_KERNEL_MAX_ROWS = 4096  # the one-launch sort is O(R^2); above this torch.argsort is cheaper
+
+
+def _route(ids: torch.Tensor, weights: torch.Tensor, e: int,
+           max_kernel_rows: int = ROUTE_KERNEL_MAX_ROWS):
     """Expert-sorted rows: (token of each row int32, slot-major output row int32, routing weight
-    fp32, per-expert counts int32). No host synchronisation."""
+    fp32, per-expert counts int32). Up to `max_kernel_rows` rows one Triton launch
+    (`_route_kernel`, the decode case: fewer graph nodes), else torch's stable argsort; both give
+    the identical permutation. No host synchronisation."""
     k = ids.shape[1]
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).contiguous()
+    rows = flat.numel()
+    if rows <= max_kernel_rows:
+        dev = ids.device
+        tok = torch.empty(rows, dtype=torch.int32, device=dev)
+        orow = torch.empty(rows, dtype=torch.int32, device=dev)
+        rw = torch.empty(rows, dtype=torch.float32, device=dev)
+        counts = torch.empty(e, dtype=torch.int32, device=dev)
+        bi, bj = 64, 128
+        grid = (triton.cdiv(rows, bi) + triton.cdiv(e, bi),)
+        _route_kernel[grid](flat, weights.reshape(-1).float().contiguous(), tok, orow, rw,
+                            counts, rows, e, KTOP=k, BI=bi, BJ=bj, num_warps=4)
+        return tok, orow, rw, counts
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(e, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -315,8 +447,13 @@ def _quant_folded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: TileConfig,
-            swiglu: bool, gather: bool, w4a8: bool, use_asm: bool) -> None:
+            swiglu: bool, gather: bool, w4a8: bool, convert: int | None) -> None:
+    """One grouped GEMM. convert: the `_w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
+    prmt variant with the fewest instructions for the tile orientation (2 for swap-AB, where
+    the weights are the register operand; 1 for plain tiles, where 2 costs more)."""
     rows, e = orow.shape[0], w.shape[0]
+    if convert is None:
+        convert = 2 if cfg.swap_ab else 1
     bk = cfg.block_k
     while k % bk:
         bk //= 2
@@ -328,7 +465,8 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         orow, rw, w, ws, counts, _lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
-        W4A8=w4a8, USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
@@ -341,11 +479,16 @@ def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
                 *, w4a8: bool = True, use_asm: bool | None = None,
+                asm_variant: int | None = None,
                 configs: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
     """Routed experts -> [T, D] fp32 (the `moe_mxfp4` contract). w4a8=False: the W4A16 baseline
     (bf16 activations, weights dequantised to bf16; no activation quantisation, so it differs
     from the reference by the FP8 activation rounding). use_asm: the prmt conversion (CUDA only;
-    NOT yet validated on the device, see the module docstring); default: the portable one."""
+    default there); `asm_variant` 2 (16-bit words) or 1 (duplicated bytes, the first
+    device-verified version), default per tile orientation (see `_launch`); use_asm False (and
+    always under the Triton interpreter, where inline asm cannot run): the portable integer
+    conversion. All give identical bits. configs: (w13, w2) tiles, default
+    `default_configs(T * k, E)`."""
     t, d = x.shape
     k = ids.shape[1]
     e, two_i, _ = w13.shape
@@ -353,8 +496,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     if t == 0:
         return torch.zeros(t, d, dtype=torch.float32, device=x.device)
     if use_asm is None:
-        use_asm = False
-    cfg1, cfg2 = configs or default_configs(t * k)
+        use_asm = x.is_cuda
+    if asm_variant not in (None, 1, 2):
+        raise ValueError(f"asm_variant must be None, 1 or 2, got {asm_variant}")
+    convert = asm_variant if use_asm else 0
+    cfg1, cfg2 = configs or default_configs(t * k, e)
     tok, orow, rw, counts = _route(ids, weights, e)
     h = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(t * k, d, dtype=torch.bfloat16, device=x.device)
@@ -363,16 +509,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     if w4a8:
         xq, xs = _quant_folded(x)
         _launch(xq, xs, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
-                True, use_asm)
+                True, convert)
         hq, hs = _quant_folded(h)
         _launch(hq, hs, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False, False,
-                True, use_asm)
+                True, convert)
     else:
         xb = x.contiguous()
         _launch(xb, None, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
-                False, False)
+                False, 0)
         _launch(h, None, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False, False,
-                False, False)
+                False, 0)
     return _combine(y, t, k, d)
 
 
