@@ -19,12 +19,13 @@ from shoal.checkpoint.reader import CheckpointReader
 from shoal.checkpoint.writer import generate_weights
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.batch import RequestChunk, build_forward_batch
-from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ModelParams, WeightError
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
+from shoal.runner.cuda_graphs import DecodeGraphs
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.step_plan import StepPlan
@@ -104,8 +105,10 @@ class ModelRunner:
         self.model = DeepseekV41(cfg, params, self.ops, token_map)
         self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         self.memory = self._plan_memory()
+        # one slot and one block beyond the plan (the scheduler never hands them out): the
+        # padded rows of a CUDA-graph step compute there
         self.caches = KVCaches.allocate(
-            cfg, num_blocks=self.memory.num_blocks, num_slots=self.memory.num_slots,
+            cfg, num_blocks=self.memory.num_blocks + 1, num_slots=self.memory.num_slots + 1,
             max_tokens=config.scheduler.max_num_batched_tokens,
             block_size=config.cache.block_size,
             ring_slack=self.layout.swa_ring_len - cfg.sliding_window, device=self.device)
@@ -114,6 +117,34 @@ class ModelRunner:
         if self.speculative and not cfg.num_draft_layers:
             raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
                              "has none")
+        self.graphs = self._decode_graphs()
+
+    def decode_graphs(self, *, use_graphs: bool) -> DecodeGraphs:
+        """Static padded decode path over this runner's model and caches (captured on CUDA
+        when `use_graphs`; tests run it eagerly on the CPU)."""
+        sched = self.config.scheduler
+        max_batch = min(sched.max_num_seqs, self.memory.num_slots, sched.max_num_batched_tokens,
+                        256)
+        block = self.config.cache.block_size
+        return DecodeGraphs(self.model, self.caches, max_batch=max_batch,
+                            max_context=sched.max_model_len,
+                            max_blocks=-(-sched.max_model_len // block),
+                            pad_slot=self.memory.num_slots, pad_block=self.memory.num_blocks,
+                            use_graphs=use_graphs)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.config.runner.cuda_graphs:
+            logger.info("CUDA graphs: off (cuda_graphs=False)")
+            return None
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs: off (device %s)", self.device)
+            return None
+        if self.speculative:
+            logger.info("CUDA graphs: off (speculative decoding runs eagerly)")
+            return None
+        graphs = self.decode_graphs(use_graphs=True)
+        graphs.capture()
+        return graphs
 
     def _plan_memory(self) -> MemoryPlan:
         cache, sched = self.config.cache, self.config.scheduler
@@ -146,7 +177,9 @@ class ModelRunner:
                                        item.history_token_ids))
             if want_prompt:
                 prompt_lp.append((item, len(chunks) - 1))
-        batch = build_forward_batch(self.config.model_config, chunks, device=self.device,
+        graphed = self.graphs is not None and self.graphs.fits(chunks)
+        batch = build_forward_batch(self.config.model_config, chunks,
+                                    device="cpu" if graphed else self.device,
                                     prefill_mode=self.config.runner.prefill_mode,
                                     replay_window=self.config.runner.replay_window)
         out.decoder_rows_skipped = sum(
@@ -154,7 +187,11 @@ class ModelRunner:
             for r in batch.layer_rows.values())
         t1 = time.perf_counter()
         with torch.inference_mode():
-            result = self.model.forward(batch, self.caches, capture=self.speculative)
+            if graphed:  # pure decode: static inputs, graph replay (speculative is eager)
+                assert self.graphs is not None
+                result = ForwardOutput(self.graphs.forward(batch))
+            else:
+                result = self.model.forward(batch, self.caches, capture=self.speculative)
         logits = result.logits
         out.forward_time = time.perf_counter() - t1
         out.prepare_time = t1 - t0
