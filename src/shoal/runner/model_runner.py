@@ -143,7 +143,12 @@ class ModelRunner:
             logger.info("CUDA graphs: off (speculative decoding runs eagerly)")
             return None
         graphs = self.decode_graphs(use_graphs=True)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError:  # e.g. an op syncing with the host: run eagerly, loudly
+            logger.exception("CUDA graphs: capture failed, every step runs eagerly")
+            torch.cuda.synchronize()
+            return None
         return graphs
 
     def _plan_memory(self) -> MemoryPlan:
@@ -215,7 +220,9 @@ class ModelRunner:
                 sample_rows.append(first + j)
                 draws.append((item.request_id, row, drafts[:j]))
         if draws:
-            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
+            every = sample_rows == list(range(logits.shape[0]))  # (decode): no index upload
+            self._sample(logits if every else
+                         logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
             accept_drafts(plan, out)
         if self.speculative:
             with torch.inference_mode():
