@@ -25,7 +25,13 @@ from shoal.model.params import ModelParams
 from shoal.model.presets import TINY
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
-from shoal.runner.cuda_graphs import DecodeGraphs, batch_sizes, context_bounds, is_pure_decode
+from shoal.runner.cuda_graphs import (
+    DecodeGraphs,
+    batch_sizes,
+    context_bounds,
+    is_pure_decode,
+    prefill_warmup_chunks,
+)
 
 NUM_SLOTS, NUM_BLOCKS, BLOCK = 7, 12, 128  # the last slot / block are the pad targets
 PAD_SLOT, PAD_BLOCK = NUM_SLOTS - 1, NUM_BLOCKS - 1
@@ -112,3 +118,34 @@ def test_static_padded_decode_equals_eager(model: DeepseekV41) -> None:
     for layer, (kv, score) in eager.comp_state.items():
         assert torch.equal(kv[slots], static.comp_state[layer][0][slots])
         assert torch.equal(score[slots], static.comp_state[layer][1][slots])
+
+
+def test_prefill_warmup_touches_only_pad_targets(model: DeepseekV41) -> None:
+    chunks = prefill_warmup_chunks(TINY, max_tokens=96, max_context=256, block_size=BLOCK,
+                                   pad_slot=PAD_SLOT, pad_block=PAD_BLOCK, cap=8)
+    shapes = [(ch.num_new, ch.start) for ch in chunks]
+    assert shapes == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (8, 0), (1, 255), (17, 239)]
+    assert all(ch.slot == PAD_SLOT and set(ch.block_ids) == {PAD_BLOCK} for ch in chunks)
+    caches = _caches()
+    for plane in [*caches.swa, *caches.compressed.values(), *caches.index_k.values()]:
+        plane.random_(0, 256)
+    before = [t.clone() for t in [*caches.swa, *caches.compressed.values(),
+                                  *caches.index_k.values()]]
+    for ch in chunks:  # every batch builds; two run (CPU time)
+        batch = build_forward_batch(TINY, [ch], prefill_mode="staircase")
+        assert batch.max_position == ch.start + ch.num_new - 1
+    for ch in (chunks[2], chunks[-1]):
+        model.forward(build_forward_batch(TINY, [ch], prefill_mode="staircase"), caches)
+    ring = caches.ring_size
+    for layer, plane in enumerate(caches.swa):
+        keep = torch.ones(plane.shape[0], dtype=torch.bool)
+        keep[PAD_SLOT * ring:(PAD_SLOT + 1) * ring] = False
+        keep[caches.scratch_base:] = False
+        assert torch.equal(plane[keep], before[layer][keep]), f"SWA plane {layer}"
+    planes = [*caches.compressed.items(), *caches.index_k.items()]
+    for (src, plane), old in zip(planes, before[len(caches.swa):], strict=True):
+        rpb = caches.rows_per_block(src)
+        keep = torch.ones(plane.shape[0], dtype=torch.bool)
+        keep[PAD_BLOCK * rpb:(PAD_BLOCK + 1) * rpb] = False
+        assert torch.equal(plane[keep], old[keep]), f"paged plane of source {src}"
+        assert not torch.equal(plane[~keep], old[~keep])

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from shoal.model.batch import ForwardBatch, RequestChunk
+from shoal.model.config import ModelConfig
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.state import KVCaches
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BOUND = 512  # smallest captured indexer bound (tokens of context)
+PREFILL_WARMUP_CAP = 2048  # largest prefill chunk run at warm-up (memory of reference ops)
 NUM_INT64_FIELDS = 5  # input_ids, positions, slots, chunk_start, decoder_floor (+ history)
 
 
@@ -172,12 +174,12 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode():
             for bound in reversed(self.bounds):
                 for size in reversed(self.sizes):
                     self._fill(None, size)
                     static = self.static_batch(size, bound)
+                    side.wait_stream(torch.cuda.current_stream())  # after the upload
                     with torch.cuda.stream(side):
                         self.model.forward(static, self.caches)
                     torch.cuda.current_stream().wait_stream(side)
@@ -194,6 +196,32 @@ class DecodeGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+def prefill_warmup_chunks(config: ModelConfig, *, max_tokens: int, max_context: int,
+                          block_size: int, pad_slot: int, pad_block: int,
+                          cap: int = PREFILL_WARMUP_CAP) -> list[RequestChunk]:
+    """Chunks that make a run's prefill kernels compile at start-up, on the pad slot and pad
+    block only (every block-table entry is the pad block, so all writes alias there).
+
+    Triton specialises integer arguments on divisibility by 16 (and == 1) and some kernels
+    pick constexpr tiles from the row count or the indexer width, so: T = 2^k and 2^k + 1 rows
+    from position 0 (up to min(max_tokens, cap): larger chunks could compile late), and 1 and
+    17 rows ending at every context bound (indexer widths up to max_context / r)."""
+    n_hist = max(config.engram_max_ngram_size - 1, 0)
+    limit = min(max_tokens, cap, max_context)
+    shapes, t = [], 1
+    while t <= limit:
+        shapes += [(t, 0)] + ([(t + 1, 0)] if t + 1 <= limit and t > 1 else [])
+        t *= 2
+    for bound in context_bounds(max_context):
+        shapes += [(n, bound - n) for n in (1, 17) if n <= min(bound, max_tokens)]
+    chunks = []
+    for n, start in shapes:
+        blocks = [pad_block] * -(-(start + n) // block_size)
+        chunks.append(RequestChunk([0] * n, start, pad_slot, blocks, start + n, "last",
+                                   [0] * min(start, n_hist)))
+    return chunks
 
 
 @contextlib.contextmanager

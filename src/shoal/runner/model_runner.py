@@ -25,7 +25,7 @@ from shoal.model.params import ModelParams, WeightError
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
-from shoal.runner.cuda_graphs import DecodeGraphs
+from shoal.runner.cuda_graphs import DecodeGraphs, prefill_warmup_chunks
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.step_plan import StepPlan
@@ -132,6 +132,24 @@ class ModelRunner:
                             pad_slot=self.memory.num_slots, pad_block=self.memory.num_blocks,
                             use_graphs=use_graphs)
 
+    def _warm_up_prefill(self) -> None:
+        """Run prefill-shaped steps on the pad slot / block so that their Triton kernels compile
+        now rather than during a run (decode shapes compile in DecodeGraphs.capture)."""
+        t0 = time.perf_counter()
+        sched, cfg = self.config.scheduler, self.config.model_config
+        chunks = prefill_warmup_chunks(
+            cfg, max_tokens=sched.max_num_batched_tokens, max_context=sched.max_model_len,
+            block_size=self.config.cache.block_size, pad_slot=self.memory.num_slots,
+            pad_block=self.memory.num_blocks)
+        with torch.inference_mode():
+            for chunk in chunks:
+                batch = build_forward_batch(cfg, [chunk], device=self.device,
+                                            prefill_mode=self.config.runner.prefill_mode,
+                                            replay_window=self.config.runner.replay_window)
+                self.model.forward(batch, self.caches)
+        torch.cuda.synchronize()
+        logger.info("warm-up: %d prefill shapes in %.1f s", len(chunks), time.perf_counter() - t0)
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.config.runner.cuda_graphs:
             logger.info("CUDA graphs: off (cuda_graphs=False)")
@@ -143,6 +161,7 @@ class ModelRunner:
             logger.info("CUDA graphs: off (speculative decoding runs eagerly)")
             return None
         graphs = self.decode_graphs(use_graphs=True)
+        self._warm_up_prefill()
         try:
             graphs.capture()
         except RuntimeError:  # e.g. an op syncing with the host: run eagerly, loudly
