@@ -124,24 +124,24 @@ class DecodeGraphs:
         if self._uploaded is not None:  # the previous upload may still read the staging
             self._uploaded.synchronize()
         full, n = self.sizes[-1], 0 if batch is None else batch.num_requests
-        h = self._host64
+        h, h32 = self._host64.numpy(), self._host32.numpy()  # views: cheap host writes
         pads = (0, 0, self.pad_slot, 0, 0)
-        values = (None if batch is None else
+        values = (() if batch is None else
                   (batch.input_ids, batch.positions, batch.slots, batch.chunk_start,
                    batch.decoder_floor))
         for i, pad in enumerate(pads):
             if n:
-                h[i * full: i * full + n] = values[i]
+                h[i * full: i * full + n] = values[i].numpy()
             h[i * full + n: i * full + size] = pad
-        hist = h[NUM_INT64_FIELDS * full:].view(full, self.n_hist)
+        hist = h[NUM_INT64_FIELDS * full:].reshape(full, self.n_hist)
         if n and self.n_hist:
-            hist[:n] = batch.engram_history
+            hist[:n] = batch.engram_history.numpy()
         hist[n:size] = -1
         if n:
             width = batch.block_table.shape[1]
-            self._host32[:n, :width] = batch.block_table
-            self._host32[:n, width:] = -1
-        self._host32[n:size] = self.pad_block
+            h32[:n, :width] = batch.block_table.numpy()
+            h32[:n, width:] = -1
+        h32[n:size] = self.pad_block
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32[:size].copy_(self._host32[:size], non_blocking=True)
         if self._dev64.device.type == "cuda":
