@@ -49,7 +49,9 @@ class RunnerConfig:
     preset), 'dummy' (random weights created on the device), 'safetensors'.
     seed: engine seed for weights of presets and for requests without a seed.
     speculative: draft with the DSpark block and verify by exact match (outputs identical to
-    plain decoding; fewer steps when drafts are accepted)."""
+    plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
+    steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
+    speculative; False runs every step eagerly, like vLLM's enforce_eager)."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -58,6 +60,7 @@ class RunnerConfig:
     load_format: str = "auto"
     seed: int = 0
     speculative: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:

@@ -2,7 +2,7 @@
 swa_indices, mask_logits) against the reference: every case of the ops' conformance grids
 (contiguous and strided), then larger and harder inputs the grids do not cover (D 512 pooling
 over several requests with chunks starting at odd positions and a state entry that is read and
-re-parked in one step, multi-block closing-token scans, all 256 e4m3 codes and the UE8M0
+re-parked in one step, row ids across several close-kernel blocks, all 256 e4m3 codes and the UE8M0
 extremes, Engram Dh 256 x n 24 x T 37).
 
 Runs on CUDA (sm_90), or on the CPU under the Triton interpreter (TRITON_INTERPRET=1 set before
@@ -180,7 +180,8 @@ def test_compress_pool_several_requests(lengths, starts, ratio, dim, ring) -> No
 
 
 def test_compress_pool_multi_block_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The closing list crosses scan blocks (block shrunk to 8): the running prefix sum."""
+    """Tokens span several close-kernel blocks (block shrunk to 8): row ids and each slot's last
+    position (atomic max across blocks)."""
     monkeypatch.setattr(tpool, "SCAN_BLOCK", 8)
     _run_both("compress_pool", _pool_inputs(12, (21, 2, 17, 9), (3, 0, 6, 11), 2, 32))
 
@@ -206,12 +207,13 @@ def test_compress_pool_chunked_equals_whole(ring: int) -> None:
         st_sc = torch.full((1, ring, d), -torch.inf, device=DEV)
         pooled, rows = [], []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            p, j, _ = tpool.compress_pool(
+            p, j = tpool.compress_pool(
                 kv=kv[a:b].to(DEV), score=score[a:b].to(DEV), positions=pos[a:b].to(DEV),
                 slots=torch.zeros(b - a, dtype=torch.long, device=DEV), state_kv=st_kv,
                 state_score=st_sc, ratio=r)
-            pooled.append(p.cpu())
-            rows.append(j.cpu())
+            keep = j.cpu() >= 0  # tokens closing a group
+            pooled.append(p.cpu()[keep])
+            rows.append(j.cpu()[keep])
         return torch.cat(pooled), torch.cat(rows)
 
     whole = run([0, n])

@@ -5,7 +5,9 @@ r tokens (earlier members of a group read from the ring `KVCaches.comp_state`), 
 compressor.norm. Ratio 1: the
 normed bf16 projection of every token. Each emitted row j: index key k_norm(wk . latent) roped
 at j*r and stored MXFP4; the latent roped at j*r and stored NVFP4. Invariant: rows are written
-to the paged planes before any indexer or attention of the step reads them.
+to the paged planes before any indexer or attention of the step reads them. Shapes never
+depend on device data (tokens that close no group carry row id -1 and write nothing), so the
+compressor runs inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ def run_compressor(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
         kv = ops.gemm_bf16(x=xf, weight=p[pre + "wkv.weight"], out_dtype=torch.float32)
         score = ops.gemm_bf16(x=xf, weight=p[pre + "wgate.weight"], out_dtype=torch.float32)
         state_kv, state_score = ctx.caches.comp_state[layer]
-        pooled, row_ids, closing = ops.compress_pool(
+        # one row per token (row id -1 where no group closes): no host sync
+        pooled, row_ids = ops.compress_pool(
             kv=kv, score=score, positions=pos, slots=select(ctx.token_slot, rows),
             state_kv=state_kv, state_score=state_score, ratio=r)
-        req = req[closing]
     else:
         pooled = ops.gemm_bf16(x=x, weight=p[pre + "wkv.weight"], out_dtype=torch.bfloat16)
         row_ids = pos
@@ -40,8 +42,8 @@ def run_compressor(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
         return
     latent = ops.rmsnorm(x=pooled, weight=p[pre + "norm.weight"], eps=cfg.norm_eps)
     rope = rope_params(cfg, spec)
-    row_pos = row_ids * r  # a row stands for the first token of its group
-    phys = ctx.paged_rows(layer, row_ids, req)
+    row_pos = row_ids.clamp_min(0) * r  # a row stands for the first token of its group
+    phys = ctx.paged_rows(layer, row_ids, req)  # -1 (skipped by the writers) where row_ids < 0
     idx = f"layers.{layer}.attn.indexer."
     k = ops.gemm_bf16(x=latent, weight=p[idx + "wk.weight"], out_dtype=torch.bfloat16)
     k = ops.rmsnorm(x=k, weight=p[idx + "k_norm.weight"], eps=cfg.norm_eps)

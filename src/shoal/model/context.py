@@ -68,10 +68,12 @@ class StepContext:
         return (select(self.batch.positions, rows) + 1) // ratio
 
     def paged_rows(self, source: int, logical: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-        """Physical rows of logical compressed rows `logical` [..] of requests `req` [..]."""
+        """Physical rows of logical compressed rows `logical` [..] of requests `req` [..]; -1
+        where logical < 0 or the block is unassigned (-1: padded rows of a CUDA graph)."""
         rpb = self.caches.rows_per_block(source)
-        blk = self.batch.block_table[req, logical // rpb].long()
-        return blk * rpb + logical % rpb
+        safe = logical.clamp_min(0)
+        blk = self.batch.block_table[req, safe // rpb].long()
+        return torch.where((logical >= 0) & (blk >= 0), blk * rpb + safe % rpb, -1)
 
     def commit_swa(self, layer: int, rows: torch.Tensor | None) -> None:
         """Copy the step's scratch keys of `rows` into the rings (the last ring_size positions

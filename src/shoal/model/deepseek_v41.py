@@ -55,7 +55,11 @@ class DeepseekV41:
         if config.engram_layer_ids:
             if token_map is None:
                 raise ValueError("an Engram model needs the token map (engram_hash.token_map_for)")
-            self.engram_consts = engram_constants(config, token_map)
+            # on the weights' device once: the hash then copies nothing host -> device per step
+            # (no sync, and CUDA graphs can capture it)
+            device = params["embed.weight"].device
+            self.engram_consts = engram_constants(config, token_map).to(device)
+            self.token_map = token_map.to(device)
 
     def engram_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Row ids [T, L, n] of every Engram layer (host-side metadata, before the forward)."""

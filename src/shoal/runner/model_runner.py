@@ -1,6 +1,11 @@
 """ModelRunner: owns the device side (weights, op table, KV caches, sampler) and executes one
 `StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
 
+Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
+with `cuda_graphs=True`); every other step runs eagerly. The caches hold one slot and one block
+beyond the memory plan, which the scheduler never sees: the padded rows of a graph step (and
+the warm-up) compute there.
+
 Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
 the plan); what it needs about a request's sampling arrives with each step (`SampleRow`).
 """
@@ -19,12 +24,13 @@ from shoal.checkpoint.reader import CheckpointReader
 from shoal.checkpoint.writer import generate_weights
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.batch import RequestChunk, build_forward_batch
-from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ModelParams, WeightError
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
+from shoal.runner.cuda_graphs import DecodeGraphs, prefill_warmup_chunks
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.step_plan import StepPlan
@@ -104,8 +110,10 @@ class ModelRunner:
         self.model = DeepseekV41(cfg, params, self.ops, token_map)
         self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         self.memory = self._plan_memory()
+        # one slot and one block beyond the plan (the scheduler never hands them out): the
+        # padded rows of a CUDA-graph step compute there
         self.caches = KVCaches.allocate(
-            cfg, num_blocks=self.memory.num_blocks, num_slots=self.memory.num_slots,
+            cfg, num_blocks=self.memory.num_blocks + 1, num_slots=self.memory.num_slots + 1,
             max_tokens=config.scheduler.max_num_batched_tokens,
             block_size=config.cache.block_size,
             ring_slack=self.layout.swa_ring_len - cfg.sliding_window, device=self.device)
@@ -114,6 +122,58 @@ class ModelRunner:
         if self.speculative and not cfg.num_draft_layers:
             raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
                              "has none")
+        self.graphs = self._decode_graphs()
+
+    def decode_graphs(self, *, use_graphs: bool) -> DecodeGraphs:
+        """Static padded decode path over this runner's model and caches (captured on CUDA
+        when `use_graphs`; tests run it eagerly on the CPU)."""
+        sched = self.config.scheduler
+        max_batch = min(sched.max_num_seqs, self.memory.num_slots, sched.max_num_batched_tokens,
+                        256)
+        block = self.config.cache.block_size
+        return DecodeGraphs(self.model, self.caches, max_batch=max_batch,
+                            max_context=sched.max_model_len,
+                            max_blocks=-(-sched.max_model_len // block),
+                            pad_slot=self.memory.num_slots, pad_block=self.memory.num_blocks,
+                            use_graphs=use_graphs)
+
+    def _warm_up_prefill(self) -> None:
+        """Run prefill-shaped steps on the pad slot / block so that their Triton kernels compile
+        now rather than during a run (decode shapes compile in DecodeGraphs.capture)."""
+        t0 = time.perf_counter()
+        sched, cfg = self.config.scheduler, self.config.model_config
+        chunks = prefill_warmup_chunks(
+            cfg, max_tokens=sched.max_num_batched_tokens, max_context=sched.max_model_len,
+            block_size=self.config.cache.block_size, pad_slot=self.memory.num_slots,
+            pad_block=self.memory.num_blocks)
+        with torch.inference_mode():
+            for chunk in chunks:
+                batch = build_forward_batch(cfg, [chunk], device=self.device,
+                                            prefill_mode=self.config.runner.prefill_mode,
+                                            replay_window=self.config.runner.replay_window)
+                self.model.forward(batch, self.caches)
+        torch.cuda.synchronize()
+        logger.info("warm-up: %d prefill shapes in %.1f s", len(chunks), time.perf_counter() - t0)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.config.runner.cuda_graphs:
+            logger.info("CUDA graphs: off (cuda_graphs=False)")
+            return None
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs: off (device %s)", self.device)
+            return None
+        if self.speculative:
+            logger.info("CUDA graphs: off (speculative decoding runs eagerly)")
+            return None
+        graphs = self.decode_graphs(use_graphs=True)
+        self._warm_up_prefill()
+        try:
+            graphs.capture()
+        except RuntimeError:  # e.g. an op syncing with the host: run eagerly, loudly
+            logger.exception("CUDA graphs: capture failed, every step runs eagerly")
+            torch.cuda.synchronize()
+            return None
+        return graphs
 
     def _plan_memory(self) -> MemoryPlan:
         cache, sched = self.config.cache, self.config.scheduler
@@ -146,7 +206,9 @@ class ModelRunner:
                                        item.history_token_ids))
             if want_prompt:
                 prompt_lp.append((item, len(chunks) - 1))
-        batch = build_forward_batch(self.config.model_config, chunks, device=self.device,
+        graphed = self.graphs is not None and self.graphs.fits(chunks)
+        batch = build_forward_batch(self.config.model_config, chunks,
+                                    device="cpu" if graphed else self.device,
                                     prefill_mode=self.config.runner.prefill_mode,
                                     replay_window=self.config.runner.replay_window)
         out.decoder_rows_skipped = sum(
@@ -154,7 +216,11 @@ class ModelRunner:
             for r in batch.layer_rows.values())
         t1 = time.perf_counter()
         with torch.inference_mode():
-            result = self.model.forward(batch, self.caches, capture=self.speculative)
+            if graphed:  # pure decode: static inputs, graph replay (speculative is eager)
+                assert self.graphs is not None
+                result = ForwardOutput(self.graphs.forward(batch))
+            else:
+                result = self.model.forward(batch, self.caches, capture=self.speculative)
         logits = result.logits
         out.forward_time = time.perf_counter() - t1
         out.prepare_time = t1 - t0
@@ -178,7 +244,9 @@ class ModelRunner:
                 sample_rows.append(first + j)
                 draws.append((item.request_id, row, drafts[:j]))
         if draws:
-            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
+            every = sample_rows == list(range(logits.shape[0]))  # (decode): no index upload
+            self._sample(logits if every else
+                         logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
             accept_drafts(plan, out)
         if self.speculative:
             with torch.inference_mode():

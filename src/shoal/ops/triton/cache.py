@@ -2,7 +2,8 @@
 `compressed_write` (NVFP4-style) and `index_k_write` (MXFP4), plus the bit-exact encoders they
 share with the indexer (`e4m3_code`, `e2m1_code`, `ue8m0_pow2`).
 
-One program quantises one token row and stores its record bytes at `cache[rows[t]]`; nothing
+One program quantises one token row and stores its record bytes at `cache[rows[t]]`; rows[t] < 0
+is skipped (no write: the compressor's non-closing tokens, padded rows of a CUDA graph); nothing
 else in the cache is touched. All encodings are integer bit manipulation on fp32 (no float8
 dtypes, so the same code runs in the Triton interpreter): e4m3 round-to-nearest-even,
 saturating at 448, with subnormals; e2m1 with the reference's midpoint/tie rules; UE8M0 as
@@ -85,9 +86,10 @@ def _swa_kernel(x_ptr, rows_ptr, c_ptr, sx_t, sx_d, sc_r, D: tl.constexpr):
     e, _ = ue8m0_pow2(amax * (1.0 / 448.0))
     inv = ((254 - tl.minimum(e, 253)) << 23).to(tl.float32, bitcast=True)  # exact 1 / s
     code, _ = e4m3_code(tl.clamp(x * inv[:, None], -448.0, 448.0))
-    base = c_ptr + tl.load(rows_ptr + t).to(tl.int64) * sc_r
-    tl.store(base + col, code.to(tl.uint8))
-    tl.store(base + D + b, e.to(tl.uint8))
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    base = c_ptr + tl.maximum(row, 0) * sc_r
+    tl.store(base + col, code.to(tl.uint8), mask=(row >= 0) & (col >= 0))
+    tl.store(base + D + b, e.to(tl.uint8), mask=(row >= 0) & (b >= 0))
 
 
 @triton.jit
@@ -109,9 +111,10 @@ def _fp4_kernel(x_ptr, rows_ptr, c_ptr, sx_t, sx_d, sc_r, D: tl.constexpr, BLOCK
         co = e2m1_code(tl.clamp(tl.div_rn(xo, s[:, None]), -6.0, 6.0))
     else:
         ce, co, sbyte, _ = mxfp4_block(xe, xo, amax)
-    base = c_ptr + tl.load(rows_ptr + t).to(tl.int64) * sc_r
-    tl.store(base + pair, (ce | (co << 4)).to(tl.uint8))
-    tl.store(base + D // 2 + b, sbyte.to(tl.uint8))
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    base = c_ptr + tl.maximum(row, 0) * sc_r
+    tl.store(base + pair, (ce | (co << 4)).to(tl.uint8), mask=(row >= 0) & (pair >= 0))
+    tl.store(base + D // 2 + b, sbyte.to(tl.uint8), mask=(row >= 0) & (b >= 0))
 
 
 def _pow2(n: int) -> bool:

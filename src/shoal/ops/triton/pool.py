@@ -1,22 +1,18 @@
 """Triton (sm_90) compressor pooling `compress_pool` (model.md §2.6, ratio r >= 2).
 
-Three launches, in stream order:
-1. `_close_kernel` (one program): walks the step's tokens in blocks; the closing tokens
-   ((p+1) % r == 0) get their output index by a running prefix sum, so the closing list, the row
-   ids p // r and the count Tc are produced on the device in token order (as `nonzero`); it also
-   takes each slot's last position this step (atomic max).
-2. `_pool_kernel` (program k < Tc, D tile): the r members of closing token c are token c - off
-   when it is the same request at position p - off, else ring entry (p - off) % R of the slot
-   (state [S, R, D], R >= r);
-   per-channel softmax over the r members in fp32, then bf16 (round to nearest even).
+Three launches, in stream order, none of which reads device data back to the host (the
+outputs have one row per token, so a CUDA graph can capture the op):
+1. `_close_kernel` (blocks of tokens): row id p // r for closing tokens ((p+1) % r == 0), -1
+   for the others; each slot's last position this step (atomic max).
+2. `_pool_kernel` (token, D tile): the r members of closing token c are token c - off when it is
+   the same request at position p - off, else ring entry (p - off) % R of the slot
+   (state [S, R, D], R >= r); per-channel softmax over the r members in fp32, then bf16 (round
+   to nearest even). Non-closing tokens store a zero row.
 3. `_park_kernel` (token, D tile): each slot's last R positions of this step (p > last - R)
    are copied into ring entry p % R. It runs after (2): an entry read by a group closed this
    step may be overwritten by a token parked in this step.
-Host sync: the outputs are [Tc] long and Tc depends on device positions, so the wrapper reads
-the one count scalar back (after all three launches are queued) to slice the [T]-sized buffers,
-as the reference's `nonzero` does. No other host work depends on device data.
-Invariant: row ids, closing indices and the written state entries are exact; pooled is within
-bf16 tolerance of the reference's fp64 softmax; ring entries not parked are untouched.
+Invariant: row ids and the written state entries are exact; pooled is within bf16 tolerance of
+the reference's fp64 softmax; ring entries not parked are untouched.
 """
 
 from __future__ import annotations
@@ -33,31 +29,27 @@ SCAN_BLOCK = 1024
 
 
 @triton.jit
-def _close_kernel(pos_ptr, slot_ptr, close_ptr, rows_ptr, count_ptr, last_ptr, T, sp, ssl,
-                  R: tl.constexpr, BLOCK: tl.constexpr):
-    total = tl.zeros([], tl.int64)
-    for start in range(0, T, BLOCK):
-        i = start + tl.arange(0, BLOCK).to(tl.int64)
-        valid = i < T
-        p = tl.load(pos_ptr + i * sp, mask=valid, other=0).to(tl.int64)
-        s = tl.load(slot_ptr + i * ssl, mask=valid, other=0).to(tl.int64)
-        tl.atomic_max(last_ptr + s, p, mask=valid)
-        flag = valid & ((p + 1) % R == 0)
-        k = total + tl.cumsum(flag.to(tl.int64), 0) - 1
-        tl.store(close_ptr + k, i, mask=flag)
-        tl.store(rows_ptr + k, p // R, mask=flag)
-        total += tl.sum(flag.to(tl.int64), 0)
-    tl.store(count_ptr, total)
+def _close_kernel(pos_ptr, slot_ptr, rows_ptr, last_ptr, T, sp, ssl, R: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    valid = i < T
+    p = tl.load(pos_ptr + i * sp, mask=valid, other=0).to(tl.int64)
+    s = tl.load(slot_ptr + i * ssl, mask=valid, other=0).to(tl.int64)
+    tl.atomic_max(last_ptr + s, p, mask=valid)
+    tl.store(rows_ptr + i, tl.where((p + 1) % R == 0, p // R, -1), mask=valid)
 
 
 @triton.jit
-def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, close_ptr, count_ptr, o_ptr,
+def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, o_ptr,
                  RING, sp, ssl, skv_t, skv_d, ssc_t, ssc_d, st_s, st_r, st_d, su_s, su_r, su_d,
                  R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64)
-    if k < tl.load(count_ptr):
-        c = tl.load(close_ptr + k)
-        p = tl.load(pos_ptr + c * sp).to(tl.int64)
+    c = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + c * sp).to(tl.int64)
+    col = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = col < D
+    if (p + 1) % R != 0:
+        tl.store(o_ptr + c * D + col, tl.zeros([BD], tl.int16), mask=cmask)
+    else:
         s = tl.load(slot_ptr + c * ssl).to(tl.int64)
         m = tl.arange(0, RP)
         off = (R - 1 - m).to(tl.int64)  # members oldest first: position p - off
@@ -70,8 +62,6 @@ def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, close_ptr,
                        == p - off)
         from_state = real & ~same
         entry = (p - off) % RING
-        col = tl.program_id(1) * BD + tl.arange(0, BD)
-        cmask = col < D
         mt = same[:, None] & cmask[None, :]
         ms = from_state[:, None] & cmask[None, :]
         kv = tl.load(kv_ptr + tok_c[:, None] * skv_t + col[None, :] * skv_d, mask=mt, other=0.0)
@@ -83,7 +73,7 @@ def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, close_ptr,
         sc = tl.where(real[:, None], sc, float("-inf"))
         e = tl.exp(sc - tl.max(sc, axis=0)[None, :])
         pooled = tl.sum(kv * e, axis=0) / tl.sum(e, axis=0)
-        tl.store(o_ptr + k * D + col, bf16_rne(pooled), mask=cmask)
+        tl.store(o_ptr + c * D + col, bf16_rne(pooled), mask=cmask)
 
 
 @triton.jit
@@ -122,35 +112,31 @@ def _supports_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Te
 @REGISTRY.implement("triton", "compress_pool", supports=_supports_pool)
 def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-                  ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-gated pooling of `ratio` consecutive tokens (the reference contract): returns
-    (pooled [Tc, D] bf16, row ids [Tc] int64, closing token index [Tc] int64) and parks each
-    request's last R positions in the rings state_kv / state_score [S, R, D] (in place)."""
+    (pooled [T, D] bf16, row ids [T] int64: j for the token closing group j, else -1 with a
+    zero row) and parks each request's last R positions in the rings state_kv / state_score
+    [S, R, D] (in place). No host read of device data."""
     t, d = kv.shape
     dev = kv.device
     if t == 0:
         return (torch.empty(0, d, dtype=torch.bfloat16, device=dev),
-                torch.empty(0, dtype=positions.dtype, device=dev),
-                torch.empty(0, dtype=torch.int64, device=dev))
-    closing = torch.empty(t, dtype=torch.int64, device=dev)
+                torch.empty(0, dtype=positions.dtype, device=dev))
     rows = torch.empty(t, dtype=torch.int64, device=dev)
-    count = torch.empty((), dtype=torch.int64, device=dev)
     last = torch.full((state_kv.shape[0],), -1, dtype=torch.int64, device=dev)
     pooled = torch.empty(t, d, dtype=torch.bfloat16, device=dev)
     sp, ssl = positions.stride(0), slots.stride(0)
     ring = state_kv.shape[1]
-    _close_kernel[(1,)](positions, slots, closing, rows, count, last, t, sp, ssl, R=ratio,
-                        BLOCK=min(SCAN_BLOCK, triton.next_power_of_2(t)), num_warps=4)
+    block = min(SCAN_BLOCK, triton.next_power_of_2(t))
+    _close_kernel[(triton.cdiv(t, block),)](positions, slots, rows, last, t, sp, ssl, R=ratio,
+                                            BLOCK=block, num_warps=4)
     bd = min(triton.next_power_of_2(d), 512)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), *state_kv.stride(),
                *state_score.stride())
-    # Programs k >= Tc exit at once (Tc is only known on the device here).
     _pool_kernel[(t, triton.cdiv(d, bd))](
-        kv, score, positions, slots, state_kv, state_score, closing, count,
-        pooled.view(torch.int16), ring, sp, ssl, *strides, R=ratio,
-        RP=triton.next_power_of_2(ratio), D=d, BD=bd, num_warps=4)
+        kv, score, positions, slots, state_kv, state_score, pooled.view(torch.int16), ring, sp,
+        ssl, *strides, R=ratio, RP=triton.next_power_of_2(ratio), D=d, BD=bd, num_warps=4)
     _park_kernel[(t, triton.cdiv(d, bd))](
         kv, score, positions, slots, state_kv, state_score, last, ring, sp, ssl, *strides, D=d,
         BD=bd, num_warps=4)
-    tc = int(count.item())  # the one device -> host read: the outputs' length
-    return pooled[:tc], rows[:tc].to(positions.dtype), closing[:tc]
+    return pooled, rows.to(positions.dtype)

@@ -1,0 +1,246 @@
+"""CUDA graphs for pure-decode steps: the model forward (embedding -> logits of every row) is
+captured once per (padded batch size, context bound) at warm-up; a step then copies its inputs
+into static buffers and replays the graph. Sampling stays eager, after the graph.
+
+Owns `DecodeGraphs`. A step fits (`DecodeGraphs.fits`) when every request computes one token
+and wants its logits, there are at most `max_batch` requests and every position is below the
+largest context bound. It is padded to the next captured batch size: padded rows compute
+position 0 of a reserved pad slot whose block table points only at a reserved pad block, so
+they read and write nothing a real request owns. The indexer width comes from the context
+bound (`ForwardBatch.max_position`), not from the step, so every shape in the graph is static;
+columns past a row's visible count score -inf and the top-k breaks ties by index, so the logits
+equal those of the plain eager path.
+
+Invariant: `forward` runs exactly the computation that is captured; without CUDA (or with
+graphs off) it runs the same static padded batch eagerly, which is what the CPU tests compare
+with the plain eager path. The inputs reach the device in two non-blocking copies from pinned
+staging buffers, and nothing between them and the logits reads device data on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from shoal.model.batch import ForwardBatch, RequestChunk
+from shoal.model.config import ModelConfig
+from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.state import KVCaches
+
+logger = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_CONTEXT_BOUND = 512  # smallest captured indexer bound (tokens of context)
+PREFILL_WARMUP_CAP = 2048  # largest prefill chunk run at warm-up (memory of reference ops)
+NUM_INT64_FIELDS = 5  # input_ids, positions, slots, chunk_start, decoder_floor (+ history)
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """Captured batch sizes: the powers of two below `max_batch`, then `max_batch` itself."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch: got {max_batch}, expected >= 1")
+    return [b for b in GRAPH_BATCH_SIZES if b < max_batch] + [max_batch]
+
+
+def context_bounds(max_context: int, min_bound: int = MIN_CONTEXT_BOUND) -> list[int]:
+    """Captured context bounds (positions + 1): min_bound doubling, then `max_context`."""
+    out, bound = [], min_bound
+    while bound < max_context:
+        out.append(bound)
+        bound *= 2
+    return [*out, max_context]
+
+
+def is_pure_decode(chunks: Sequence[RequestChunk]) -> bool:
+    """Every request computes exactly one token and samples from it (the captured step)."""
+    return bool(chunks) and all(ch.num_new == 1 and ch.logits == "last" for ch in chunks)
+
+
+class DecodeGraphs:
+    """Static decode inputs, and (on CUDA with `use_graphs`) one graph per (size, bound).
+
+    model / caches: the runner's; the caches must hold `pad_slot` and `pad_block`, which no
+    request ever owns. max_blocks: block-table width of a request at max_context.
+    """
+
+    def __init__(self, model: DeepseekV41, caches: KVCaches, *, max_batch: int,
+                 max_context: int, max_blocks: int, pad_slot: int, pad_block: int,
+                 use_graphs: bool, min_bound: int = MIN_CONTEXT_BOUND) -> None:
+        if max_batch > caches.max_tokens:
+            raise ValueError(f"max_batch: got {max_batch}, more than the caches' scratch rows "
+                             f"({caches.max_tokens})")
+        self.model, self.caches = model, caches
+        self.sizes = batch_sizes(max_batch)
+        self.bounds = context_bounds(max_context, min(min_bound, max_context))
+        self.pad_slot, self.pad_block = pad_slot, pad_block
+        device = model.params["embed.weight"].device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        cfg = model.config
+        self.n_hist = max(cfg.engram_max_ngram_size - 1, 0)
+        size = self.sizes[-1]
+        pin = device.type == "cuda"
+        self._host64 = torch.zeros(size * (NUM_INT64_FIELDS + self.n_hist), dtype=torch.int64,
+                                   pin_memory=pin)
+        self._host32 = torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._dev64 = torch.zeros_like(self._host64, device=device)
+        self._dev32 = torch.full((size, max_blocks), pad_block, dtype=torch.int32, device=device)
+        self._rows = torch.arange(size, device=device)
+        self._uploaded: torch.cuda.Event | None = None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._pool = None
+
+    # ---- static inputs ------------------------------------------------------------------
+    def static_batch(self, size: int, bound: int) -> ForwardBatch:
+        """The ForwardBatch over the static buffers for `size` rows and context `bound`."""
+        full = self.sizes[-1]
+
+        def field(i: int) -> torch.Tensor:
+            return self._dev64[i * full: i * full + size]
+
+        hist = self._dev64[NUM_INT64_FIELDS * full:].view(full, self.n_hist)[:size]
+        return ForwardBatch(
+            input_ids=field(0), positions=field(1), req_index=self._rows[:size],
+            slots=field(2), chunk_start=field(3), block_table=self._dev32[:size],
+            engram_history=hist, logits_rows=self._rows[:size], decoder_floor=field(4),
+            layer_rows={}, max_position=bound - 1)
+
+    def fits(self, chunks: Sequence[RequestChunk]) -> bool:
+        return (is_pure_decode(chunks) and len(chunks) <= self.sizes[-1]
+                and max(ch.start for ch in chunks) < self.bounds[-1]
+                and max(len(ch.block_ids) for ch in chunks) <= self._host32.shape[1])
+
+    def bucket(self, num_requests: int, max_position: int) -> tuple[int, int]:
+        size = next(b for b in self.sizes if b >= num_requests)
+        bound = next(c for c in self.bounds if c > max_position)
+        return size, bound
+
+    def _fill(self, batch: ForwardBatch | None, size: int) -> None:
+        """Stage a host (CPU) decode batch, padded to `size` rows, and upload it."""
+        if self._uploaded is not None:  # the previous upload may still read the staging
+            self._uploaded.synchronize()
+        full, n = self.sizes[-1], 0 if batch is None else batch.num_requests
+        h, h32 = self._host64.numpy(), self._host32.numpy()  # views: cheap host writes
+        pads = (0, 0, self.pad_slot, 0, 0)
+        values = (() if batch is None else
+                  (batch.input_ids, batch.positions, batch.slots, batch.chunk_start,
+                   batch.decoder_floor))
+        for i, pad in enumerate(pads):
+            if n:
+                h[i * full: i * full + n] = values[i].numpy()
+            h[i * full + n: i * full + size] = pad
+        hist = h[NUM_INT64_FIELDS * full:].reshape(full, self.n_hist)
+        if n and self.n_hist:
+            hist[:n] = batch.engram_history.numpy()
+        hist[n:size] = -1
+        if n:
+            width = batch.block_table.shape[1]
+            h32[:n, :width] = batch.block_table.numpy()
+            h32[:n, width:] = -1
+        h32[n:size] = self.pad_block
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32[:size].copy_(self._host32[:size], non_blocking=True)
+        if self._dev64.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+    # ---- one step -----------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [R, V] fp32 of a pure-decode ForwardBatch built on the host (CPU tensors, one
+        row per request, `layer_rows` empty), through the captured graph when there is one.
+        The result is a view of the graph's output: consume it before the next step."""
+        if batch.layer_rows or batch.num_tokens != batch.num_requests:
+            raise ValueError("DecodeGraphs.forward: not a pure-decode batch")
+        n = batch.num_requests
+        size, bound = self.bucket(n, batch.max_position)
+        self._fill(batch, size)
+        key = (size, bound)
+        if key in self._graphs:
+            self._graphs[key].replay()
+            return self._logits[key][:n]
+        return self.model.forward(self.static_batch(size, bound), self.caches).logits[:n]
+
+    # ---- warm-up ------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Run every (size, bound) once eagerly (Triton compiles and autotunes here), then
+        capture it (largest first, sharing one memory pool). Only the pad slot and pad block
+        are written."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        with torch.inference_mode():
+            for bound in reversed(self.bounds):
+                for size in reversed(self.sizes):
+                    self._fill(None, size)
+                    static = self.static_batch(size, bound)
+                    side.wait_stream(torch.cuda.current_stream())  # after the upload
+                    with torch.cuda.stream(side):
+                        self.model.forward(static, self.caches)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        self._logits[(size, bound)] = self.model.forward(static,
+                                                                         self.caches).logits
+                    self._graphs[(size, bound)] = graph
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs: captured %d decode graphs (batch sizes %s x context bounds %s) "
+                    "in %.1f s", len(self._graphs), self.sizes, self.bounds,
+                    time.perf_counter() - t0)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+
+def prefill_warmup_chunks(config: ModelConfig, *, max_tokens: int, max_context: int,
+                          block_size: int, pad_slot: int, pad_block: int,
+                          cap: int = PREFILL_WARMUP_CAP) -> list[RequestChunk]:
+    """Chunks that make a run's prefill kernels compile at start-up, on the pad slot and pad
+    block only (every block-table entry is the pad block, so all writes alias there).
+
+    Triton specialises integer arguments on divisibility by 16 (and == 1) and some kernels
+    pick constexpr tiles from the row count or the indexer width, so: T = 2^k and 2^k + 1 rows
+    from position 0 (up to min(max_tokens, cap): larger chunks could compile late), and 1 and
+    17 rows ending at every context bound (indexer widths up to max_context / r)."""
+    n_hist = max(config.engram_max_ngram_size - 1, 0)
+    limit = min(max_tokens, cap, max_context)
+    shapes, t = [], 1
+    while t <= limit:
+        shapes += [(t, 0)] + ([(t + 1, 0)] if t + 1 <= limit and t > 1 else [])
+        t *= 2
+    for bound in context_bounds(max_context):
+        shapes += [(n, bound - n) for n in (1, 17) if n <= min(bound, max_tokens)]
+    chunks = []
+    for n, start in shapes:
+        blocks = [pad_block] * -(-(start + n) // block_size)
+        chunks.append(RequestChunk([0] * n, start, pad_slot, blocks, start + n, "last",
+                                   [0] * min(start, n_hist)))
+    return chunks
+
+
+@contextlib.contextmanager
+def count_triton_compilations() -> Iterator[list[str]]:
+    """Collect the name of every Triton kernel specialisation compiled (JIT, in this process)
+    inside the block; the previous `jit_post_compile_hook` is restored afterwards."""
+    from triton import knobs
+
+    names: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kwargs):  # type: ignore[no-untyped-def]
+        names.append(f"{fn.module}.{fn.name}")
+        if previous is not None:
+            return previous(fn=fn, **kwargs)
+        return None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
