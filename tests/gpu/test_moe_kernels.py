@@ -48,14 +48,24 @@ def _cpu(kw: dict) -> dict:
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
-def _check(got: torch.Tensor, want: torch.Tensor, atol: float = 2e-2, rtol: float = 2e-2):
+# On sm_90 the FP8 wgmma tiles (swap-AB, and plain tiles of >= 64 rows) add products in
+# reduced precision (~14 fraction bits kept when aligning to the largest, DeepSeek-V3 report
+# §3.3.2), and h is re-quantised to e4m3 before w2, where a last-bit change of h can move an
+# element by one e4m3 step (2^-3 relative). Measured on the H200 (2026-11-29): relative error 0.0047
+# (mma.sync tiles) vs 0.0075 (wgmma tiles) on the spread-9 case, single elements off by 3% of
+# their value. The interpreter is exact, so the tight bounds hold there.
+ON_DEVICE_TOL = (5e-2, 5e-2, 1e-2) if ON_GPU else (2e-2, 2e-2, 5e-3)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor):
+    atol, rtol, rel_max = ON_DEVICE_TOL
     got = got.cpu()
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.isfinite(got).all()
     err = (got - want).abs()
     assert (err <= atol + rtol * want.abs()).all(), f"max err {err.max():.4g}"
     rel = (got - want).norm() / want.norm()
-    assert rel < 5e-3, f"relative error {rel:.3g}"
+    assert rel < rel_max, f"relative error {rel:.3g}"
 
 
 def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:

@@ -436,9 +436,11 @@ def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
 
 
 VARIANTS = ("flat", "chunked")
-# The knobs the registered op runs with (D >= 128; smaller D always runs "flat"): to be set
-# from the H200 run of benchmarks/bench_ops.py --only attn (its ATTN_VARIANTS entries).
-OP_KNOBS = MappingProxyType({"variant": "flat"})
+# The knobs the registered op runs with (D >= 128; smaller D always runs "flat"), from the H200
+# run of benchmarks/bench_ops.py --only attn (2026-11-29, 64 heads x 512, 128 SWA + 512 rows):
+# "pmem" 39.5 / 43.4 / 81.7 / 253 us at T = 1 / 16 / 64 / 256 against "flat" 42.0 / 47.1 /
+# 94.2 / 287 us (fastest at T >= 64, within 25% of the best variant at T = 1 and 16).
+OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True})
 
 
 def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,

@@ -27,9 +27,10 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, I, limit, g_t, g_i, u_t, u_i,
     mask = ii < I
     g = tl.load(g_ptr + t * g_t + ii * g_i, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * u_t + ii * u_i, mask=mask, other=0.0).to(tl.float32)
-    nan = tl.PropagateNan.ALL  # NaN stays NaN, as torch.clamp
-    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
-    g = tl.minimum(g, limit, propagate_nan=nan).to(tl.float64)
+    # NaN stays NaN, as torch.clamp (the enum must appear inline: a jit local cannot hold it)
+    u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL).to(tl.float64)
     if LIBDEVICE:  # fp64 exp from libdevice (__nv_exp) on the GPU
         e = libdevice.exp(-g)
     else:  # the interpreter has no libdevice; its tl.exp is NumPy's fp64 exp
