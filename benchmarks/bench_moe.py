@@ -3,7 +3,8 @@
 Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
 `asm` (W4A8, prmt e2m1 -> e4m3 conversion and tiles as the op's defaults), `asm_v1` (default
 tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
-path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `port` (W4A8, portable
+path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
+decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `port` (W4A8, portable
 conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
@@ -136,6 +137,8 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": True, "asm_variant": 1}
     if name == "asm_v0":
         return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
+    if name == "asm_swap":  # the faster, less accurate swap-AB wgmma decode tiles
+        return {"use_asm": True, "configs": tmoe.SWAP_DECODE} if rows <= 512 else None
     if name == "port":
         return {"use_asm": False}
     if name == "w4a16":
@@ -302,7 +305,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
-    ap.add_argument("--variants", default="asm,asm_v1,asm_v0,port,w4a16")
+    ap.add_argument("--variants", default="asm,asm_swap,asm_v1,port,w4a16")
     ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")

@@ -135,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["full", "bounded", "staircase"],
                     help="prefill modes to time (the first is the baseline)")
     ap.add_argument("--plot", default="bench_e2e_tpot.png", help="where to write the PNG")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay pure-decode steps as CUDA graphs (RunnerConfig.cuda_graphs)")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model}
-    llm = LLM(args.model, load_format="dummy",
+    result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
+              "cuda_graphs": args.cuda_graphs}
+    llm = LLM(args.model, load_format="dummy", cuda_graphs=args.cuda_graphs,
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
               max_model_len=max(args.prompt_len + args.steps, args.prefill_len) + 16)

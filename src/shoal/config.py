@@ -51,7 +51,9 @@ class RunnerConfig:
     speculative: draft with the DSpark block and verify by exact match (outputs identical to
     plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
-    speculative; False runs every step eagerly, like vLLM's enforce_eager)."""
+    speculative). Off by default until its GPU tests pass: on the H200 (2026-11-29) the
+    replay-vs-eager and compile-counter tests of tests/gpu/test_cuda_graphs.py failed, their
+    output cut off by the session's device time; the padded static path is CPU-tested."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -60,7 +62,7 @@ class RunnerConfig:
     load_format: str = "auto"
     seed: int = 0
     speculative: bool = False
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:

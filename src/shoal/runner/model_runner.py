@@ -2,7 +2,8 @@
 `StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
 
 Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
-with `cuda_graphs=True`); every other step runs eagerly. The caches hold one slot and one block
+with `cuda_graphs=True`, off by default until verified on the GPU); every other step runs
+eagerly. The caches hold one slot and one block
 beyond the memory plan, which the scheduler never sees: the padded rows of a graph step (and
 the warm-up) compute there.
 

@@ -19,10 +19,13 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
    one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
    swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
-   Tiles (`default_configs`, by routed rows per expert): decode (<= 8) swap-AB 64 weight rows x
-   16 routed rows: W . A^T with the converted weights as the wgmma register operand (M = 64), so
-   the few touched experts' rows spread over N / 64 programs each; <= 40: swap-AB x 64 rows;
-   above: plain 128-row tiles. Every program sums the full K of its rows (no split-K).
+   Tiles (`default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
+   fp8 operands go through mma.sync as fp16: exact products, fp32 accumulation); above, plain
+   128-row wgmma tiles. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
+   are 1.08-1.17x faster at decode on the H200 but FP8 wgmma adds in reduced precision:
+   relative error 9.4e-3 against 1.7e-4 for the 16-row tiles (bench_moe correctness, realistic
+   weights, 2026-11-29), so they are opt-in (`configs=`). Every program sums the full K of its
+   rows (no split-K).
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -109,21 +112,22 @@ class TileConfig:
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
 
-    Decode (<= 8 rows per expert on average: bandwidth-bound): swap-AB tiles of 64 weight rows
-    x 16 routed rows (the touched experts split into N / 64 programs each, wgmma M = 64 with the
-    converted weights as the register operand); up to 40 rows per expert the same with 64 routed
-    rows; above, plain 128-row tiles (one weight conversion per 128 rows). Numbers from sm_90
-    SASS of the main loop (AOT-compiled): the swap tiles with the 16-bit-word prmt conversion
-    take ~3.2-3.6 instructions per weight element, the previous plain 16-row decode tile ~4.4
-    (plus fp8 -> fp16 conversions for mma.sync)."""
-    per_expert = rows / max(experts, 1)
-    if per_expert <= 8:
-        return (TileConfig(16, 64, 256, 4, 4, swap_ab=True),
-                TileConfig(16, 64, 256, 4, 4, swap_ab=True))
-    if per_expert <= 40:
-        return (TileConfig(64, 64, 128, 4, 3, swap_ab=True),
-                TileConfig(64, 64, 128, 4, 3, swap_ab=True))
+    Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
+    16-row tiles on mma.sync (exact fp32 accumulation); above, plain 128-row wgmma tiles (one
+    weight conversion per 128 rows). Measured on the H200 (bench_moe, 2026-11-29): the swap-AB
+    wgmma tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but 50x less accurate
+    (relative error 9.4e-3 vs 1.7e-4): FP8 wgmma accumulates in reduced precision. Consequence,
+    still open: decode-size and prefill-size batches use different MMA instructions, so a
+    token's MoE output is not bitwise batch-invariant across the 40-rows-per-expert boundary
+    (the fix is a promoted fp32 accumulation on the wgmma tiles, as DeepGEMM does)."""
+    if rows / max(experts, 1) <= 40:
+        return TileConfig(16, 32, 256, 4, 4), TileConfig(16, 64, 256, 4, 4)
     return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
+
+
+# Swap-AB decode tiles (faster, less accurate; see default_configs): pass as `configs=`.
+SWAP_DECODE = (TileConfig(16, 64, 256, 4, 4, swap_ab=True),
+               TileConfig(16, 64, 256, 4, 4, swap_ab=True))
 
 
 # --------------------------------------------------------------------------- device helpers
