@@ -33,6 +33,7 @@ from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
+from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
@@ -363,20 +364,20 @@ def bench_head(ms_list: list[int], sweep: bool) -> None:
     cuBLAS bf16 (speed only); rows of M=1 vs the largest M must be bit-identical."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     for name, (n, k, xd, od) in HEAD_SHAPES.items():
-        cfg = tri_gemm.nt_config(n, k)
+        cfg = tri_nt.nt_config(n, k)
         log(f"{name} [N={n}, K={k}] x {str(xd)[6:]} -> {str(od)[6:]}: {cfg}")
         w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
         m_list = ms_list + ([PREFILL_M] if n < 100000 else [])
         xs = (torch.randn(max(m_list), k, generator=gen, device="cuda")).to(xd)
-        full = tri_gemm.gemm_nt(xs, w, od)
+        full = tri_nt.gemm_nt(xs, w, od)
         ws = [w] + [w.clone() for _ in range(copies(n * k * 2) - 1)]
         for m in m_list:
             x = xs[:m].contiguous()
-            got = tri_gemm.gemm_nt(x, w, od)
+            got = tri_nt.gemm_nt(x, w, od)
             ref = ref_gemm.gemm_bf16(x=x, weight=w, out_dtype=od)
             inv = bits_equal(got, full[:m])
             nbytes = m * k * x.element_size() + n * k * 2 + m * n * got.element_size()
-            ms = bench([lambda x=x, wi=wi, od=od: tri_gemm.gemm_nt(x, wi, od) for wi in ws])
+            ms = bench([lambda x=x, wi=wi, od=od: tri_nt.gemm_nt(x, wi, od) for wi in ws])
             extra = dict(rel_err=f"{rel_err(got, ref):.1e}", rows_equal_big_M=inv)
             if m in (1, 64) or (n < 100000 and m < PREFILL_M):
                 ms_ref = bench([lambda x=x, w=w, od=od: ref_gemm.gemm_bf16(
@@ -399,15 +400,15 @@ def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
     """Alternative tiles: time, and whether the bits equal the default config's (block_m 64
     may switch the MMA instruction; the ops keep block_m 16 unless the bits are equal)."""
     n, k = w.shape
-    base = tri_gemm.nt_config(n, k)
+    base = tri_nt.nt_config(n, k)
     for v in variants:
-        cfg = tri_gemm.NTConfig(**{**base.__dict__, **v})  # chunk stays a multiple of BK
+        cfg = tri_nt.NTConfig(**{**base.__dict__, **v})  # chunk stays a multiple of BK
         for m in ms_list:
             x = xs[:m].contiguous()
             try:
-                got = tri_gemm.gemm_nt(x, w, od, config=cfg)
-                same = bits_equal(got, tri_gemm.gemm_nt(x, w, od))
-                ms = bench([lambda x=x, wi=wi, cfg=cfg: tri_gemm.gemm_nt(x, wi, od, config=cfg)
+                got = tri_nt.gemm_nt(x, w, od, config=cfg)
+                same = bits_equal(got, tri_nt.gemm_nt(x, w, od))
+                ms = bench([lambda x=x, wi=wi, cfg=cfg: tri_nt.gemm_nt(x, wi, od, config=cfg)
                             for wi in ws])
             except Exception as exc:  # a variant that fails to compile is reported, not fatal
                 log(f"gemm_nt variant {v} M{m}: failed {type(exc).__name__}: {exc!s:.150}")

@@ -35,7 +35,7 @@ from shoal.ops import reference  # noqa: E402, F401  (registers the definitions)
 from shoal.ops.reference import hyper_connections as rhc  # noqa: E402
 from shoal.ops.reference._math import matmul_nt  # noqa: E402
 from shoal.ops.registry import REGISTRY  # noqa: E402
-from shoal.ops.triton import gemm as tgemm  # noqa: E402
+from shoal.ops.triton import gemm_nt as tgemm  # noqa: E402
 from shoal.ops.triton import head as thead  # noqa: E402, F401
 from shoal.ops.triton import hyper_connections as thc  # noqa: E402
 from shoal.ops.triton import moe_swiglu as tswiglu  # noqa: E402

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.gemm import gemm_nt, supports_nt
+from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
 from shoal.ops.triton.norm import on_device
 
 
