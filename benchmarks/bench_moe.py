@@ -4,7 +4,8 @@ Variants, side by side in one run (all through `moe_experts`, default tiles unle
 `asm` (W4A8, prmt e2m1 -> e4m3 conversion and tiles as the op's defaults), `asm_v1` (default
 tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
 path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
-decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `port` (W4A8, portable
+decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
+with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
@@ -27,6 +28,7 @@ Run: PYTHONPATH=src python3 benchmarks/bench_moe.py [--quick] [--sweep S] [--bre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -139,6 +141,12 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
     if name == "asm_swap":  # the faster, less accurate swap-AB wgmma decode tiles
         return {"use_asm": True, "configs": tmoe.SWAP_DECODE} if rows <= 512 else None
+    if name in ("asm_p", "asm_swap_p"):  # the same with the promoted fp32 accumulation
+        base = tmoe.SWAP_DECODE if name == "asm_swap_p" else tmoe.default_configs(rows, E)
+        if name == "asm_swap_p" and rows > 512:
+            return None
+        return {"use_asm": True,
+                "configs": tuple(dataclasses.replace(c, promote=True) for c in base)}
     if name == "port":
         return {"use_asm": False}
     if name == "w4a16":
@@ -246,7 +254,7 @@ def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = Tr
     consts = {"K": k, "E_P2": triton.next_power_of_2(E),
               "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
               "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
-              "SWAP_AB": cfg.swap_ab}
+              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]  # as the JIT specialises them
              for n in names if n.endswith("_ptr") or n in ("N", "E")}
@@ -279,7 +287,7 @@ def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = Tr
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                                       for t in body)
     per_thread = cfg.block_n * bk * (2 if swiglu else 1) // (32 * cfg.num_warps)
-    top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(6))
+    top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(10))
     return (f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} "
             f"smem {kern.metadata.shared} loop {loop} instr / {per_thread} elem = "
             f"{loop / max(per_thread, 1):.2f}  [{top}]")
@@ -290,6 +298,11 @@ def sass_report() -> None:
     rows = [("default decode", tmoe.default_configs(6, E)),
             ("default mid (T=1024)", tmoe.default_configs(6 * 1024, E)),
             ("default prefill", tmoe.default_configs(6 * 8192, E)),
+            ("swap decode", tmoe.SWAP_DECODE),
+            ("swap decode promoted", tuple(dataclasses.replace(c, promote=True)
+                                           for c in tmoe.SWAP_DECODE)),
+            ("prefill promoted", tuple(dataclasses.replace(c, promote=True)
+                                       for c in tmoe.default_configs(6 * 8192, E))),
             *DECODE_CFGS.items(), *PREFILL_CFGS.items()]
     for name, (c13, c2) in rows:
         for conv in ((2, 1) if c13.swap_ab else (1, 2)):
@@ -305,7 +318,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
-    ap.add_argument("--variants", default="asm,asm_swap,asm_v1,port,w4a16")
+    ap.add_argument("--variants", default="asm,asm_p,asm_swap,asm_swap_p,w4a16")
     ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")

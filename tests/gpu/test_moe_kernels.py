@@ -124,6 +124,9 @@ SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
 PLAIN = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
 BIG = (tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3))
 BIG_SWAP = (tmoe.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
+SWAP_PROMOTED = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True),) * 2
+BIG_PROMOTED = (tmoe.TileConfig(128, 64, 128, 8, 3, promote=True),
+                tmoe.TileConfig(128, 128, 128, 8, 3, promote=True))
 
 
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
@@ -136,7 +139,8 @@ def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spre
 
 
 @pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
-                                          ("big_swap", BIG_SWAP)])
+                                          ("big_swap", BIG_SWAP), ("swap_promoted", SWAP_PROMOTED),
+                                          ("big_promoted", BIG_PROMOTED)])
 def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
     """Every tile orientation (swap-AB or plain) and size, with N and K not multiples of the
     tile and several row blocks per expert."""

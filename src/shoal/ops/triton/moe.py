@@ -107,6 +107,11 @@ class TileConfig:
     """Compute the transposed tile W . A^T: the converted weight tile is the left (M >= 64,
     wgmma) operand, the BLOCK_M routed rows the right one (any BLOCK_M >= 16). Same products and
     the same K order as the plain orientation."""
+    promote: bool = False
+    """Form each BLOCK_K step's product from zero and add it to the fp32 accumulator, instead of
+    chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
+    chained accumulator drifts over K (DeepGEMM promotes every 128). Not yet measured on the H200
+    (bench_moe variants `asm_p`, `asm_swap_p`)."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
@@ -264,12 +269,21 @@ def _col_scale(wmax):
 
 
 @triton.jit
+def _mma(x, y, acc, PROMOTE: tl.constexpr):
+    """acc + x @ y (fp32). PROMOTE: the product is formed from zero and added in fp32 (see
+    TileConfig.promote); else the accumulator is chained through the MMA."""
+    if PROMOTE:
+        return acc + tl.dot(x, y)
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, ws_ptr, cnt_ptr,
                      lut_ptr, N, E, limit, K: tl.constexpr, E_P2: tl.constexpr,
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
-                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr):
+                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
@@ -315,9 +329,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             else:
                 bg = _w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
             if SWAP_AB:
-                acc_g = tl.dot(bg, tl.trans(a), acc_g)
+                acc_g = _mma(bg, tl.trans(a), acc_g, PROMOTE)
             else:
-                acc_g = tl.dot(a, tl.trans(bg), acc_g)
+                acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
             if SWIGLU:
                 if W4A8:
                     bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
@@ -325,9 +339,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                 else:
                     bu = _w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
                 if SWAP_AB:
-                    acc_u = tl.dot(bu, tl.trans(a), acc_u)
+                    acc_u = _mma(bu, tl.trans(a), acc_u, PROMOTE)
                 else:
-                    acc_u = tl.dot(a, tl.trans(bu), acc_u)
+                    acc_u = _mma(a, tl.trans(bu), acc_u, PROMOTE)
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -469,7 +483,8 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         orow, rw, w, ws, counts, _lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
-        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
