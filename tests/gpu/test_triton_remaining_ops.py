@@ -1,4 +1,4 @@
-"""Triton kernels of the last reference-only ops (engram_gather, engram_mix, compress_pool,
+"""Triton kernels of the last reference-only ops (engram_hash, engram_gather, engram_mix, compress_pool,
 swa_indices, mask_logits) against the reference: every case of the ops' conformance grids
 (contiguous and strided), then larger and harder inputs the grids do not cover (D 512 pooling
 over several requests with chunks starting at odd positions and a state entry that is read and
@@ -35,7 +35,8 @@ from shoal.ops.triton import engram as tengram  # noqa: E402
 from shoal.ops.triton import pool as tpool  # noqa: E402
 from shoal.quant.fp8 import quant_fp8_act  # noqa: E402
 
-OPS = ("engram_gather", "engram_mix", "compress_pool", "swa_indices", "mask_logits")
+OPS = ("engram_hash", "engram_gather", "engram_mix", "compress_pool", "swa_indices",
+       "mask_logits")
 
 
 @pytest.fixture(autouse=True)
@@ -332,3 +333,29 @@ def test_mask_logits_special_values(dtype: torch.dtype) -> None:
     logits[2::3, ::4] = -torch.inf
     mask = (torch.rand(1500, 19, generator=g) > 0.4).t()  # strided mask
     _run_both("mask_logits", {"logits": logits.to(dtype), "mask": mask})
+
+
+def test_engram_hash_flash_constants() -> None:
+    """The Flash hash constants (primes near 16M, 99092 compressed ids, n = 4, 8 heads, 2
+    layers) on sequences with dead tokens and sequence starts, against the model's definition."""
+    from shoal.model.engram_hash import engram_constants, engram_hash, modulo_token_map
+    from shoal.model.presets import get_preset
+
+    cfg = get_preset("flash")
+    g = torch.Generator().manual_seed(5)
+    tmap = modulo_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
+    consts = engram_constants(cfg, tmap)
+    t, n_hist = 257, cfg.engram_max_ngram_size - 1
+    tok = torch.randint(0, cfg.vocab_size, (t,), generator=g)
+    pos = torch.randint(0, 5, (t,), generator=g)
+    hist = torch.randint(0, cfg.vocab_size, (t, n_hist), generator=g)
+    hist = torch.where(torch.rand(t, n_hist, generator=g) < 0.05, -1, hist)
+    dead = torch.rand(t, generator=g) < 0.05
+    want = engram_hash(tok, pos, hist, dead, tmap, consts)
+    ids = torch.cat([tok.unsqueeze(1), hist], dim=1)
+    c = consts.to(DEV)
+    got = tengram.engram_hash(ids=ids.to(DEV), positions=pos.to(DEV), dead=dead.to(DEV),
+                              token_map=tmap.to(DEV), multipliers=c.multipliers, primes=c.primes,
+                              offsets=c.offsets, pad_id=c.pad_id).cpu()
+    assert torch.equal(got, want)
+    assert (want < torch.tensor(consts.rows_per_layer).view(1, -1, 1)).all()

@@ -26,7 +26,7 @@ from shoal.model.batch import ForwardBatch
 from shoal.model.config import ModelConfig
 from shoal.model.context import StepContext
 from shoal.model.engram import engram
-from shoal.model.engram_hash import EngramConstants, engram_constants, engram_hash
+from shoal.model.engram_hash import EngramConstants, engram_constants
 from shoal.model.hyper_connections import mhc_block
 from shoal.model.params import ModelParams
 from shoal.model.state import KVCaches
@@ -65,9 +65,13 @@ class DeepseekV41:
         """Row ids [T, L, n] of every Engram layer (host-side metadata, before the forward)."""
         if self.engram_consts is None:
             return None
+        c = self.engram_consts
         dead = torch.zeros_like(batch.input_ids, dtype=torch.bool)
-        return engram_hash(batch.input_ids, batch.positions, batch.engram_history, dead,
-                           self.token_map, self.engram_consts)
+        ids = torch.cat([batch.input_ids.to(torch.int64).unsqueeze(1),
+                         batch.engram_history.to(torch.int64)], dim=1)
+        return self.ops.engram_hash(ids=ids, positions=batch.positions, dead=dead,
+                                    token_map=self.token_map, multipliers=c.multipliers,
+                                    primes=c.primes, offsets=c.offsets, pad_id=c.pad_id)
 
     def forward(self, batch: ForwardBatch, caches: KVCaches,
                 capture: bool = False) -> ForwardOutput:

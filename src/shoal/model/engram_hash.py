@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.model.config import ModelConfig
+from shoal.ops.reference.engram import engram_hash as reference_engram_hash
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -176,36 +177,21 @@ def sequence_history(token_ids: torch.Tensor, dead: torch.Tensor | None = None,
 def engram_hash(token_ids: torch.Tensor, positions: torch.Tensor, history: torch.Tensor,
                 dead: torch.Tensor, token_map: torch.Tensor,
                 constants: EngramConstants) -> torch.Tensor:
-    """Row ids [T, L, (max_ngram - 1) * heads] int64 of every Engram layer (model.md §2.10).
+    """Row ids [T, L, (max_ngram - 1) * heads] int64 of every Engram layer (model.md §2.10): the
+    reference `engram_hash` op (ops/reference/engram.py) with this model's constants.
 
     token_ids [T] int: the token at position p; positions [T] int: p (absolute, 0-based);
     history [T, max_ngram - 1] int: column s-1 is the raw token id at p - s, negative when that
     slot is before the sequence start or a dead (image) token; dead [T] bool: the token at p is
-    dead; token_map [vocab] int: compressed ids. Once a slot is blocked (p - s < 0, or dead),
-    it and every older slot take `constants.pad_id`.
+    dead; token_map [vocab] int: compressed ids.
     """
-    device = token_ids.device
     n_hist = constants.max_ngram - 1
     if history.shape != (token_ids.shape[0], n_hist):
         raise ValueError(f"history: got shape {tuple(history.shape)}, expected "
                          f"[{token_ids.shape[0]}, {n_hist}]")
+    device = token_ids.device
     ids = torch.cat([token_ids.to(torch.int64).unsqueeze(1), history.to(torch.int64)], dim=1)
-    pos = positions.to(torch.int64)
-    tmap = token_map.to(device=device, dtype=torch.int64)
-    blocked = dead.to(device=device, dtype=torch.bool).clone()
-    slots = []
-    for s in range(constants.max_ngram):
-        src = ids[:, s]
-        blocked = blocked | (pos < s) | (src < 0)
-        mapped = tmap[src.clamp_min(0)]
-        slots.append(torch.where(blocked, torch.full_like(mapped, constants.pad_id), mapped))
-    values = torch.stack(slots, dim=1)  # [T, max_ngram]
-    mult = constants.multipliers.to(device)
-    products = values.unsqueeze(1) * mult.unsqueeze(0)  # [T, L, max_ngram]
-    primes = constants.primes.to(device)
-    rolling = products[..., 0]
-    rows = []
-    for s in range(1, constants.max_ngram):
-        rolling = torch.bitwise_xor(rolling, products[..., s])
-        rows.append(rolling.unsqueeze(-1) % primes[:, s - 1].unsqueeze(0))  # [T, L, heads]
-    return torch.cat(rows, dim=-1) + constants.offsets.to(device).unsqueeze(0)
+    return reference_engram_hash(
+        ids=ids, positions=positions, dead=dead.to(device), token_map=token_map.to(device),
+        multipliers=constants.multipliers.to(device), primes=constants.primes.to(device),
+        offsets=constants.offsets.to(device), pad_id=constants.pad_id)

@@ -1,6 +1,7 @@
-"""Engram ops (model.md §2.10): FP8 table row gather with UE8M0 dequantisation, and the gated
-mix of the n-gram value into each residual stream. (The hash itself is host-side metadata,
-computed before the forward from token ids: `shoal.model.engram_hash`.)
+"""Engram ops (model.md §2.10): the n-gram hash (token ids -> table row ids), FP8 table row
+gather with UE8M0 dequantisation, and the gated mix of the n-gram value into each residual
+stream. The hash constants (primes, offsets, multipliers, token map) are derived from the config
+in `shoal.model.engram_hash`.
 
 Invariant: the gate is a normalised per-(token, stream) dot product with eps 1e-20, a signed
 square root clamped at 1e-6 before the sigmoid, and 0 at masked (image) tokens.
@@ -13,6 +14,65 @@ import torch
 from shoal.ops.reference._cases import randn
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
+
+
+def _hash_case(t: int, layers: int, n: int, heads: int, vocab: int, comp: int,
+               prime_lo: int) -> OpCase:
+    def make(g: torch.Generator, d: torch.device) -> dict:
+        pos = torch.randint(0, 6, (t,), generator=g)
+        ids = torch.randint(0, vocab, (t, n), generator=g)
+        ids = torch.where(torch.rand(t, n, generator=g) < 0.1, -1, ids)  # dead / blocked slots
+        ids[:, 1:] = torch.where(torch.arange(1, n) > pos[:, None], -1, ids[:, 1:])
+        primes = prime_lo + torch.randint(0, prime_lo, (layers, n - 1, heads), generator=g)
+        flat = primes.flatten(1)
+        bound = (2**63 - 1) // comp // 2
+        return {"ids": ids.to(d), "positions": pos.to(d),
+                "dead": (torch.rand(t, generator=g) < 0.1).to(d),
+                "token_map": torch.randint(0, comp, (vocab,), generator=g).to(d),
+                "multipliers": (torch.randint(0, bound, (layers, n), generator=g) * 2 + 1).to(d),
+                "primes": primes.to(d), "offsets": (torch.cumsum(flat, 1) - flat).to(d),
+                "pad_id": 2}
+
+    return OpCase(f"T{t}xL{layers}xN{n}xH{heads}", make)
+
+
+@REGISTRY.define("engram_hash", tolerances={torch.int64: Tolerance()},
+                 cases=[_hash_case(1, 2, 4, 2, 50, 31, 97), _hash_case(0, 2, 4, 2, 50, 31, 97),
+                        _hash_case(37, 1, 3, 3, 500, 301, 1009),
+                        _hash_case(300, 2, 4, 8, 129280, 99092, 16_000_000)])
+def engram_hash(*, ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tensor,
+                token_map: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Engram row ids -> [T, L, (n - 1) * H] int64, for L layers, n-grams up to n, H heads.
+
+    ids [T, n] int: column 0 the token at position p, column s the raw id at p - s (negative
+    where that slot is before the sequence start or a dead token); positions [T] int (p); dead
+    [T] bool (the token at p is dead); token_map [vocab] int (compressed ids; every id in `ids`
+    is < vocab); multipliers [L, n], primes [L, n - 1, H], offsets [L, (n - 1) * H] int64.
+    Slot s is blocked once p < s, its id is negative or the token is dead, and a blocked slot
+    blocks every older one: blocked slots take `pad_id`, the others token_map[id]. Per layer,
+    rolling_1 = v_0 m_0, rolling_s = rolling_{s-1} XOR v_s m_s, and for order s (2..n) and head h
+    the row is rolling_{s-1} mod primes[s-2, h] + offsets[(s-2) H + h]. No int64 overflow: a
+    compressed id times a multiplier fits (see model/engram_hash.multiplier_bound).
+    """
+    t, n = ids.shape
+    src = ids.to(torch.int64)
+    pos = positions.to(torch.int64)
+    tmap = token_map.to(torch.int64)
+    blocked = dead.to(torch.bool).clone()
+    slots = []
+    for s in range(n):
+        blocked = blocked | (pos < s) | (src[:, s] < 0)
+        mapped = tmap[src[:, s].clamp_min(0)]
+        slots.append(torch.where(blocked, torch.full_like(mapped, pad_id), mapped))
+    values = torch.stack(slots, dim=1) if n else src.new_zeros(t, 0)  # [T, n]
+    products = values.unsqueeze(1) * multipliers.to(torch.int64).unsqueeze(0)  # [T, L, n]
+    rolling = products[..., 0]
+    rows = []
+    for s in range(1, n):
+        rolling = torch.bitwise_xor(rolling, products[..., s])
+        rows.append(rolling.unsqueeze(-1) % primes[:, s - 1].to(torch.int64).unsqueeze(0))
+    return torch.cat(rows, dim=-1) + offsets.to(torch.int64).unsqueeze(0)
 
 
 def _gather_case(t: int, n: int, dim: int, rows: int) -> OpCase:

@@ -172,3 +172,64 @@ def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor
             mask.stride(0), HC=hc, HP=triton.next_power_of_2(hc), D=d, BD=bd, HAS_MASK=has_mask,
             num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------------------------- hash
+
+
+@triton.jit
+def _hash_kernel(ids_ptr, pos_ptr, dead_ptr, map_ptr, mult_ptr, pr_ptr, off_ptr, o_ptr, T,
+                 pad_id, si_t, si_s, sm_l, sm_s, sp_l, sp_s, sp_h, so_l, L: tl.constexpr,
+                 N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr):
+    """Row ids of BT tokens for one layer (program axis 1): the n slots' compressed ids with the
+    blocking rule, the rolling XOR of id x multiplier, and per order/head the modulo + offset."""
+    toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    tm = toks < T
+    layer = tl.program_id(1).to(tl.int64)
+    hh = tl.arange(0, HP)
+    hm = hh < H
+    pos = tl.load(pos_ptr + toks, mask=tm, other=0).to(tl.int64)
+    blocked = tl.load(dead_ptr + toks, mask=tm, other=0) != 0
+    rolling = tl.zeros((BT,), dtype=tl.int64)
+    out_row = o_ptr + toks[:, None] * (L * (N - 1) * H) + layer * ((N - 1) * H)
+    for s in tl.static_range(N):
+        src = tl.load(ids_ptr + toks * si_t + s * si_s, mask=tm, other=0).to(tl.int64)
+        blocked = blocked | (pos < s) | (src < 0)
+        mapped = tl.load(map_ptr + tl.maximum(src, 0), mask=tm & ~blocked, other=0).to(tl.int64)
+        v = tl.where(blocked, tl.zeros((BT,), dtype=tl.int64) + pad_id, mapped)
+        prod = v * tl.load(mult_ptr + layer * sm_l + s * sm_s)
+        if s == 0:
+            rolling = prod
+        else:
+            rolling = rolling ^ prod
+            pr = tl.load(pr_ptr + layer * sp_l + (s - 1) * sp_s + hh * sp_h, mask=hm, other=1)
+            off = tl.load(off_ptr + layer * so_l + (s - 1) * H + hh, mask=hm, other=0)
+            row = rolling[:, None] % pr[None, :] + off[None, :]
+            tl.store(out_row + (s - 1) * H + hh[None, :], row, mask=tm[:, None] & hm[None, :])
+
+
+def _supports_hash(*, ids: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                   offsets: torch.Tensor, **_) -> bool:
+    return (on_device(ids) and ids.dim() == 2 and multipliers.dtype == torch.int64
+            and primes.dtype == torch.int64 and offsets.dtype == torch.int64
+            and offsets.is_contiguous() and primes.dim() == 3
+            and multipliers.shape == (primes.shape[0], ids.shape[1]))
+
+
+@REGISTRY.implement("triton", "engram_hash", supports=_supports_hash)
+def engram_hash(*, ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tensor,
+                token_map: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Reference contract (ops/reference/engram.py): [T, L, (n - 1) * H] int64, exact."""
+    t, n = ids.shape
+    layers, _, h = primes.shape
+    out = torch.empty(t, layers, (n - 1) * h, dtype=torch.int64, device=ids.device)
+    if t == 0 or layers == 0 or n < 2:
+        return out
+    bt = 64
+    _hash_kernel[(triton.cdiv(t, bt), layers)](
+        ids, positions, dead, token_map, multipliers, primes, offsets, out, t, pad_id,
+        ids.stride(0), ids.stride(1), multipliers.stride(0), multipliers.stride(1),
+        primes.stride(0), primes.stride(1), primes.stride(2), offsets.stride(0), L=layers, N=n,
+        H=h, HP=triton.next_power_of_2(h), BT=bt, num_warps=4)
+    return out
