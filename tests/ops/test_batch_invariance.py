@@ -17,7 +17,8 @@ load_backends()
 ROW_ARGS: dict[str, tuple[str, ...]] = {
     "act_quant_fp8": ("x",), "candidate_mask": ("logits", "n_visible"),
     "confidence": ("hidden", "markov_embed"), "embed": ("ids",),
-    "engram_gather": ("row_ids",), "engram_mix": ("stream", "kv", "gate_mask"),
+    "engram_gather": ("row_ids",), "engram_hash": ("ids", "positions", "dead"),
+    "engram_mix": ("stream", "kv", "gate_mask"),
     "gemm_bf16": ("x",), "gemm_fp8": ("x",), "gemm_grouped_w8a16": ("o",),
     "hc_coeffs": ("stream",), "hc_collapse": ("stream", "pre"),
     "hc_collapse_norm": ("stream", "pre"), "hc_post": ("y", "stream", "post", "comb"),
@@ -69,7 +70,8 @@ def test_row_alone_equals_row_in_batch(name, case):
 
 # Triton ops that promise the same property on the GPU (their reduction order depends only on
 # weight shapes, never on the number of rows); checked bit for bit on sm_90.
-TRITON_INVARIANT = ("confidence", "embed", "gemm_bf16", "hc_coeffs", "lm_head", "markov_bias",
+TRITON_INVARIANT = ("confidence", "embed", "engram_hash", "gemm_bf16", "hc_coeffs", "lm_head",
+                    "markov_bias",
                     "stream_mean", "swiglu_clamp")
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
