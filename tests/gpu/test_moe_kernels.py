@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not (ON_GPU or INTERP),
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 from shoal.ops.reference import moe as ref  # noqa: E402
+from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
 
@@ -69,7 +70,7 @@ def _check(got: torch.Tensor, want: torch.Tensor):
 
 
 def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
-    lut = tmoe._lut_table(torch.device("cpu")).view(torch.uint8).reshape(256, 8)
+    lut = ftiles.lut_table(torch.device("cpu")).view(torch.uint8).reshape(256, 8)
     for d in (0, 1, 5, 8, 9, 12, 255):
         want = (torch.tensor(E2M1_VALUES) * 2.0**-d).to(torch.float8_e4m3fn).float()
         got = lut[d].view(torch.float8_e4m3fn).float()
@@ -96,7 +97,7 @@ def test_prmt_conversions_emulated_exhaustively() -> None:
     """The PTX of both asm conversions (`_w_e4m3` CONVERT 1 and 2), emulated instruction by
     instruction, gives the e4m3 bytes of the portable formula for all 65536 16-bit words (4
     codes) under several shift LUTs (the asm itself only runs on the device)."""
-    lut = tmoe._lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
+    lut = ftiles.lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
     word = torch.arange(1 << 16, dtype=torch.int64)
     codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
     m32 = 0xFFFFFFFF

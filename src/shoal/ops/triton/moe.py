@@ -13,7 +13,7 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    256-entry table of 8-byte LUTs (`prmt` byte permutes via `inline asm`, 4 codes at a time), so
    the main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. Epilogue: row x column scales, g/u
    rounded to bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
-   Conversions (`_w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
+   Conversions (`w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
    `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
    1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
@@ -37,9 +37,9 @@ Numerics versus the reference (all inside the op's 2e-2 abs/rel fp32 tolerance):
   largest and move the output far below bf16 resolution of its magnitude.
 - the K sum is fp32 in wgmma order (reference: fp64, then fp32); products are exact. Every
   program sums the full K of its rows in ascending BLOCK_K steps whatever the batch, so a row's
-  result depends only on its own (token, expert); that this also holds across the decode and
-  prefill tiles (swap-AB vs plain orientation) is a tensor-core property that
-  tests/gpu/test_moe_kernels.py::test_batch_invariance checks on the device.
+  result depends only on its own (token, expert) within one tile family; across the decode
+  (mma.sync) and prefill (wgmma) tiles the bits differ (FP8 wgmma's reduced-precision
+  accumulation; test_batch_invariance is xfail until promoted wgmma tiles are the default).
 - the combine adds the k bf16 expert outputs in slot order (reference: ascending expert id).
 - a weight row whose scales include 0xFF (NaN) gives NaN for the whole output column, like the
   reference's dot; a UE8M0 byte 0 (2^-127) row max is read as 0.
@@ -47,7 +47,6 @@ Numerics versus the reference (all inside the op's 2e-2 abs/rel fp32 tolerance):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +54,8 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.fp4_tiles import col_scale, lut_table, row_max_exp, w_bf16, w_e4m3
 from shoal.ops.triton.gemm import _act_quant
-from shoal.quant.fp4 import E2M1_VALUES
 from shoal.quant.fp8 import quant_fp8_act
 
 # --------------------------------------------------------------------------- router
@@ -81,17 +80,7 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     return ids, w * route_scale
 
 
-# --------------------------------------------------------------------------- tables and config
-
-
-@functools.lru_cache(maxsize=8)
-def _lut_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] int32: for a shift d, the e4m3 bytes of e2m1 magnitude m * 2^-d (m = 0..7, RNE,
-    underflow to 0), byte m of the 8-byte little-endian pair."""
-    d = torch.arange(256, dtype=torch.float32)
-    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)[None, :] * torch.exp2(-d)[:, None]
-    codes = vals.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
-    return codes.view(torch.int32).reshape(256, 2).contiguous().to(device)
+# --------------------------------------------------------------------------- tile config
 
 
 @dataclass(frozen=True)
@@ -154,115 +143,12 @@ def _expert_tile(cnt_ptr, pid_m, E, E_P2: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
-    """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
-    offs = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)  # (hint: 16-byte loads)
-    wb = tl.load(w_ptr + wrow[:, None] * K2 + offs[None, :])
-    return tl.reshape(tl.join(wb, wb), (BN, BK))
-
-
-@triton.jit
-def _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
-            CONVERT: tl.constexpr):
-    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
-
-    CONVERT 0: portable integer ops per element (runs under the interpreter); 1: `prmt` on
-    duplicated bytes; 2: `prmt` on the 16-bit word of each 4 K elements (fewest instructions).
-    1 and 2 need every 4 packed elements of the asm to be 4 consecutive K of one row (true for
-    the wgmma / mma operand layouts Triton picks; test_w4a8_asm_equals_portable_conversion
-    checks all three give identical bits on the device)."""
-    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
-    sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
-    lut0 = tl.load(lut_ptr + sh * 2)
-    lut1 = tl.load(lut_ptr + sh * 2 + 1)
-    lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    if CONVERT == 2:
-        # $1 = two int16 elements, the low one the word [b0, b1] of K 0..3 (codes c0..c3 in its
-        # 4 nibbles); $3 / $7 = the 8-byte LUT of element 0 (4 consecutive K: one 32-block).
-        # prmt #1 looks up the 4 magnitudes; prmt #2 (sign-replicate mode on 0x80 bytes) gives
-        # 0xFF / 0x80 per sign nibble, whose bit 0 shifted to bit 7 is the e4m3 sign.
-        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-        offs = tl.multiple_of(k0 // 4, BK // 4) + tl.arange(0, BK // 4)
-        w16 = tl.load(w16_ptr + wrow[:, None] * (K2 // 2) + offs[None, :])
-        w16 = tl.reshape(tl.broadcast_to(w16[:, :, None], (BN, BK // 4, 4)), (BN, BK))
-        byte = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 m, v, g, c80;
-            mov.b32 c80, 0x80808080;
-            and.b32 m, $1, 0x7777;
-            prmt.b32 v, $3, $7, m;
-            prmt.b32 g, c80, c80, $1;
-            shl.b32 g, g, 7;
-            and.b32 g, g, 0x80808080;
-            or.b32 $0, v, g;
-            }""",
-            constraints="=r,r,r,r,r,r,r,r,r,r,r", args=[w16, lut0, lut1], dtype=tl.uint8,
-            is_pure=True, pack=4)
-    else:
-        wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
-        if CONVERT == 1:
-            # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; then as above.
-            byte = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 s, m, v, g, c80, z;
-                mov.b32 z, 0;
-                mov.b32 c80, 0x80808080;
-                prmt.b32 s, $1, z, 0x0020;
-                and.b32 m, s, 0x7777;
-                prmt.b32 v, $2, $6, m;
-                prmt.b32 g, c80, c80, s;
-                shl.b32 g, g, 7;
-                and.b32 g, g, 0x80808080;
-                or.b32 $0, v, g;
-                }""",
-                constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
-                is_pure=True, pack=4)
-        else:
-            par = (tl.arange(0, BK) % 2)[None, :]
-            code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
-            mag = code & 7
-            lut = tl.where(mag < 4, lut0, lut1)
-            byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
-    return byte.to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _w_bf16(w_ptr, ws_ptr, wrow, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr):
-    """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale."""
-    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
-    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    f = tl.where(sc == 255, float("nan"), f)
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    wd = _dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
-    par = (tl.arange(0, BK) % 2)[None, :]
-    code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int16)
-    h16 = ((code & 8) << 12) | ((code & 7) << 9)
-    return (h16.to(tl.float16, bitcast=True).to(tl.float32) * f).to(tl.bfloat16)
-
-
-@triton.jit
-def _row_max_exp(ws_ptr, wrow, KB, BN: tl.constexpr, KB_P2: tl.constexpr):
-    kb = tl.arange(0, KB_P2)
-    s = tl.load(ws_ptr + wrow[:, None] * KB + kb[None, :], mask=kb[None, :] < KB, other=0)
-    return tl.max(s.to(tl.int32), 1)
-
-
-@triton.jit
 def _bf16(x):
     """fp32 -> bf16 with explicit round-to-nearest-even (as the GPU cast; the interpreter's cast
     truncates), so the interpreter checks the device numerics."""
     b = x.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def _col_scale(wmax):
-    c = (wmax << 23).to(tl.float32, bitcast=True)
-    return tl.where(wmax == 255, float("nan"), c)
 
 
 # --------------------------------------------------------------------------- grouped GEMM
@@ -311,9 +197,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
         wrow_g = ew * NW + offs_n % N
         wrow_u = wrow_g + N
         if W4A8:
-            wmax_g = _row_max_exp(ws_ptr, wrow_g, KB, BN, KB_P2)
+            wmax_g = row_max_exp(ws_ptr, wrow_g, KB, BN, KB_P2)
             if SWIGLU:
-                wmax_u = _row_max_exp(ws_ptr, wrow_u, KB, BN, KB_P2)
+                wmax_u = row_max_exp(ws_ptr, wrow_u, KB, BN, KB_P2)
         if SWAP_AB:
             acc_g = tl.zeros((BN, BM), dtype=tl.float32)
             acc_u = tl.zeros((BN, BM), dtype=tl.float32)
@@ -325,19 +211,19 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
             if W4A8:
-                bg = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT)
+                bg = w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT)
             else:
-                bg = _w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
+                bg = w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
             if SWAP_AB:
                 acc_g = _mma(bg, tl.trans(a), acc_g, PROMOTE)
             else:
                 acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
             if SWIGLU:
                 if W4A8:
-                    bu = _w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
+                    bu = w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
                                 CONVERT)
                 else:
-                    bu = _w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
+                    bu = w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
                 if SWAP_AB:
                     acc_u = _mma(bu, tl.trans(a), acc_u, PROMOTE)
                 else:
@@ -348,9 +234,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
         omask = rmask[:, None] & nmask[None, :]
         if W4A8:
             rs = tl.load(as_ptr + arow, mask=rmask, other=0.0)
-            acc_g = acc_g * rs[:, None] * _col_scale(wmax_g)[None, :]
+            acc_g = acc_g * rs[:, None] * col_scale(wmax_g)[None, :]
             if SWIGLU:
-                acc_u = acc_u * rs[:, None] * _col_scale(wmax_u)[None, :]
+                acc_u = acc_u * rs[:, None] * col_scale(wmax_u)[None, :]
         if SWIGLU:
             g = tl.minimum(_bf16(acc_g).to(tl.float32), limit)
             u = tl.clamp(_bf16(acc_u).to(tl.float32), -limit, limit)
@@ -466,7 +352,7 @@ def _quant_folded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: TileConfig,
             swiglu: bool, gather: bool, w4a8: bool, convert: int | None) -> None:
-    """One grouped GEMM. convert: the `_w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
+    """One grouped GEMM. convert: the `w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
     prmt variant with the fewest instructions for the tile orientation (2 for swap-AB, where
     the weights are the register operand; 1 for plain tiles, where 2 costs more)."""
     rows, e = orow.shape[0], w.shape[0]
@@ -480,7 +366,7 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     dummy = counts
     _moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else dummy, arow if arow is not None else dummy, out,
-        orow, rw, w, ws, counts, _lut_table(a.device), n, e, float(limit), K=k,
+        orow, rw, w, ws, counts, lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
         W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote,

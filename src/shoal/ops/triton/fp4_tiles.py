@@ -1,0 +1,134 @@
+"""MXFP4 weight tiles decoded in registers for the grouped MoE GEMMs (ops/triton/moe.py).
+
+- `w_e4m3`: e2m1 codes -> e4m3 bytes whose exponent is shifted by (block scale - row max scale),
+  through `lut_table` (256 shifts x 8-byte LUTs): CONVERT 0 portable integer ops (what the Triton
+  interpreter runs), 1 `prmt` on duplicated bytes, 2 `prmt` on the 16-bit word of 4 codes
+  (inline PTX; all three give identical bits, checked on the device).
+- `w_bf16`: the exact bf16 dequantisation (the W4A16 baseline).
+- `row_max_exp` / `col_scale`: the per-row largest UE8M0 exponent and its fp32 scale.
+Invariant: the decoded tile times the row's column scale equals the reference dequantisation
+(exact, except e4m3 underflow of blocks more than 8 binades below the row's largest).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.quant.fp4 import E2M1_VALUES
+
+
+@functools.lru_cache(maxsize=8)
+def lut_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] int32: for a shift d, the e4m3 bytes of e2m1 magnitude m * 2^-d (m = 0..7, RNE,
+    underflow to 0), byte m of the 8-byte little-endian pair."""
+    d = torch.arange(256, dtype=torch.float32)
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)[None, :] * torch.exp2(-d)[:, None]
+    codes = vals.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
+    return codes.view(torch.int32).reshape(256, 2).contiguous().to(device)
+
+
+@triton.jit
+def dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
+    """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
+    offs = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)  # (hint: 16-byte loads)
+    wb = tl.load(w_ptr + wrow[:, None] * K2 + offs[None, :])
+    return tl.reshape(tl.join(wb, wb), (BN, BK))
+
+
+@triton.jit
+def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
+            CONVERT: tl.constexpr):
+    """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
+
+    CONVERT 0: portable integer ops per element (runs under the interpreter); 1: `prmt` on
+    duplicated bytes; 2: `prmt` on the 16-bit word of each 4 K elements (fewest instructions).
+    1 and 2 need every 4 packed elements of the asm to be 4 consecutive K of one row (true for
+    the wgmma / mma operand layouts Triton picks; test_w4a8_asm_equals_portable_conversion
+    checks all three give identical bits on the device)."""
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+    sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
+    lut0 = tl.load(lut_ptr + sh * 2)
+    lut1 = tl.load(lut_ptr + sh * 2 + 1)
+    lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    if CONVERT == 2:
+        # $1 = two int16 elements, the low one the word [b0, b1] of K 0..3 (codes c0..c3 in its
+        # 4 nibbles); $3 / $7 = the 8-byte LUT of element 0 (4 consecutive K: one 32-block).
+        # prmt #1 looks up the 4 magnitudes; prmt #2 (sign-replicate mode on 0x80 bytes) gives
+        # 0xFF / 0x80 per sign nibble, whose bit 0 shifted to bit 7 is the e4m3 sign.
+        w16_ptr = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        offs = tl.multiple_of(k0 // 4, BK // 4) + tl.arange(0, BK // 4)
+        w16 = tl.load(w16_ptr + wrow[:, None] * (K2 // 2) + offs[None, :])
+        w16 = tl.reshape(tl.broadcast_to(w16[:, :, None], (BN, BK // 4, 4)), (BN, BK))
+        byte = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 m, v, g, c80;
+            mov.b32 c80, 0x80808080;
+            and.b32 m, $1, 0x7777;
+            prmt.b32 v, $3, $7, m;
+            prmt.b32 g, c80, c80, $1;
+            shl.b32 g, g, 7;
+            and.b32 g, g, 0x80808080;
+            or.b32 $0, v, g;
+            }""",
+            constraints="=r,r,r,r,r,r,r,r,r,r,r", args=[w16, lut0, lut1], dtype=tl.uint8,
+            is_pure=True, pack=4)
+    else:
+        wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+        if CONVERT == 1:
+            # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; then as above.
+            byte = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 s, m, v, g, c80, z;
+                mov.b32 z, 0;
+                mov.b32 c80, 0x80808080;
+                prmt.b32 s, $1, z, 0x0020;
+                and.b32 m, s, 0x7777;
+                prmt.b32 v, $2, $6, m;
+                prmt.b32 g, c80, c80, s;
+                shl.b32 g, g, 7;
+                and.b32 g, g, 0x80808080;
+                or.b32 $0, v, g;
+                }""",
+                constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
+                is_pure=True, pack=4)
+        else:
+            par = (tl.arange(0, BK) % 2)[None, :]
+            code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
+            mag = code & 7
+            lut = tl.where(mag < 4, lut0, lut1)
+            byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def w_bf16(w_ptr, ws_ptr, wrow, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr):
+    """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale."""
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    f = tl.where(sc == 255, float("nan"), f)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+    par = (tl.arange(0, BK) % 2)[None, :]
+    code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int16)
+    h16 = ((code & 8) << 12) | ((code & 7) << 9)
+    return (h16.to(tl.float16, bitcast=True).to(tl.float32) * f).to(tl.bfloat16)
+
+
+@triton.jit
+def row_max_exp(ws_ptr, wrow, KB, BN: tl.constexpr, KB_P2: tl.constexpr):
+    kb = tl.arange(0, KB_P2)
+    s = tl.load(ws_ptr + wrow[:, None] * KB + kb[None, :], mask=kb[None, :] < KB, other=0)
+    return tl.max(s.to(tl.int32), 1)
+
+
+@triton.jit
+def col_scale(wmax):
+    c = (wmax << 23).to(tl.float32, bitcast=True)
+    return tl.where(wmax == 255, float("nan"), c)
