@@ -130,6 +130,10 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
         got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
         ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
         log(f"check gemm_fp8 {name} M=64: rel err {rel_err(got, ref):.2e}")
+        xq = tri_gemm._act_quant(x, 32, fold=True)
+        promoted = tri_gemm.gemm_fp8_folded(*xq, tri_gemm.prepare_fp8_weight(codes, scales),
+                                            promote=True)
+        log(f"check gemm_fp8 {name} M=64 promoted: rel err {rel_err(promoted, ref):.2e}")
         n_copies = copies(n * k)
         prepared = [tri_gemm.prepare_fp8_weight(codes, scales)]
         prepared += [tri_gemm.PreparedFP8Weight(prepared[0].codes.clone(),
@@ -160,6 +164,10 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                    scaled_mm_us=round(t_ref * 1e3, 1))
             record("gemm_fp8 (op+act_quant)", shape, t_op, flops, 2 * m * k + n * k + 2 * m * n,
                    FP8_PEAK)
+            t_prom = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p, promote=True)
+                            for q, p in pairs])
+            record("gemm_fp8 (kernel, promoted)", shape, t_prom, flops,
+                   m * k + n * k + 2 * m * n, FP8_PEAK, vs_chained=round(t_prom / t_kernel, 3))
 
 
 def bench_grouped(ts: list[int]) -> None:

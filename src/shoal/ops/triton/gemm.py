@@ -176,7 +176,11 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PROMOTE: tl.constexpr):
+    """PROMOTE: each BLOCK_K step's product is formed from zero and added to the fp32
+    accumulator (sm_90's FP8 wgmma adds in reduced precision along a chained accumulator);
+    off by default until measured on the H200 (bench_ops --only gemm: 'promoted' rows)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -205,7 +209,10 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if PROMOTE:
+            acc += tl.dot(a, b)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -243,9 +250,10 @@ def _split_k(m: int, n: int, k: int, sms: int) -> int:
     return split
 
 
-def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor,
-                    w: PreparedFP8Weight) -> torch.Tensor:
-    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T."""
+def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
+                    promote: bool = False) -> torch.Tensor:
+    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
+    promote: fp32 promotion of every BLOCK_K step (see `_gemm_fp8_kernel`)."""
     m, k = q.shape
     n = w.codes.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
@@ -262,7 +270,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor,
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
 
     _gemm_fp8_kernel[grid](q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket,
-                           SPLIT_K=split)
+                           SPLIT_K=split, PROMOTE=promote)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
