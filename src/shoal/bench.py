@@ -143,10 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs}
+    t0 = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", cuda_graphs=args.cuda_graphs,
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
               max_model_len=max(args.prompt_len + args.steps, args.prefill_len) + 16)
+    origins = dict(llm.engine.runner.ops.origin)
+    fallback = sorted(op for op, backend in origins.items() if backend == "reference")
+    listed = "all" if len(fallback) == len(origins) else ", ".join(fallback) or "none"
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s ({args.model}, {gpu}, "
+          f"cuda_graphs={args.cuda_graphs}; reference ops: {listed})", flush=True)
     prefill = []
     if not args.skip_prefill:
         for mode in args.modes:
