@@ -4,7 +4,7 @@
 # Stages: tests (whole pytest suite, GPU tests included), probe (every Triton op at real shapes,
 # one fresh process each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick),
 # profile (benchmarks/profile_decode.py at batch 1 and 64), e2e (shoal bench; E2E_ARGS adds
-# arguments). Packages the machine lacks travel as wheels in .whl/ (see README's GPU section).
+# arguments; TEST_ARGS likewise for tests, e.g. a path or -k). Packages the machine lacks travel as wheels in .whl/ (see README's GPU section).
 set -u
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -22,8 +22,10 @@ for spec in "$@"; do
     [ "$limit" = "$spec" ] && limit=300
     start=$(date +%s)
     case $stage in
-        tests) timeout "$limit" python3 -m pytest tests -q -rfEs -p no:cacheprovider \
-                   > "$OUT/tests.log" 2>&1 ;;
+        tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present)
+               python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 120"
+               timeout "$limit" python3 -m pytest tests -q -rfEs --tb=short -p no:cacheprovider \
+                   $per_test ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
                    index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \
                    compressed_write index_k_write index_q_quant rope_tail rmsnorm hc_coeffs \
