@@ -4,7 +4,8 @@
 # Stages: tests (whole pytest suite, GPU tests included), probe (every Triton op at real shapes,
 # one fresh process each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick),
 # profile (benchmarks/profile_decode.py at batch 1 and 64), e2e (shoal bench; E2E_ARGS adds
-# arguments; TEST_ARGS likewise for tests, e.g. a path or -k). Packages the machine lacks travel as wheels in .whl/ (see README's GPU section).
+# arguments; TEST_ARGS likewise for tests, e.g. a path or -k). Packages the machine lacks
+# travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
