@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from support.triton_interpreter import patch_interpreter  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -36,37 +37,8 @@ from shoal.quant.records import (  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _interpreter_shims(monkeypatch: pytest.MonkeyPatch) -> None:
-    if ON_GPU or not INTERP:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter as ip
-
-    orig_conv, orig_dot, orig_plt = ip._convert_float, ip.InterpreterBuilder.create_dot, \
-        ip._patch_lang_tensor
-
-    def conv(data, src, dst, rounding):
-        if src == tl.float32 and dst == tl.bfloat16:
-            f = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-            return f.to(torch.bfloat16).view(torch.uint16).numpy()
-        return orig_conv(data, src, dst, rounding)
-
-    def up(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return ip.TensorHandle((np.ascontiguousarray(h.data).astype(np.uint32) << 16)
-                               .view(np.float32), tl.float32)
-
-    def dot(self, a, b, d, precision, max_imprecise):
-        return orig_dot(self, up(a), up(b), d, precision, max_imprecise)
-
-    def plt(tensor, scope):
-        orig_plt(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    monkeypatch.setattr(ip, "_convert_float", conv)
-    monkeypatch.setattr(ip.InterpreterBuilder, "create_dot", dot)
-    monkeypatch.setattr(ip, "_patch_lang_tensor", plt)
+    if INTERP and not ON_GPU:
+        patch_interpreter(monkeypatch)
 
 
 def _hard_values(t: int, d: int, dtype: torch.dtype) -> torch.Tensor:

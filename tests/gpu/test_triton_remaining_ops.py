@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from support.triton_interpreter import patch_interpreter  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -41,18 +42,8 @@ OPS = ("engram_hash", "engram_gather", "engram_mix", "compress_pool", "swa_indic
 
 @pytest.fixture(autouse=True)
 def _interpreter_shims(monkeypatch: pytest.MonkeyPatch) -> None:
-    if ON_GPU or not INTERP:
-        return
-    from triton.runtime import interpreter as ip
-
-    orig_plt = ip._patch_lang_tensor
-
-    def plt(tensor, scope):
-        orig_plt(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    monkeypatch.setattr(ip, "_patch_lang_tensor", plt)
+    if INTERP and not ON_GPU:
+        patch_interpreter(monkeypatch, bf16=False)
 
 
 # ----------------------------------------------------------------------------- helpers

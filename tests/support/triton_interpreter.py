@@ -1,0 +1,47 @@
+"""Work-arounds for defects of the Triton interpreter (TRITON_INTERPRET=1, Triton 3.6), applied
+per test through pytest's monkeypatch so the kernels' own numerics are what gets checked:
+
+- fp32 -> bf16 casts truncate (the GPU rounds to nearest even): rounded through torch instead;
+- `tl.dot` on bf16 operands is wrong: the operands are widened to fp32 (exact) first;
+- a scalar's `__index__` fails with NumPy 2 (runtime `range` bounds): read the value directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+
+def patch_interpreter(monkeypatch: pytest.MonkeyPatch, *, bf16: bool = True) -> None:
+    """Apply the shims (bf16=False: only the `__index__` one)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as ip
+
+    orig_conv, orig_dot, orig_plt = (ip._convert_float, ip.InterpreterBuilder.create_dot,
+                                     ip._patch_lang_tensor)
+
+    def conv(data, src, dst, rounding):
+        if src == tl.float32 and dst == tl.bfloat16:
+            f = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+            return f.to(torch.bfloat16).view(torch.uint16).numpy()
+        return orig_conv(data, src, dst, rounding)
+
+    def up(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return ip.TensorHandle((np.ascontiguousarray(h.data).astype(np.uint32) << 16)
+                               .view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, precision, max_imprecise):
+        return orig_dot(self, up(a), up(b), d, precision, max_imprecise)
+
+    def plt(tensor, scope):
+        orig_plt(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    if bf16:
+        monkeypatch.setattr(ip, "_convert_float", conv)
+        monkeypatch.setattr(ip.InterpreterBuilder, "create_dot", dot)
+    monkeypatch.setattr(ip, "_patch_lang_tensor", plt)
