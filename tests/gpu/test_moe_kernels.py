@@ -23,6 +23,13 @@ from shoal.ops.reference import moe as ref  # noqa: E402
 from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
+from support.triton_interpreter import patch_interpreter  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_shims(monkeypatch: pytest.MonkeyPatch) -> None:
+    if INTERP and not ON_GPU:  # the router's logits go through gemm_nt (bf16 dot, range bound)
+        patch_interpreter(monkeypatch)
 
 
 def _weights(g: torch.Generator, e: int, n: int, k: int, spread: int = 0):

@@ -71,7 +71,7 @@ def test_row_alone_equals_row_in_batch(name, case):
 # Triton ops that promise the same property on the GPU (their reduction order depends only on
 # weight shapes, never on the number of rows); checked bit for bit on sm_90.
 TRITON_INVARIANT = ("confidence", "embed", "engram_hash", "gemm_bf16", "hc_coeffs", "lm_head",
-                    "markov_bias", "stream_mean", "swiglu_clamp")
+                    "markov_bias", "router", "stream_mean", "swiglu_clamp")
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 

@@ -56,22 +56,29 @@ import triton.language as tl
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.fp4_tiles import col_scale, lut_table, row_max_exp, w_bf16, w_e4m3
 from shoal.ops.triton.gemm import _act_quant
+from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
+from shoal.ops.triton.norm import on_device
 from shoal.quant.fp8 import quant_fp8_act
 
 # --------------------------------------------------------------------------- router
 
 
 def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> bool:
-    return x.is_cuda and x.dim() == 2 and 1 <= k <= weight.shape[0]
+    return on_device(x) and x.dim() == 2 and 1 <= k <= weight.shape[0]
 
 
 @REGISTRY.implement("triton", "router", supports=_supports_router)
 def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
            route_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as the reference: fp32 logits (true fp32 matmul, no TF32), sqrt(softplus),
-    top-k of s + bias by a stable descending sort (ties to the lower id), unbiased renormalised
-    weights x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32)."""
-    logits = torch.matmul(x.float(), weight.float().t()) / gate_temp
+    """Same contract as the reference: fp32 logits, sqrt(softplus), top-k of s + bias by a
+    stable descending sort (ties to the lower id), unbiased renormalised weights x route_scale
+    (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32). The logits come from `gemm_nt`
+    (exact bf16 products, fp32 sums in an order fixed per (E, D): a token's experts do not
+    depend on the batch) when the weight is bf16, else from a true-fp32 torch matmul."""
+    if supports_nt(x, weight, torch.float32):
+        logits = gemm_nt(x, weight, torch.float32) / gate_temp
+    else:
+        logits = torch.matmul(x.float(), weight.float().t()) / gate_temp
     scores = torch.nn.functional.softplus(logits).sqrt()
     ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :k]
     w = scores.gather(1, ids)
