@@ -6,24 +6,25 @@ the run; the portable non-asm weight conversion is used there). Skipped otherwis
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-pytestmark = pytest.mark.skipif(not (ON_GPU or INTERP),
-                                reason="needs sm_90 or TRITON_INTERPRET=1")
-DEV = torch.device("cuda" if ON_GPU else "cpu")
+from support.triton_interpreter import (  # noqa: E402
+    DEV,
+    INTERP,
+    ON_GPU,
+    needs_kernels,
+    patch_interpreter,
+)
+
+pytestmark = needs_kernels
 
 from shoal.ops.reference import moe as ref  # noqa: E402
 from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
-from support.triton_interpreter import patch_interpreter  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

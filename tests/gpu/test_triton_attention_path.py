@@ -10,19 +10,10 @@ and a scalar's `__index__` fails with NumPy 2 (runtime `range` bounds).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-
-from support.triton_interpreter import patch_interpreter  # noqa: E402
-
-ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-needs_run = pytest.mark.skipif(not (ON_GPU or INTERP), reason="needs sm_90 or TRITON_INTERPRET=1")
-DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 from shoal.ops.reference import cache as rcache  # noqa: E402
 from shoal.ops.reference import indexer as rindexer  # noqa: E402
@@ -32,6 +23,13 @@ from shoal.quant.records import (  # noqa: E402
     pack_compressed_record,
     pack_index_k_record,
     pack_swa_record,
+)
+from support.triton_interpreter import (  # noqa: E402
+    DEV,
+    INTERP,
+    ON_GPU,
+    needs_kernels,
+    patch_interpreter,
 )
 
 
@@ -55,7 +53,7 @@ def _hard_values(t: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-@needs_run
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["swa_write", "compressed_write", "index_k_write"])
 def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None:
@@ -73,7 +71,7 @@ def test_records_bit_exact_on_hard_values(name: str, dtype: torch.dtype) -> None
     assert bad.numel() == 0, f"{name}: {bad.numel()} records differ, first row {bad[:3].tolist()}"
 
 
-@needs_run
+@needs_kernels
 def test_index_q_quant_bit_exact_on_hard_values() -> None:
     q = _hard_values(24, 64, torch.bfloat16).view(6, 4, 64)
     want = rindexer.index_q_quant(q=q)
@@ -81,7 +79,7 @@ def test_index_q_quant_bit_exact_on_hard_values() -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@needs_run
+@needs_kernels
 def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(-3, 4, (6, 300), generator=g).float()  # massive exact ties
@@ -95,7 +93,7 @@ def test_topk_rows_exact_ties_go_to_lower_index() -> None:
     assert torch.equal(got, want)
 
 
-@needs_run
+@needs_kernels
 def test_candidate_mask_ties_and_pinned_block() -> None:
     g = torch.Generator().manual_seed(4)
     logits = torch.randint(-2, 3, (5, 203), generator=g).float()
@@ -127,7 +125,7 @@ def _scores_inputs(t: int, h: int, d: int, n_req: int, rows: int, rpb: int, seed
             "num_rows": rows, "rows_per_block": rpb}
 
 
-@needs_run
+@needs_kernels
 @pytest.mark.parametrize("t,h,d,n_req,rows,rpb,tb,one", [
     (1, 32, 128, 1, 200, 16, None, False),   # decode, RPB % 16 == 0 (the faulting case)
     (7, 3, 128, 2, 77, 4, None, False),      # odd heads (HP padding), odd rows
@@ -228,7 +226,7 @@ def _attn_grid() -> list:
     return grid
 
 
-@needs_run
+@needs_kernels
 @pytest.mark.parametrize("vname,opts,t,h,d,n_swa,n_comp,split", _attn_grid())
 def test_sparse_attn_variants_match_reference(vname, opts, t, h, d, n_swa, n_comp,
                                               split) -> None:

@@ -16,7 +16,6 @@ and a scalar's `__index__` fails with NumPy 2 (runtime `range` bounds).
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
@@ -24,13 +23,15 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from support.triton_interpreter import patch_interpreter  # noqa: E402
+from support.triton_interpreter import (  # noqa: E402
+    DEV,
+    INTERP,
+    ON_GPU,
+    needs_kernels,
+    patch_interpreter,
+)
 
-ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-pytestmark = pytest.mark.skipif(not (ON_GPU or INTERP),
-                                reason="needs sm_90 or TRITON_INTERPRET=1")
-DEV = torch.device("cuda" if ON_GPU else "cpu")
+pytestmark = needs_kernels
 
 from shoal.ops import reference  # noqa: E402, F401  (registers the definitions)
 from shoal.ops.reference import hyper_connections as rhc  # noqa: E402

@@ -1,5 +1,9 @@
-"""Work-arounds for defects of the Triton interpreter (TRITON_INTERPRET=1, Triton 3.6), applied
-per test through pytest's monkeypatch so the kernels' own numerics are what gets checked:
+"""Where the Triton kernel tests run: natively on sm_90 (`ON_GPU`) or on the CPU under the Triton
+interpreter (`INTERP`, TRITON_INTERPRET=1 set before the run); `DEV` is their device and
+`needs_kernels` skips a test elsewhere.
+
+Work-arounds for defects of the Triton interpreter (Triton 3.6), applied per test through
+pytest's monkeypatch so the kernels' own numerics are what gets checked:
 
 - fp32 -> bf16 casts truncate (the GPU rounds to nearest even): rounded through torch instead;
 - `tl.dot` on bf16 operands is wrong: the operands are widened to fp32 (exact) first;
@@ -8,9 +12,17 @@ per test through pytest's monkeypatch so the kernels' own numerics are what gets
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+needs_kernels = pytest.mark.skipif(not (ON_GPU or INTERP),
+                                   reason="needs sm_90 or TRITON_INTERPRET=1")
 
 
 def patch_interpreter(monkeypatch: pytest.MonkeyPatch, *, bf16: bool = True) -> None:
