@@ -144,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs}
     t0 = time.perf_counter()
+    longest = args.prompt_len + args.steps + 16
+    if not args.skip_prefill:
+        longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, load_format="dummy", cuda_graphs=args.cuda_graphs,
+              cuda_graph_batch_sizes=tuple(args.batches),  # capture only what is measured
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
-              max_model_len=max(args.prompt_len + args.steps, args.prefill_len) + 16)
+              max_model_len=longest)
     origins = dict(llm.engine.runner.ops.origin)
     fallback = sorted(op for op, backend in origins.items() if backend == "reference")
     listed = "all" if len(fallback) == len(origins) else ", ".join(fallback) or "none"
@@ -174,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
               f"{d['host_prepare_share']:10.1%}", flush=True)
     result["decode"] = decode
+    declined = dict(llm.engine.runner.ops.declined)
+    result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference
+    if declined:
+        print("reference ran for unsupported arguments: "
+              + ", ".join(f"{op} x{n}" for op, n in sorted(declined.items())))
     try:
         import matplotlib
 

@@ -53,7 +53,10 @@ class RunnerConfig:
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
     speculative). Off by default until its GPU tests pass: on the H200 (2026-11-29) the
     replay-vs-eager and compile-counter tests of tests/gpu/test_cuda_graphs.py failed, their
-    output cut off by the session's device time; the padded static path is CPU-tested."""
+    output cut off by the session's device time; the padded static path is CPU-tested.
+    cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;
+    a step with more requests than the largest runs eagerly); empty: the powers of two below
+    min(max_num_seqs, 256), then that bound. Fewer sizes capture faster."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -63,6 +66,7 @@ class RunnerConfig:
     seed: int = 0
     speculative: bool = False
     cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:
@@ -73,6 +77,9 @@ class RunnerConfig:
                              "'dummy' or 'safetensors'")
         if self.replay_window < 1:
             raise ShoalError(f"replay_window: got {self.replay_window}, expected >= 1")
+        sizes = self.cuda_graph_batch_sizes
+        if any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ShoalError(f"cuda_graph_batch_sizes: got {sizes!r}, expected integers >= 1")
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ def test_bad_model_and_options_raise_shoal_error() -> None:
         LLM("no/such/path", device="cpu")
     with pytest.raises(ShoalError, match="bogus_option"):
         LLM("tiny", device="cpu", bogus_option=1)
+    with pytest.raises(ShoalError, match="cuda_graph_batch_sizes"):
+        EngineConfig.create("tiny", device="cpu", cuda_graph_batch_sizes=(4, 0))
     with pytest.raises(ShoalError, match="prefill_mode"):
         LLM("tiny", device="cpu", prefill_mode="sideways")
     with pytest.raises(ShoalError, match="max_num_seqs"):
@@ -119,7 +121,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "enable_chunked_prefill": True, "long_prefill_token_threshold": 17, "num_history_tokens": 2,
     "device": "cpu", "backends": ("reference",), "prefill_mode": "staircase",
     "replay_window": 99, "load_format": "dummy", "seed": 7, "speculative": True,
-    "cuda_graphs": False,
+    "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8),
 }
 
 

@@ -59,6 +59,8 @@ def test_sizes_and_bounds() -> None:
     assert batch_sizes(1) == [1]
     assert batch_sizes(5) == [1, 2, 4, 5]
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_sizes(64, (16, 1, 64, 16, 300)) == [1, 16, 64]  # sorted, unique, <= max
+    assert batch_sizes(8, (300,)) == [8]
     assert context_bounds(256, 64) == [64, 128, 256]
     assert context_bounds(200, 64) == [64, 128, 200]
     assert context_bounds(50, 64) == [50]

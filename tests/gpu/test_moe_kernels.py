@@ -183,6 +183,12 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
     relies on 4 packed elements being 4 consecutive K of one weight row; spread = 9 makes every
     row's 32-blocks use different LUTs, so a wrong packing shows)."""
     kw = _case(7, 40, 512, 256, 16, 6, spread=9)
+    if variant == 2 and not (configs or tmoe.default_configs(40 * 6, 16))[0].swap_ab:
+        # variant 2 assumes 4 consecutive K per register; the H200 gave wrong bits on 128-row
+        # plain tiles, so it is refused there
+        with pytest.raises(ValueError, match="swap-AB"):
+            tmoe.moe_experts(**kw, use_asm=True, asm_variant=variant, configs=configs)
+        return
     a = tmoe.moe_experts(**kw, use_asm=True, asm_variant=variant, configs=configs)
     b = tmoe.moe_experts(**kw, use_asm=False, configs=configs)
     assert torch.equal(a, b)

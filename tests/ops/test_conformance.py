@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.ops.compare import check_output, op_outputs
 from shoal.ops.registry import REFERENCE, REGISTRY, OpCase, OpDef, load_backends
 
 load_backends()
@@ -114,16 +115,6 @@ def _strided(x: Any, skip: tuple[str, ...]) -> Any:
     return out
 
 
-def _outputs(op: OpDef, result: Any, kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-    if isinstance(result, (tuple, list)):
-        outs = [(f"out[{i}]", r) for i, r in enumerate(result)]
-    elif result is None:
-        outs = []
-    else:
-        outs = [("out", result)]
-    return outs + [(name, kwargs[name]) for name in op.inplace if name in kwargs]
-
-
 def _tensors(kwargs: dict[str, Any]) -> list[torch.Tensor]:
     out = []
     for v in kwargs.values():
@@ -132,43 +123,6 @@ def _tensors(kwargs: dict[str, Any]) -> list[torch.Tensor]:
         elif isinstance(v, (list, tuple)):
             out += [t for t in v if isinstance(t, torch.Tensor)]
     return out
-
-
-def _compare(op: OpDef, case: OpCase, name: str, got: Any, want: Any, msg: str) -> None:
-    if not isinstance(want, torch.Tensor):
-        assert got == want, f"{msg}: {name}: {got!r} != {want!r}"
-        return
-    assert isinstance(got, torch.Tensor), f"{msg}: {name}: got {type(got)}"
-    assert got.shape == want.shape, f"{msg}: {name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{msg}: {name}: dtype {got.dtype} != {want.dtype}"
-    got = got.detach().cpu()
-    if op.compare is not None:
-        op.compare(got, want, case)
-        return
-    if not want.dtype.is_floating_point:
-        bad = (got != want).nonzero()
-        assert bad.numel() == 0, f"{msg}: {name}: {len(bad)} elements differ, first at {bad[0].tolist()}"
-        return
-    g, w = got.float(), want.float()
-    assert torch.equal(torch.isnan(g), torch.isnan(w)), f"{msg}: {name}: NaN positions differ"
-    for sign in (1, -1):
-        gi, wi = g == sign * torch.inf, w == sign * torch.inf
-        assert torch.equal(gi, wi), f"{msg}: {name}: inf positions differ"
-    fin = torch.isfinite(w)
-    tol = op.tolerances.get(want.dtype)
-    if tol is None:
-        bad = (g[fin] != w[fin]).nonzero()
-        assert bad.numel() == 0, f"{msg}: {name}: {len(bad)} of {fin.sum()} elements differ (exact)"
-        return
-    err = (g - w).abs()[fin]
-    lim = tol.atol + tol.rtol * w.abs()[fin]
-    over = err > lim
-    if over.any():
-        i = int(torch.argmax(err - lim))
-        raise AssertionError(
-            f"{msg}: {name}: {int(over.sum())} of {err.numel()} elements over tolerance "
-            f"(atol={tol.atol}, rtol={tol.rtol}); worst |diff|={float(err[i]):.4g} "
-            f"at ref={float(w[fin][i]):.4g}")
 
 
 # ----------------------------------------------------------------------------- tests
@@ -201,10 +155,10 @@ def test_conformance(name: str, backend: str, case: OpCase, strided: bool, seed:
     got = impl.fn(**run_kwargs)
     torch.cuda.synchronize(dev)
     want = op.reference(**ref_kwargs)
-    got_outs, want_outs = _outputs(op, got, run_kwargs), _outputs(op, want, ref_kwargs)
+    got_outs, want_outs = op_outputs(op, got, run_kwargs), op_outputs(op, want, ref_kwargs)
     assert len(got_outs) == len(want_outs), f"{msg}: {len(got_outs)} outputs != {len(want_outs)}"
     for (n, g), (_, w) in zip(got_outs, want_outs, strict=True):
-        _compare(op, case, n, g, w, msg)
+        check_output(op, n, g, w, msg, case)
 
 
 def _check_reference(op: OpDef, case: OpCase, strided: bool, seed: int, msg: str) -> None:
@@ -215,11 +169,11 @@ def _check_reference(op: OpDef, case: OpCase, strided: bool, seed: int, msg: str
     inputs_finite = all(
         bool(torch.isfinite(t).all()) for t in _tensors(first_kwargs)
         if t.dtype.is_floating_point and t.dtype.itemsize > 1)
-    first = _outputs(op, op.reference(**first_kwargs), first_kwargs)
+    first = op_outputs(op, op.reference(**first_kwargs), first_kwargs)
     second_kwargs = _build(op, case, seed, cpu)
     if strided:
         second_kwargs = _strided(second_kwargs, op.inplace)
-    second = _outputs(op, op.reference(**second_kwargs), second_kwargs)
+    second = op_outputs(op, op.reference(**second_kwargs), second_kwargs)
     assert len(first) == len(second)
     for (n, a), (_, b) in zip(first, second, strict=True):
         if isinstance(a, torch.Tensor):
@@ -227,7 +181,7 @@ def _check_reference(op: OpDef, case: OpCase, strided: bool, seed: int, msg: str
             if a.dtype.is_floating_point and inputs_finite and a.dtype.itemsize > 1:
                 assert not torch.isnan(a).any(), f"{msg}: {n}: NaN from finite inputs"
         if strided:
-            _compare(op, case, n, b, a, msg)  # same values through strided views
+            check_output(op, n, b, a, msg, case)  # same values through strided views
         elif isinstance(a, torch.Tensor):
             same = torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(
                 torch.uint8) if b.dtype.itemsize == 1 else b) or (

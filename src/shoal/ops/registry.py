@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -121,16 +121,17 @@ class OpRegistry:
         forced = set(force_reference)
         chosen: dict[str, Callable[..., Any]] = {}
         origin: dict[str, str] = {}
+        declined: dict[str, int] = {}
         for name, op in sorted(self._defs.items()):
             for backend in ([REFERENCE] if name in forced else order):
                 impl = self.impl(backend, name)
                 if impl is not None:
                     chosen[name] = impl.fn if backend == REFERENCE else _guarded(
-                        name, impl, op.reference)
+                        name, impl, op.reference, declined)
                     origin[name] = backend
                     break
         requested = order[0]
-        table = OpTable(chosen, origin, requested)
+        table = OpTable(chosen, origin, requested, declined)
         fallbacks = table.fallbacks()
         if requested != REFERENCE and fallbacks:
             logger.warning("backend %r lacks %d ops, using the reference for: %s", requested,
@@ -142,15 +143,33 @@ def _always(**_: Any) -> bool:
     return True
 
 
-def _guarded(name: str, impl: BackendImpl, reference: Callable[..., Any]):
+def _describe(kwargs: dict[str, Any]) -> str:
+    parts = []
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{key}={tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+                         f"@{value.device.type}")
+        elif isinstance(value, (int, float, bool, str)) or value is None:
+            parts.append(f"{key}={value!r}")
+    return ", ".join(parts)
+
+
+def _guarded(name: str, impl: BackendImpl, reference: Callable[..., Any],
+             declined: dict[str, int]):
     """Call the backend when `supports(**kwargs)` holds, else the reference (never silently
-    wrong; the predicate is cheap and shape-only)."""
+    wrong; the predicate is cheap and shape-only). Each declined call is counted in `declined`
+    (`OpTable.declined`), and the first one per op is logged with its arguments, so a slow
+    reference on the hot path is visible rather than silent."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
             raise TypeError(f"op {name}: call with keyword arguments only")
         if impl.supports(**kwargs):
             return impl.fn(**kwargs)
+        if name not in declined:
+            logger.warning("op %s: %s declines (%s); the reference runs", name,
+                           getattr(impl.fn, "__module__", "?"), _describe(kwargs))
+        declined[name] = declined.get(name, 0) + 1
         return reference(**kwargs)
 
     call.__name__ = f"{name}[{getattr(impl.fn, '__module__', '?')}]"
@@ -164,6 +183,8 @@ class OpTable:
     fns: dict[str, Callable[..., Any]]
     origin: dict[str, str]
     requested: str = REFERENCE
+    # op -> calls its backend's `supports` declined (so the reference ran); filled as it runs
+    declined: dict[str, int] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         try:
@@ -180,6 +201,8 @@ class OpTable:
         lines = [f"{'op'.ljust(width)}  backend"]
         for name in sorted(self.origin):
             mark = "  (fallback)" if name in self.fallbacks() else ""
+            if self.declined.get(name):
+                mark += f"  (declined {self.declined[name]} calls)"
             lines.append(f"{name.ljust(width)}  {self.origin[name]}{mark}")
         return "\n".join(lines)
 

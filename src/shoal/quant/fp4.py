@@ -95,9 +95,12 @@ def e2m1_decode(codes: Tensor) -> Tensor:
     Code 8 decodes to -0.0.
     """
     check_dtype("e2m1_decode", "codes", codes, torch.uint8)
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    table = torch.cat([mags, -mags])
-    return table[(codes & 0x0F).long()]
+    # Arithmetic, not a table: building a table would copy host -> device, which a CUDA graph
+    # capture refuses. |v| = m/2 for exponent e = 0, else 2^(e-1) * (1 + m/2); exact in fp32.
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).to(torch.float32)) * (1.0 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:

@@ -13,6 +13,8 @@ scales (NaN, +inf) encode to 0xFF and decode to NaN.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,11 @@ __all__ = ["UE8M0_NAN", "pow2_scale_ceil", "ue8m0_decode", "ue8m0_encode"]
 
 UE8M0_NAN = 0xFF  # the one NaN byte of UE8M0
 _MANTISSA_MASK = (1 << 23) - 1
+
+
+def _as_fp32(x: float) -> float:
+    """x rounded to the nearest fp32 value (still a Python float)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _fp32_bits(x: Tensor) -> Tensor:
@@ -46,8 +53,9 @@ def pow2_scale_ceil(amax: Tensor, inv_max: float) -> Tensor:
           poisoned block stays visible).
         The sign bit of ``p`` is ignored (magnitude only).
     """
-    inv = torch.tensor(inv_max, dtype=torch.float32, device=amax.device)
-    p = amax.to(torch.float32) * inv
+    # A Python scalar (already an fp32 value), not a device tensor: no host -> device copy, so
+    # this runs inside a CUDA graph capture; the product is formed in fp32 either way.
+    p = amax.to(torch.float32) * _as_fp32(inv_max)
     bits = _fp32_bits(p)
     exp_field = (bits >> 23) & 0xFF
     mant = bits & _MANTISSA_MASK

@@ -39,10 +39,13 @@ PREFILL_WARMUP_CAP = 2048  # largest prefill chunk run at warm-up (memory of ref
 NUM_INT64_FIELDS = 5  # input_ids, positions, slots, chunk_start, decoder_floor (+ history)
 
 
-def batch_sizes(max_batch: int) -> list[int]:
-    """Captured batch sizes: the powers of two below `max_batch`, then `max_batch` itself."""
+def batch_sizes(max_batch: int, wanted: Sequence[int] = ()) -> list[int]:
+    """Captured batch sizes: `wanted` (sorted, those above `max_batch` dropped), or by default
+    the powers of two below `max_batch`, then `max_batch` itself."""
     if max_batch < 1:
         raise ValueError(f"max_batch: got {max_batch}, expected >= 1")
+    if wanted:
+        return sorted({b for b in wanted if b <= max_batch} or {max_batch})
     return [b for b in GRAPH_BATCH_SIZES if b < max_batch] + [max_batch]
 
 
@@ -64,17 +67,19 @@ class DecodeGraphs:
     """Static decode inputs, and (on CUDA with `use_graphs`) one graph per (size, bound).
 
     model / caches: the runner's; the caches must hold `pad_slot` and `pad_block`, which no
-    request ever owns. max_blocks: block-table width of a request at max_context.
+    request ever owns. max_blocks: block-table width of a request at max_context. sizes: the
+    batch sizes to capture (`batch_sizes`; default powers of two up to max_batch).
     """
 
     def __init__(self, model: DeepseekV41, caches: KVCaches, *, max_batch: int,
                  max_context: int, max_blocks: int, pad_slot: int, pad_block: int,
-                 use_graphs: bool, min_bound: int = MIN_CONTEXT_BOUND) -> None:
+                 use_graphs: bool, min_bound: int = MIN_CONTEXT_BOUND,
+                 sizes: Sequence[int] = ()) -> None:
         if max_batch > caches.max_tokens:
             raise ValueError(f"max_batch: got {max_batch}, more than the caches' scratch rows "
                              f"({caches.max_tokens})")
         self.model, self.caches = model, caches
-        self.sizes = batch_sizes(max_batch)
+        self.sizes = batch_sizes(max_batch, sizes)
         self.bounds = context_bounds(max_context, min(min_bound, max_context))
         self.pad_slot, self.pad_block = pad_slot, pad_block
         device = model.params["embed.weight"].device

@@ -136,7 +136,8 @@ class ModelRunner:
                             max_context=sched.max_model_len,
                             max_blocks=-(-sched.max_model_len // block),
                             pad_slot=self.memory.num_slots, pad_block=self.memory.num_blocks,
-                            use_graphs=use_graphs)
+                            use_graphs=use_graphs,
+                            sizes=self.config.runner.cuda_graph_batch_sizes)
 
     def _warm_up_prefill(self) -> None:
         """Run prefill-shaped steps on the pad slot / block so that their Triton kernels compile

@@ -365,6 +365,8 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     rows, e = orow.shape[0], w.shape[0]
     if convert is None:
         convert = 2 if cfg.swap_ab else 1
+    if convert == 2 and not cfg.swap_ab:  # H200 2026-11-29: wrong bits on 128-row plain tiles
+        raise ValueError("prmt variant 2 needs swap-AB tiles (weights as the register operand)")
     bk = cfg.block_k
     while k % bk:
         bk //= 2
@@ -396,8 +398,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     """Routed experts -> [T, D] fp32 (the `moe_mxfp4` contract). w4a8=False: the W4A16 baseline
     (bf16 activations, weights dequantised to bf16; no activation quantisation, so it differs
     from the reference by the FP8 activation rounding). use_asm: the prmt conversion (CUDA only;
-    default there); `asm_variant` 2 (16-bit words) or 1 (duplicated bytes, the first
-    device-verified version), default per tile orientation (see `_launch`); use_asm False (and
+    default there); `asm_variant` 2 (16-bit words; swap-AB tiles only) or 1 (duplicated bytes,
+    the first device-verified version), default per tile orientation (see `_launch`); use_asm
+    False (and
     always under the Triton interpreter, where inline asm cannot run): the portable integer
     conversion. All give identical bits. configs: (w13, w2) tiles, default
     `default_configs(T * k, E)`."""

@@ -1,0 +1,56 @@
+"""The op table: backend priority, fallbacks for missing ops, and calls a backend declines."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from shoal.ops.registry import REFERENCE, OpRegistry
+
+
+def _registry() -> OpRegistry:
+    reg = OpRegistry()
+
+    @reg.define("double")
+    def double(*, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @reg.define("negate")
+    def negate(*, x: torch.Tensor) -> torch.Tensor:
+        return -x
+
+    @reg.implement("fast", "double", supports=lambda *, x: x.dim() == 1)
+    def fast_double(*, x: torch.Tensor) -> torch.Tensor:
+        return x + x + 0.5  # distinguishable from the reference on purpose
+
+    return reg
+
+
+def test_priority_fallback_and_declined_calls_are_counted(caplog):
+    table = _registry().resolve(["fast", REFERENCE])
+    assert table.origin == {"double": "fast", "negate": REFERENCE}
+    assert table.fallbacks() == ["negate"]
+    x = torch.ones(3)
+    assert table.double(x=x).tolist() == [2.5, 2.5, 2.5]  # the backend ran
+    assert table.declined == {}
+    with caplog.at_level(logging.WARNING, logger="shoal.ops.registry"):
+        for _ in range(3):
+            assert table.double(x=torch.ones(2, 2)).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert table.declined == {"double": 3}
+    warnings = [r.getMessage() for r in caplog.records if "declines" in r.getMessage()]
+    assert len(warnings) == 1 and "x=(2, 2):float32@cpu" in warnings[0]  # logged once, with shapes
+    assert "declined 3 calls" in table.report()
+    assert table.negate(x=x).tolist() == [-1.0, -1.0, -1.0]
+
+
+def test_tables_count_separately_and_keyword_only():
+    reg = _registry()
+    a, b = reg.resolve(["fast"]), reg.resolve(["fast"])
+    a.double(x=torch.ones(1, 1))
+    assert a.declined == {"double": 1} and b.declined == {}
+    with pytest.raises(TypeError, match="keyword"):
+        a.double(torch.ones(1))
+    with pytest.raises(AttributeError, match="no op named"):
+        a.missing  # noqa: B018
