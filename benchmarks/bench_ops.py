@@ -122,52 +122,54 @@ def measure_ceilings() -> None:
 
 
 def bench_gemm_fp8(ms_list: list[int]) -> None:
+    """The op's blockwise-scaled kernel (exact scales), the folded-scale kernel (the earlier
+    default, inexact on rows whose blocks span many binades) and torch._scaled_mm with one
+    per-tensor scale, on the same codes."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in GEMM_SHAPES.items():
         w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
         codes, scales = quant_fp8_weight(w)
-        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
-        ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
-        log(f"check gemm_fp8 {name} M=64: rel err {rel_err(got, ref):.2e}")
-        xq = tri_gemm._act_quant(x, 32, fold=True)
-        promoted = tri_gemm.gemm_fp8_folded(*xq, tri_gemm.prepare_fp8_weight(codes, scales),
-                                            promote=True)
-        log(f"check gemm_fp8 {name} M=64 promoted: rel err {rel_err(promoted, ref):.2e}")
+        for spread in (False, True):  # spread: per-block activation scales over 2^-10 .. 2^10
+            x = torch.randn(64, k, generator=gen, device="cuda")
+            if spread:
+                x = x * torch.exp2(torch.randint(-10, 11, (64, k // 32), generator=gen,
+                                                 device="cuda").float()).repeat_interleave(32, 1)
+            x = x.to(torch.bfloat16)
+            ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
+            got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
+            folded = tri_gemm.gemm_fp8_folded(*tri_gemm._act_quant(x, 32, fold=True),
+                                              tri_gemm.prepare_fp8_weight(codes, scales))
+            log(f"check gemm_fp8 {name} M=64{' spread' if spread else ''}: rel err blockwise "
+                f"{rel_err(got, ref):.2e}, folded {rel_err(folded, ref):.2e}")
         n_copies = copies(n * k)
-        prepared = [tri_gemm.prepare_fp8_weight(codes, scales)]
-        prepared += [tri_gemm.PreparedFP8Weight(prepared[0].codes.clone(),
-                                                prepared[0].col_scale.clone(), 0)
-                     for _ in range(n_copies - 1)]
+        weights = [(codes, scales)] + [(codes.clone(), scales.clone())
+                                       for _ in range(n_copies - 1)]
+        prepared = [tri_gemm.prepare_fp8_weight(c, s) for c, s in weights]
         for m in ms_list:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            qs = [tri_gemm._act_quant(xi, 32, fold=True) for xi in xs]
-            pairs = list(zip(itertools.cycle(qs), prepared, strict=False))
+            qs = [tri_gemm._act_quant(xi, 32, fold=False) for xi in xs]
+            qf = [tri_gemm._act_quant(xi, 32, fold=True) for xi in xs]
             flops = 2.0 * m * n * k
-            t_kernel = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p)
-                              for q, p in pairs])
-            pairs_x = list(zip(itertools.cycle(xs), prepared, strict=False))
-
-            def op(xi, p):
-                q, rs = tri_gemm._act_quant(xi, 32, fold=True)
-                return tri_gemm.gemm_fp8_folded(q, rs, p)
-
-            t_op = bench([lambda xi=xi, p=p: op(xi, p) for xi, p in pairs_x])
+            nbytes = m * k + n * k + 2 * m * n
+            t_kernel = bench([lambda q=q, w=w: tri_gemm.gemm_fp8_blockwise(q[0], q[1], *w)
+                              for q, w in zip(itertools.cycle(qs), weights, strict=False)])
+            t_folded = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p)
+                              for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
+            t_op = bench([lambda xi=xi, w=w: tri_gemm.gemm_fp8(x=xi, weight=w[0],
+                                                               weight_scale=w[1])
+                          for xi, w in zip(itertools.cycle(xs), weights, strict=False)])
             one = torch.ones((), device="cuda")
-            mats = [(q[0], p.codes.t()) for q, p in pairs]
+            mats = [(q[0], p.codes.t()) for q, p in zip(itertools.cycle(qf), prepared,
+                                                         strict=False)]
             t_ref = bench([lambda a=a, b=b, one=one: torch._scaled_mm(
-                a, b, one, one, out_dtype=torch.bfloat16)
-                           for a, b in mats])
+                a, b, one, one, out_dtype=torch.bfloat16) for a, b in mats])
             shape = f"{name} M{m}xN{n}xK{k}"
-            record("gemm_fp8 (kernel)", shape, t_kernel, flops, m * k + n * k + 2 * m * n,
-                   FP8_PEAK, vs_scaled_mm=round(t_kernel / t_ref, 3),
+            record("gemm_fp8 (blockwise kernel)", shape, t_kernel, flops, nbytes, FP8_PEAK,
+                   vs_scaled_mm=round(t_kernel / t_ref, 3), vs_folded=round(t_kernel / t_folded, 3),
                    scaled_mm_us=round(t_ref * 1e3, 1))
-            record("gemm_fp8 (op+act_quant)", shape, t_op, flops, 2 * m * k + n * k + 2 * m * n,
-                   FP8_PEAK)
-            t_prom = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p, promote=True)
-                            for q, p in pairs])
-            record("gemm_fp8 (kernel, promoted)", shape, t_prom, flops,
-                   m * k + n * k + 2 * m * n, FP8_PEAK, vs_chained=round(t_prom / t_kernel, 3))
+            record("gemm_fp8 (folded kernel)", shape, t_folded, flops, nbytes, FP8_PEAK,
+                   vs_scaled_mm=round(t_folded / t_ref, 3))
+            record("gemm_fp8 (op+act_quant)", shape, t_op, flops, nbytes + m * k, FP8_PEAK)
 
 
 def bench_grouped(ts: list[int]) -> None:

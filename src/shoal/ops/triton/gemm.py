@@ -1,25 +1,19 @@
-"""Triton (sm_90) GEMMs: folded-scale FP8 GEMM (`gemm_fp8`), FP8 activation quantisation
-(`act_quant_fp8`), the grouped W8A16 `wo_a` projection (`gemm_grouped_w8a16`) and the
-batch-invariant bf16-weight GEMM `gemm_bf16` (its kernel `gemm_nt` lives in gemm_nt.py; the heads
-in head.py use it too).
+"""Triton (sm_90) GEMMs: the FP8 GEMM (`gemm_fp8`, on `gemm_blockwise.py`'s kernel), FP8
+activation quantisation (`act_quant_fp8`), the grouped W8A16 `wo_a` projection
+(`gemm_grouped_w8a16`) and the batch-invariant bf16-weight GEMM `gemm_bf16` (its kernel
+`gemm_nt` lives in gemm_nt.py; the heads in head.py use it too).
 
-Invariant: the FP8 main loop is a pure `tl.dot(a, b, acc)` on e4m3 operands (native wgmma); all
-power-of-two (UE8M0) block scales are *folded* into the operands and only one fp32 scale per row
-(activations) and per column (weights) is applied in the epilogue (performance.md).
-
-Folding, exactly: a block with exponent e inside a row (activations) or a 32-row weight block
-whose largest block exponent is E is re-encoded as `e4m3(q * 2^(e - E))`. This is exact while
-`|q| * 2^(e - E) >= 2^-6` (e4m3's smallest normal) or the shifted value is a multiple of 2^-9;
-otherwise the low bits of small codes in blocks many binades below the row's largest are rounded
-(round-to-nearest-even) or flushed. Such blocks contribute below bf16 resolution of the output
-(each is at most 2^(e-E) of the largest block's contribution), so results stay inside the
-registered bf16 tolerance; the blockwise reference sum is otherwise reproduced up to fp32
-summation order. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
+`gemm_fp8` applies the UE8M0 block scales exactly, per 32-wide K step on the fp32 accumulator
+(gemm_blockwise.py). The older *folded* kernel (`gemm_fp8_folded`: every block re-encoded relative
+to its row's largest exponent, one scale per row and per column in the epilogue, a pure chained
+`tl.dot` main loop) is kept for the benchmark only: the re-encoding `e4m3(q * 2^(e - E))` rounds
+or flushes the low bits of blocks many binades below their row's largest, and on the H200
+(in-situ check on `mini`, 2026-11-29) that put 25 of 5.35M outputs of one GEMM over the op's
+tolerance. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.gemm_blockwise import gemm_fp8_blockwise, split_k
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
 
 FP8_MAX = 448.0
@@ -62,27 +57,6 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
     return PreparedFP8Weight(codes, col.contiguous(), weight._version)
 
 
-class _PreparedCache:
-    """Weights prepared on first use, keyed by the weight tensor's identity; an entry dies with
-    its weight (weakref finalizer). Not a WeakKeyDictionary: its key comparison calls
-    Tensor.__eq__, which is elementwise."""
-
-    def __init__(self) -> None:
-        self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
-
-    def get(self, weight: torch.Tensor, scale: torch.Tensor, block: int) -> PreparedFP8Weight:
-        key = id(weight)
-        hit = self._map.get(key)
-        if (hit is not None and hit[0]() is weight and hit[1] is scale
-                and hit[2].source_version == weight._version):
-            return hit[2]
-        prepared = prepare_fp8_weight(weight, scale, block)
-        self._map[key] = (weakref.ref(weight), scale, prepared)
-        weakref.finalize(weight, self._map.pop, key, None)
-        return prepared
-
-
-_PREPARED = _PreparedCache()
 
 
 # --------------------------------------------------------------------------- activation quant
@@ -176,11 +150,8 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PROMOTE: tl.constexpr):
-    """PROMOTE: each BLOCK_K step's product is formed from zero and added to the fp32
-    accumulator (sm_90's FP8 wgmma adds in reduced precision along a chained accumulator);
-    off by default until measured on the H200 (bench_ops --only gemm: 'promoted' rows)."""
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The folded-scale kernel (benchmark baseline, see the module docstring)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -209,10 +180,7 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
-        if PROMOTE:
-            acc += tl.dot(a, b)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -240,20 +208,9 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.const
     tl.store(c_ptr + offs, (acc * rs * cs).to(tl.bfloat16), mask=mask)
 
 
-def _split_k(m: int, n: int, k: int, sms: int) -> int:
-    if m > 64:
-        return 1
-    tiles = triton.cdiv(n, 128)
-    split = 1
-    while tiles * split * 2 <= 2 * sms and k // (split * 2) >= 512:
-        split *= 2
-    return split
-
-
-def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
-                    promote: bool = False) -> torch.Tensor:
-    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
-    promote: fp32 promotion of every BLOCK_K step (see `_gemm_fp8_kernel`)."""
+def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight) -> torch.Tensor:
+    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T
+    (benchmark baseline; inexact for rows whose blocks span many binades)."""
     m, k = q.shape
     n = w.codes.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
@@ -262,7 +219,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if k == 0:
         return out.zero_()
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    split = _split_k(m, n, k, sms)
+    split = split_k(m, n, k, sms)
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
     m_bucket = min(triton.next_power_of_2(m), 4096)
 
@@ -270,7 +227,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
 
     _gemm_fp8_kernel[grid](q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket,
-                           SPLIT_K=split, PROMOTE=promote)
+                           SPLIT_K=split)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
@@ -287,12 +244,12 @@ def _supports_gemm(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 @REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm)
 def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: int = 32) -> torch.Tensor:
-    """Same contract as the reference op; the weight is folded on first use (weakly cached)."""
+    """Same contract as the reference op: the activation quantised per 32 (bit-exact), then the
+    blockwise-scaled kernel on the checkpoint's codes and scale bytes as they are."""
     if weight.dtype == torch.uint8:
         weight = weight.view(torch.float8_e4m3fn)
-    prepared = _PREPARED.get(weight, weight_scale, block)
-    q, rs = _act_quant(x, block, fold=True)
-    return gemm_fp8_folded(q, rs, prepared)
+    q, qs = _act_quant(x, block, fold=False)
+    return gemm_fp8_blockwise(q, qs, weight, weight_scale)
 
 
 # --------------------------------------------------------------------------- grouped W8A16
