@@ -252,3 +252,23 @@ def test_router_matches_reference_and_pins_ties() -> None:
     assert torch.equal(ids.cpu(), rids)
     assert (ids[:, 0] == 5).all() and (ids[:, 1] == 9).all()
     torch.testing.assert_close(wt.cpu(), rwt, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,e,k,temp", [(1, 64, 6, 1.0), (29, 70, 6, 0.7), (5, 256, 8, 1.0),
+                                        (3, 16, 1, 2.0), (0, 64, 6, 1.0)])
+def test_router_selection_kernel_matches_reference(t, e, k, temp) -> None:
+    """The one-launch selection (`_select_kernel`) against the reference router: logits of
+    both signs and up to |40| (softplus's x > 20 pass-through and its tiny-exp branch), many
+    equal scores (ties go to the lower id), odd E; weights to fp32 rounding."""
+    g = torch.Generator().manual_seed(100 * t + e)
+    x = (torch.randn(t, 128, generator=g) * 4).to(torch.bfloat16)
+    w = (torch.randn(e, 128, generator=g) / 4).to(torch.bfloat16)
+    w[1::3] = w[0]  # equal rows: equal scores, ties on every token
+    bias = torch.zeros(e)
+    bias[::5] = torch.randn(len(bias[::5]), generator=g) * 0.5
+    ids, wt = tmoe.router(x=x.to(DEV), weight=w.to(DEV), bias=bias.to(DEV), k=k,
+                          route_scale=1.5, gate_temp=temp)
+    rids, rwt = ref.router(x=x, weight=w, bias=bias, k=k, route_scale=1.5, gate_temp=temp)
+    assert ids.dtype == torch.int64 and ids.shape == (t, k) and wt.shape == (t, k)
+    assert torch.equal(ids.cpu(), rids)
+    torch.testing.assert_close(wt.cpu(), rwt, atol=1e-6, rtol=2e-6)
