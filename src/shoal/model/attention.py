@@ -36,10 +36,7 @@ def swa_kv(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
     kv = ops.rmsnorm(x=kv, weight=p[prefix + "attn.kv_norm.weight"], eps=cfg.norm_eps)
     kv = ops.rope_tail(x=kv, positions=select(ctx.batch.positions, rows),
                        params=rope_params(cfg, spec))
-    t = ctx.batch.num_tokens
-    scratch = ctx.caches.scratch_base + (torch.arange(t, device=kv.device) if rows is None
-                                         else rows)
-    ops.swa_write(x=kv, cache=ctx.caches.swa[spec.layer_id], rows=scratch)
+    ops.swa_write(x=kv, cache=ctx.caches.swa[spec.layer_id], rows=ctx.scratch_rows(rows))
 
 
 def project_q(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
@@ -90,10 +87,7 @@ def attention(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
     if spec.compress_ratio > 0:
         if spec.owns_index_query:
             run_indexer(ctx, spec, xf, qr, full)
-        top = select(ctx.topk[spec.topk_source], full)  # [F, K] logical rows
-        req = select(b.req_index, full).unsqueeze(1).expand_as(top)
-        phys = ctx.paged_rows(spec.kv_source, top.clamp_min(0).long(), req)
-        comp_idx = torch.where(top >= 0, phys, -1).to(torch.int32)
+        comp_idx = ctx.compressed_rows(spec.topk_source, spec.kv_source, full)
         comp_cache = ctx.caches.compressed[spec.kv_source]
     swa_rows = ctx.swa_rows_decoder if spec.is_decoder else ctx.swa_rows_encoder
     y = attend_and_project(ctx, prefix, spec, q, pos, select(swa_rows, full), comp_cache,

@@ -46,6 +46,18 @@ class StepContext:
     token_slot: torch.Tensor  # [T] request slot of each row
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [T, K] int32
     candidates: torch.Tensor | None = None  # [T, Nmax] bool (candidate source)
+    # index tensors that depend only on the step (not on the layer), computed once per step and
+    # shared by the layers: key -> (the row-set tensor the key's id() refers to, the result)
+    _memo: dict[tuple, tuple[torch.Tensor | None, object]] = field(default_factory=dict)
+
+    def _once(self, key: tuple, rows: torch.Tensor | None, make):
+        """make() once per (key, row set) in this step. Row sets are identified by object (the
+        batch's `layer_rows` tensors, alive for the step; the entry keeps a reference)."""
+        full_key = (*key, None if rows is None else id(rows))
+        hit = self._memo.get(full_key)
+        if hit is None:
+            hit = self._memo[full_key] = (rows, make())
+        return hit[1]
 
     @classmethod
     def build(cls, config: ModelConfig, params: ModelParams, caches: KVCaches, ops: OpTable,
@@ -75,17 +87,39 @@ class StepContext:
         blk = self.batch.block_table[req, safe // rpb].long()
         return torch.where((logical >= 0) & (blk >= 0), blk * rpb + safe % rpb, -1)
 
+    def scratch_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Scratch rows of the step's tokens `rows` (None: all) in every SWA plane."""
+        def make() -> torch.Tensor:
+            r = (torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+                 if rows is None else rows)
+            return self.caches.scratch_base + r
+        return self._once(("scratch",), rows, make)
+
+    def compressed_rows(self, topk_source: int, kv_source: int,
+                        rows: torch.Tensor | None) -> torch.Tensor:
+        """Physical compressed rows [F, K] int32 of the top-k of `topk_source` for `rows`, in
+        `kv_source`'s cache (-1 where the top-k or the block is empty)."""
+        def make() -> torch.Tensor:
+            top = select(self.topk[topk_source], rows)  # [F, K] logical rows
+            req = select(self.batch.req_index, rows).unsqueeze(1).expand_as(top)
+            phys = self.paged_rows(kv_source, top.clamp_min(0).long(), req)
+            return torch.where(top >= 0, phys, -1).to(torch.int32)
+        return self._once(("compressed", topk_source, kv_source), rows, make)
+
     def commit_swa(self, layer: int, rows: torch.Tensor | None) -> None:
         """Copy the step's scratch keys of `rows` into the rings (the last ring_size positions
         of each request only, so every ring slot is written at most once)."""
-        b = self.batch
-        r = torch.arange(b.num_tokens, device=b.positions.device) if rows is None else rows
-        pos = b.positions[r]
-        end = torch.full((b.num_requests,), -1, dtype=pos.dtype, device=pos.device)
-        end = end.scatter_reduce(0, b.req_index[r], pos, reduce="amax")
-        keep = pos > end[b.req_index[r]] - self.caches.ring_size
-        scratch = self.caches.scratch_base + r
-        ring = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
-        # rows not kept copy onto themselves: no boolean indexing, so no host sync
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            b = self.batch
+            r = torch.arange(b.num_tokens, device=b.positions.device) if rows is None else rows
+            pos = b.positions[r]
+            end = torch.full((b.num_requests,), -1, dtype=pos.dtype, device=pos.device)
+            end = end.scatter_reduce(0, b.req_index[r], pos, reduce="amax")
+            keep = pos > end[b.req_index[r]] - self.caches.ring_size
+            scratch = self.caches.scratch_base + r
+            ring = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
+            # rows not kept copy onto themselves: no boolean indexing, so no host sync
+            return torch.where(keep, ring, scratch), scratch
+        dst, src = self._once(("commit",), rows, make)
         plane = self.caches.swa[layer]
-        plane[torch.where(keep, ring, scratch)] = plane[scratch]
+        plane[dst] = plane[src]
