@@ -1,24 +1,32 @@
-"""Fold loss on CPU: how far the Triton kernels' folded FP8 scales alone move `gemm_fp8` and
-`moe_mxfp4` from their references, and how far a 1-ulp bf16 change of the MoE's g/u does.
+"""Why do the Triton `gemm_fp8` and `moe_mxfp4` leave their references' tolerance? CPU emulation.
 
-The Triton GEMM (ops/triton/gemm.py) and MoE (ops/triton/moe.py) fold the per-32 UE8M0 block
-scales into one scale per row: a block of exponent e in a row whose largest is E is re-encoded
-as e4m3(v * 2^(e - E)) (RNE), lossy where that drops into e4m3 subnormals. Here the model runs
-on dummy weights with the reference ops; every gemm_fp8 / moe_mxfp4 call is intercepted and
-recomputed on the same inputs, otherwise exactly (fp64 sums rounded as the reference rounds):
+The model runs on dummy weights with the reference ops; every gemm_fp8 / moe_mxfp4 call is
+recomputed on the same inputs in variants, otherwise exact (fp64 sums rounded as the reference
+rounds), each compared with the op's output by its tolerance (|d| <= atol + rtol |ref|):
 
-  exact     the harness with no fold (must equal the reference bit for bit: a self-check)
-  fold      activations (x; and h in the MoE) and weights folded as the kernels do
-  fold_act  activations folded only          fold_w  weights folded only
-  ulp       MoE only: reference math, g and u moved by one bf16 ulp (random direction) in a
-            random 1% of elements before the SwiGLU (FP8 re-quantisation flips of h)
+  exact     no change (a self-check: must equal the reference bit for bit)
+  fold      the kernels' scale folding (triton/gemm.py `_act_quant_kernel(FOLD=True)`,
+            `prepare_fp8_weight`; triton/moe.py `_quant_folded` and the e2m1 -> e4m3 weight LUT):
+            a 32-block of exponent e in a row whose largest is E becomes e4m3_RNE(v 2^(e - E)),
+            one scale 2^(E - 127) per row; lossy where that falls into e4m3 subnormals. Which
+            operand loses what: the table of codes changed by folding (activations: x, and h in
+            the MoE; weights)
+  fold+fp32 fold, and the K sum in fp32 steps of 32 (`chained`: another fp32 summation order,
+            as mma.sync or a promoted wgmma accumulator gives)
+  fold+fp22 fold, and the K sum by a model of sm_90 FP8 wgmma's chained accumulator (`chained`,
+            13 mantissa bits; in the MoE where the kernel picks wgmma tiles, else as fold+fp32)
+  ulp       MoE only: reference math with g and u moved one bf16 ulp (random direction) in a
+            random fraction (--ulp-frac) of elements before the SwiGLU
+MoE column `g/u chg`: the fraction of a variant's bf16 g and u that differ from the reference's
+(they feed the FP8 re-quantisation of h).
 
-Each is compared with the op's output by the op's tolerance (|d| <= atol + rtol |ref|, as
-ops/compare.py). `--shrink-mini` replaces mini's 384 routed experts and 2 x 24M-row Engram
-tables by smaller ones (same shapes elsewhere) so that it fits in ~10 GB; full mini needs ~50 GB.
+Full mini needs ~50 GB of host memory and ~2.4 s per expert matrix to generate its dummy weights
+here; `--shrink-mini E V` gives it E routed (and draft) experts and Engram vocabulary V, other
+shapes unchanged (E = 8, V = 10000: ~6 GB). E changes the routed rows per expert, which pick the
+MoE kernel's tiles.
 
     PYTHONPATH=src python benchmarks/fold_loss.py [--model tiny|mini] [--prompt N] [--steps S]
-                                                  [--shrink-mini] [--seed 5]
+        [--ulp-frac 0.01] [--shrink-mini E V] [--seed 5]
 """
 
 from __future__ import annotations
@@ -46,156 +54,182 @@ from shoal.quant.fp4 import e2m1_decode, unpack_fp4
 from shoal.quant.fp8 import quant_fp8_act
 
 E4M3, BLOCK = torch.float8_e4m3fn, 32
-VARIANTS = {"gemm_fp8": ("exact", "fold", "fold_act", "fold_w"),
-            "moe_mxfp4": ("exact", "fold", "fold_act", "fold_w", "ulp")}
+OPS = {"gemm_fp8": ("x", "weight", "weight_scale"),
+       "moe_mxfp4": ("x", "ids", "weights", "w13", "w13_scale", "w2", "w2_scale", "limit")}
 
 
 class FoldStats:
-    """Codes changed by folding and the largest block-exponent spread E_max - e_b, per kind."""
+    """Per operand kind: codes changed by folding, codes seen, largest spread E - e_b."""
 
     def __init__(self) -> None:
-        self.changed: dict[str, int] = defaultdict(int)
-        self.total: dict[str, int] = defaultdict(int)
-        self.spread: dict[str, int] = defaultdict(int)
+        self.changed, self.total, self.spread = (defaultdict(int) for _ in range(3))
 
     def as_dict(self) -> dict:
-        return {k: {"changed": self.changed[k], "total": self.total[k],
-                    "frac": self.changed[k] / max(self.total[k], 1),
-                    "max_spread": self.spread[k]} for k in sorted(self.total)}
+        return {k: {"changed": self.changed[k], "total": self.total[k], "max_spread":
+                    self.spread[k], "frac": self.changed[k] / max(self.total[k], 1)}
+                for k in sorted(self.total)}
 
 
-def operand(values: torch.Tensor, exps: torch.Tensor, fold: bool, stats: FoldStats | None = None,
-            kind: str = "") -> torch.Tensor:
-    """values [R, K] (e4m3 or e2m1 values as fp32) with biased block exponents exps [R, KB] ->
-    the fp32 operand: values * 2^(e_b - 127) exactly, or folded as the kernels do
-    (e4m3_RNE(values * 2^(e_b - E)) * 2^(E - 127), E = the row's largest e_b)."""
-    k = values.shape[1]
-    exps = exps.to(torch.int32)
+def operand(values: torch.Tensor, exps: torch.Tensor, fold: bool, stats: FoldStats | None,
+            kind: str) -> torch.Tensor:
+    """values [R, K] (e4m3 or e2m1 values, fp32), biased block exponents exps [R, K/32] -> the
+    fp32 operand values 2^(e_b - 127): exact, or folded as the kernels do."""
+    k, exps = values.shape[1], exps.to(torch.int32)
     if not fold:
         return values * torch.exp2((exps - 127).float()).repeat_interleave(BLOCK, 1)[:, :k]
     top = exps.amax(dim=1, keepdim=True)
-    shift = (exps - top).clamp_min(-126)
-    f = torch.exp2(shift.float()).repeat_interleave(BLOCK, 1)[:, :k]
+    f = torch.exp2((exps - top).clamp_min(-126).float()).repeat_interleave(BLOCK, 1)[:, :k]
     folded = (values * f).to(E4M3).float()
     if stats is not None:
         stats.changed[kind] += int((folded.double() != values.double() * f.double()).sum())
         stats.total[kind] += values.numel()
         if exps.numel():
             stats.spread[kind] = max(stats.spread[kind], int((top - exps).max()))
-    # col scale of the kernels: 2^(E - 127) (the MoE's bit trick reads E = 0 as 0: no such rows)
-    return folded * torch.exp2((top - 127).float())
+    return folded * torch.exp2((top - 127).float())  # the row / column scale 2^(E - 127)
 
 
-def act(x: torch.Tensor, fold: bool, stats: FoldStats | None, kind: str) -> torch.Tensor:
+def act(x: torch.Tensor, fold: bool, stats: FoldStats | None) -> torch.Tensor:
     codes, scales = quant_fp8_act(x, BLOCK)
-    return operand(codes.float(), scales, fold, stats, kind)
+    return operand(codes.float(), scales, fold, stats, "act")
 
 
-def gemm_fp8(x, weight, weight_scale, fold_a: bool, fold_w: bool, stats=None) -> torch.Tensor:
-    """The reference gemm_fp8 (fp64 sums -> fp32 -> bf16) on optionally folded operands."""
+def chained(a: torch.Tensor, w: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """fp32 a @ w^T summed over K in steps of 32 (one MMA each; the step's products add exactly):
+    bits None: acc = fp32_RNE(acc + step); else a model of sm_90 FP8 wgmma chaining its
+    accumulator over all of K (Triton's default there, max_num_imprecise_acc = 2^30; the kernels'
+    PROMOTE is off): acc = truncate(acc + step) to `bits` mantissa bits, the reported FP22
+    accumulator (SageAttention 2; DeepSeek-V3 report 3.5.2; DeepGEMM issues 37 and 50). A model
+    only: gemm_fp8's split-K partials (M <= 64) and in-step alignment are not modelled."""
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
+    for k0 in range(0, a.shape[1], 32):
+        acc += a[:, k0:k0 + 32].double() @ w[:, k0:k0 + 32].double().t()
+        if bits is None:
+            acc = acc.float().double()
+        else:
+            m, e = torch.frexp(acc)
+            acc = torch.ldexp(torch.trunc(m * 2.0 ** (bits + 1)), e - bits - 1)
+    return acc.float()
+
+
+def product(v: dict, wgmma: bool = True):
+    """The K sum of variant `v`: the reference's fp64 (matmul_nt), fp32 steps, or FP22 steps."""
+    if v["acc"] == "fp22" and wgmma:
+        return lambda a, w: chained(a, w, 13)
+    return matmul_nt if v["acc"] is None else lambda a, w: chained(a, w, None)
+
+
+def gemm_fp8(x, weight, weight_scale, v: dict, gen=None, stats=None):
+    """The reference gemm_fp8 (fp64 sums -> fp32 -> bf16), variant `v` -> (out, None)."""
     w = weight.view(E4M3) if weight.dtype == torch.uint8 else weight
     w_exps = weight_scale.repeat_interleave(BLOCK, 0)[: w.shape[0]]  # 32x32 blocks -> per row
-    a = act(x, fold_a, stats, "act")
-    return matmul_nt(a, operand(w.float(), w_exps, fold_w, stats, "weight")).to(torch.bfloat16)
+    w_op = operand(w.float(), w_exps, v["fold"], stats, "weight")
+    return product(v)(act(x, v["fold"], stats), w_op).to(torch.bfloat16), None
 
 
 def bump(v: torch.Tensor, frac: float, gen: torch.Generator) -> torch.Tensor:
     """bf16 v with a random `frac` of its elements moved one ulp up or down."""
     pick = torch.rand(v.shape, generator=gen) < frac
-    up = torch.rand(v.shape, generator=gen) < 0.5
-    target = torch.where(up, torch.inf, -torch.inf).to(v.dtype)
-    return torch.where(pick, torch.nextafter(v, target), v)
+    target = torch.where(torch.rand(v.shape, generator=gen) < 0.5, torch.inf, -torch.inf)
+    return torch.where(pick, torch.nextafter(v, target.to(v.dtype)), v)
 
 
-def moe_mxfp4(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fold_a: bool, fold_w: bool,
-              ulp_frac: float = 0.0, gen: torch.Generator | None = None, stats=None):
-    """The reference moe_mxfp4, step for step, with optional folds and g/u perturbation."""
+def moe_mxfp4(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, v: dict, gen=None,
+              stats=None):
+    """The reference moe_mxfp4 step for step, variant `v` -> (out, bf16 g|u of every routed
+    row). The kernel runs 128-row wgmma tiles above 40 routed rows per expert, else mma.sync."""
     t, d = x.shape
-    out = torch.zeros(t, d, dtype=torch.float32)
+    out, gus = torch.zeros(t, d, dtype=torch.float32), []
     if t == 0:
-        return out
+        return out, None
     inter = w2.shape[2] * 2
-    xa = act(x, fold_a, stats, "act")
+    mm = product(v, wgmma=ids.numel() > 40 * w13.shape[0])
+    xa = act(x, v["fold"], stats)
+
+    def weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return operand(e2m1_decode(unpack_fp4(packed)), scale, v["fold"], stats, "weight")
+
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        w13_e = operand(e2m1_decode(unpack_fp4(w13[e])), w13_scale[e], fold_w, stats, "weight")
-        gu = matmul_nt(xa[tok], w13_e).to(torch.bfloat16)
-        if ulp_frac:
-            gu = bump(gu, ulp_frac, gen)
-        gu = gu.float()
-        h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
-                         limit=limit)
-        w2_e = operand(e2m1_decode(unpack_fp4(w2[e])), w2_scale[e], fold_w, stats, "weight")
-        y = matmul_nt(act(h, fold_a, stats, "act"), w2_e)
-        out.index_add_(0, tok, y.to(torch.bfloat16).float())
-    return out
+        gu = mm(xa[tok], weight(w13[e], w13_scale[e])).to(torch.bfloat16)
+        if v["ulp"]:
+            gu = bump(gu, v["ulp"], gen)
+        gus.append(gu)
+        h = swiglu_clamp(gate=gu[:, :inter].float(), up=gu[:, inter:].float(),
+                         weight=weights[tok, slot], limit=limit)
+        y = mm(act(h, v["fold"], stats), weight(w2[e], w2_scale[e]))
+        out[tok] += y.to(torch.bfloat16).float()  # = the reference's index_add_ (tok unique)
+    return out, torch.cat(gus)
+
+
+def variants(op: str, ulp_frac: float) -> dict[str, dict]:
+    def v(fold=False, acc=None, ulp=0.0) -> dict:
+        return {"fold": fold, "acc": acc, "ulp": ulp}
+
+    out = {"exact": v(), "fold": v(True), "fold+fp32": v(True, "fp32"),
+           "fold+fp22": v(True, "fp22")}
+    return out | ({"ulp": v(ulp=ulp_frac)} if op == "moe_mxfp4" else {})
 
 
 @dataclasses.dataclass
 class Tally:
-    """Elements over tolerance and the worst differences of one op variant, over its calls."""
+    """One op variant over its calls: elements over tolerance, largest differences."""
 
     calls: int = 0
     calls_over: int = 0
     over: int = 0
+    most_over_in_call: int = 0
     total: int = 0
-    bitwise_diff: int = 0
+    not_bitwise_equal: int = 0
+    gu_changed: int = 0  # MoE: bf16 g/u elements that differ from the reference's
+    gu_total: int = 0
     max_diff: float = 0.0
     ref_at_max: float = 0.0
-    worst_excess: float = -float("inf")  # max of |d| - limit (compare.py's "worst")
+    worst_excess: float | None = None  # max of |d| - limit: the element compare.py reports
     diff_at_worst: float = 0.0
     ref_at_worst: float = 0.0
 
     def add(self, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
         g, w = got.double().flatten(), want.double().flatten()
         d = (g - w).abs()
-        lim = atol + rtol * w.abs()
-        over = int((d > lim).sum())
+        excess = d - (atol + rtol * w.abs())
+        over = int((excess > 0).sum())
         self.calls, self.total = self.calls + 1, self.total + d.numel()
         self.over, self.calls_over = self.over + over, self.calls_over + (over > 0)
-        self.bitwise_diff += int((g != w).sum())
-        if d.numel() == 0:
-            return
-        i = int(d.argmax())
-        if float(d[i]) > self.max_diff:
-            self.max_diff, self.ref_at_max = float(d[i]), float(w[i])
-        j = int((d - lim).argmax())
-        if float(d[j] - lim[j]) > self.worst_excess:
-            self.worst_excess = float(d[j] - lim[j])
-            self.diff_at_worst, self.ref_at_worst = float(d[j]), float(w[j])
+        self.most_over_in_call = max(self.most_over_in_call, over)
+        self.not_bitwise_equal += int((g != w).sum())
+        if d.numel():
+            i, j = int(d.argmax()), int(excess.argmax())
+            if float(d[i]) > self.max_diff:
+                self.max_diff, self.ref_at_max = float(d[i]), float(w[i])
+            if self.worst_excess is None or float(excess[j]) > self.worst_excess:
+                self.worst_excess, self.diff_at_worst, self.ref_at_worst = (
+                    float(excess[j]), float(d[j]), float(w[j]))
 
 
 def intercept(table: OpTable, tallies: dict, stats: dict, gen: torch.Generator,
               ulp_frac: float) -> OpTable:
-    """`table` with gemm_fp8 and moe_mxfp4 wrapped: the op runs, then every variant is tallied
-    against its output (the model goes on with the op's own result)."""
+    """`table` with gemm_fp8 and moe_mxfp4 wrapped: the op runs (the model goes on with its
+    result), then every variant is computed on the same inputs and tallied against it."""
     fns = dict(table.fns)
 
-    def gemm_call(**kw):
-        want = table.fns["gemm_fp8"](**kw)
-        tol = REGISTRY.ops["gemm_fp8"].tolerances[want.dtype]
-        args = (kw["x"], kw["weight"], kw["weight_scale"])
-        folds = {"exact": (False, False), "fold": (True, True), "fold_act": (True, False),
-                 "fold_w": (False, True)}
-        for name, (fa, fw) in folds.items():
-            got = gemm_fp8(*args, fa, fw, stats["gemm_fp8"] if name == "fold" else None)
-            tallies["gemm_fp8"][name].add(got, want, tol.atol, tol.rtol)
-        return want
+    def wrap(op: str, emulate):
+        def call(**kw):
+            want = table.fns[op](**kw)
+            tol = REGISTRY.ops[op].tolerances[want.dtype]
+            gu_ref = None
+            for name, v in variants(op, ulp_frac).items():
+                got, gu = emulate(*(kw[k] for k in OPS[op]), v, gen,
+                                  stats[op] if name == "fold" else None)
+                tally = tallies[op][name]
+                tally.add(got, want, tol.atol, tol.rtol)
+                gu_ref = gu if name == "exact" else gu_ref
+                if gu is not None:
+                    tally.gu_changed += int((gu != gu_ref).sum())
+                    tally.gu_total += gu.numel()
+            return want
+        return call
 
-    def moe_call(**kw):
-        want = table.fns["moe_mxfp4"](**kw)
-        tol = REGISTRY.ops["moe_mxfp4"].tolerances[want.dtype]
-        args = [kw[k] for k in ("x", "ids", "weights", "w13", "w13_scale", "w2", "w2_scale",
-                                "limit")]
-        runs = {"exact": (False, False, 0.0), "fold": (True, True, 0.0),
-                "fold_act": (True, False, 0.0), "fold_w": (False, True, 0.0),
-                "ulp": (False, False, ulp_frac)}
-        for name, (fa, fw, frac) in runs.items():
-            got = moe_mxfp4(*args, fa, fw, frac, gen, stats["moe_mxfp4"] if name == "fold" else None)
-            tallies["moe_mxfp4"][name].add(got, want, tol.atol, tol.rtol)
-        return want
-
-    fns["gemm_fp8"], fns["moe_mxfp4"] = gemm_call, moe_call
+    fns["gemm_fp8"], fns["moe_mxfp4"] = wrap("gemm_fp8", gemm_fp8), wrap("moe_mxfp4", moe_mxfp4)
     return OpTable(fns, dict(table.origin), table.requested, table.declined)
 
 
@@ -203,7 +237,8 @@ def shrunk_mini(experts: int, engram_vocab: int):
     c = PRESETS["mini"]
     primes = engram_primes(len(c.engram_layer_ids), c.engram_max_ngram_size, c.engram_n_heads,
                            engram_vocab)
-    return dataclasses.replace(c, n_routed_experts=experts, engram_vocab_size=engram_vocab,
+    return dataclasses.replace(c, n_routed_experts=experts, dspark_n_routed_experts=experts,
+                               engram_vocab_size=engram_vocab,
                                engram_num_embeddings=tuple(sum(map(sum, p)) for p in primes))
 
 
@@ -222,46 +257,53 @@ def run_model(config, table: OpTable, n_prompt: int, steps: int, seed: int) -> N
         seq.append(int(model.forward(batch, caches).logits[-1].float().argmax()))
 
 
+def report(title: str, tallies: dict, stats: dict) -> None:
+    head = (f"{'op':9s} {'variant':9s} {'calls':>5s} {'c.over':>6s} {'over':>5s} {'/call':>5s} "
+            f"{'of':>8s} {'!=bits':>7s} {'max|d|':>7s} {'ref@max':>7s} {'worst|d|':>8s} "
+            f"{'ref@wrst':>8s} {'g/u chg':>8s}")
+    print(f"{title}\n\n{head}\n{'-' * len(head)}")
+    for op, vs in tallies.items():
+        for name, t in vs.items():
+            worst = f"{t.diff_at_worst:8.3g} {t.ref_at_worst:8.3g}" if t.over else f"{'-':>8s} " * 2
+            gu = f"{t.gu_changed / t.gu_total:8.2e}" if t.gu_total else f"{'-':>8s}"
+            print(f"{op:9.9s} {name:9s} {t.calls:5d} {t.calls_over:6d} {t.over:5d} "
+                  f"{t.most_over_in_call:5d} {t.total:8d} {t.not_bitwise_equal:7d} "
+                  f"{t.max_diff:7.3g} {t.ref_at_max:7.3g} {worst.rstrip()} {gu}")
+    print("\nc.over: calls with an element over tolerance; /call: the most in one call; of: "
+          "elements compared;\n!=bits: elements not bitwise equal; worst: the element of largest"
+          " |d| - (atol + rtol |ref|) (the one\ncompare.py reports), where some are over; g/u chg:"
+          " fraction of the MoE's bf16 g and u that differ\n")
+    print(f"{'op':9s} {'operand':7s} {'codes changed by fold':>21s} {'of':>10s} "
+          f"{'fraction':>9s} {'max E - e_b':>11s}")
+    for op, s in stats.items():
+        for kind, r in s.as_dict().items():
+            print(f"{op:9.9s} {kind:7s} {r['changed']:21d} {r['total']:10d} {r['frac']:9.3g} "
+                  f"{r['max_spread']:11d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", choices=["tiny", "mini"])
     ap.add_argument("--prompt", type=int, default=None, help="default 200 (tiny), 120 (mini)")
     ap.add_argument("--steps", type=int, default=0, help="greedy decode steps after prefill")
     ap.add_argument("--seed", type=int, default=5, help="prompt and perturbation seed")
-    ap.add_argument("--ulp-frac", type=float, default=0.01,
-                    help="fraction of g/u elements moved by one ulp in the ulp variant")
-    ap.add_argument("--shrink-mini", type=int, nargs=2, metavar=("EXPERTS", "ENGRAM_VOCAB"),
-                    help="mini with fewer routed experts and a smaller Engram vocabulary")
+    ap.add_argument("--ulp-frac", type=float, default=0.01, help="g/u fraction moved (ulp)")
+    ap.add_argument("--shrink-mini", type=int, nargs=2, metavar=("E", "V"),
+                    help="mini with E routed experts and Engram vocabulary V")
     args = ap.parse_args()
     n_prompt = args.prompt or (200 if args.model == "tiny" else 120)
     config = shrunk_mini(*args.shrink_mini) if args.shrink_mini else PRESETS[args.model]
-    tallies = {op: {v: Tally() for v in vs} for op, vs in VARIANTS.items()}
-    stats = {op: FoldStats() for op in VARIANTS}
-    gen = torch.Generator().manual_seed(args.seed)
-    table = intercept(resolve_ops("cpu"), tallies, stats, gen, args.ulp_frac)
+    tallies = {op: {v: Tally() for v in variants(op, args.ulp_frac)} for op in OPS}
+    stats = {op: FoldStats() for op in OPS}
+    table = intercept(resolve_ops("cpu"), tallies, stats, torch.Generator().manual_seed(args.seed),
+                      args.ulp_frac)
     t0 = time.time()
     run_model(config, table, n_prompt, args.steps, args.seed)
-    shrunk = (" shrunk to {} routed experts, engram vocab {}".format(*args.shrink_mini)
+    shrunk = (" shrunk to {} routed experts, Engram vocabulary {}".format(*args.shrink_mini)
               if args.shrink_mini else "")
-    print(f"{args.model}{shrunk}: prompt {n_prompt}, {args.steps} "
-          f"decode steps, ulp variant on {args.ulp_frac:.2%} of g/u, {time.time() - t0:.0f} s\n")
-    head = (f"{'op':10s} {'variant':8s} {'calls':>5s} {'c.over':>6s} {'over':>6s} {'total':>10s} "
-            f"{'!=bits':>9s} {'max|d|':>9s} {'ref@max':>9s} {'worst|d|':>9s} {'ref@worst':>9s}")
-    print(head + "\n" + "-" * len(head))
-    for op, vs in tallies.items():
-        for v, t in vs.items():
-            worst = (f"{t.diff_at_worst:9.3g} {t.ref_at_worst:9.3g}" if t.over else
-                     f"{'-':>9s} {'-':>9s}")
-            print(f"{op:10.10s} {v:8s} {t.calls:5d} {t.calls_over:6d} {t.over:6d} {t.total:10d} "
-                  f"{t.bitwise_diff:9d} {t.max_diff:9.3g} {t.ref_at_max:9.3g} {worst}")
-    print("\n(c.over: calls with any element over tolerance; !=bits: elements not bitwise equal;"
-          " worst: max of |d| - (atol + rtol|ref|), the element compare.py reports)\n")
-    print(f"{'op':10s} {'operand':7s} {'changed':>10s} {'total':>12s} {'fraction':>10s} "
-          f"{'max spread':>10s}")
-    for op, s in stats.items():
-        for kind, r in s.as_dict().items():
-            print(f"{op:10.10s} {kind:7s} {r['changed']:10d} {r['total']:12d} {r['frac']:10.3g} "
-                  f"{r['max_spread']:10d}")
+    report(f"{args.model}{shrunk}: prompt {n_prompt}, {args.steps} decode steps, seed "
+           f"{args.seed}, ulp variant on {args.ulp_frac:.2%} of g/u; {time.time() - t0:.0f} s",
+           tallies, stats)
     print(json.dumps({"model": args.model, "shrink_mini": args.shrink_mini, "prompt": n_prompt,
                       "steps": args.steps, "seed": args.seed, "ulp_frac": args.ulp_frac,
                       "ops": {op: {v: dataclasses.asdict(t) for v, t in vs.items()}
