@@ -26,7 +26,7 @@ for spec in "$@"; do
         tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present)
                python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 120"
                timeout "$limit" python3 -m pytest tests -q -rfEs --tb=short -p no:cacheprovider \
-                   $per_test ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1 ;;
+                   --durations=25 $per_test ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
                    index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \
                    compressed_write index_k_write index_q_quant rope_tail rmsnorm hc_coeffs \

@@ -2,7 +2,8 @@
 
 For every registered op x every available backend x the op's case grid:
 - inputs come from a fresh `torch.Generator` seeded from (op, case) — the seed is in the test id;
-- a GPU backend runs on CUDA and is compared with the reference run on CPU (inputs copied);
+- a GPU backend runs on CUDA and is compared with the reference run on CPU (inputs copied;
+  heavy cases: on the device);
 - per output dtype: the op's tolerance, exact for dtypes without one (integer, bool, uint8,
   fp8 codes) unless the op gives `compare`; NaN and +/-inf positions must match;
 - in-place kwargs are filled with the same garbage before both runs and compared whole;
@@ -147,7 +148,9 @@ def test_conformance(name: str, backend: str, case: OpCase, strided: bool, seed:
     assert impl is not None
     dev = torch.device("cuda")
     kwargs = _build(op, case, seed, dev)
-    ref_kwargs = _to(kwargs, cpu)
+    # heavy (Flash-shape) cases run the reference on the device too: on the CPU its fp64 sums
+    # take minutes per case; small cases keep the independent CPU run
+    ref_kwargs = _to(kwargs, dev if case.heavy else cpu)
     run_kwargs = _strided(kwargs, op.inplace) if strided else kwargs
     if not impl.supports(**run_kwargs):
         pytest.skip(f"{backend} does not support this case ({msg})")
