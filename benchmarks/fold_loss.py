@@ -1,4 +1,6 @@
-"""Why do the Triton `gemm_fp8` and `moe_mxfp4` leave their references' tolerance? CPU emulation.
+"""Why did the folded Triton `gemm_fp8` and `moe_mxfp4` leave their references' tolerance in the
+H200 in-situ check (benchmarks/results/in_situ_h200_2026-11-29.txt)? CPU emulation. (gemm_fp8
+has run the blockwise kernel since 6e16144; the folded one is gemm.py's `gemm_fp8_folded`.)
 
 The model runs on dummy weights with the reference ops; every gemm_fp8 / moe_mxfp4 call is
 recomputed on the same inputs in variants, otherwise exact (fp64 sums rounded as the reference
@@ -96,10 +98,10 @@ def act(x: torch.Tensor, fold: bool, stats: FoldStats | None) -> torch.Tensor:
 def chained(a: torch.Tensor, w: torch.Tensor, bits: int | None) -> torch.Tensor:
     """fp32 a @ w^T summed over K in steps of 32 (one MMA each; the step's products add exactly):
     bits None: acc = fp32_RNE(acc + step); else a model of sm_90 FP8 wgmma chaining its
-    accumulator over all of K (Triton's default there, max_num_imprecise_acc = 2^30; the kernels'
-    PROMOTE is off): acc = truncate(acc + step) to `bits` mantissa bits, the reported FP22
-    accumulator (SageAttention 2; DeepSeek-V3 report 3.5.2; DeepGEMM issues 37 and 50). A model
-    only: gemm_fp8's split-K partials (M <= 64) and in-step alignment are not modelled."""
+    accumulator over all of K (Triton's default there, max_num_imprecise_acc = 2^30, and what the
+    folded GEMM and unpromoted MoE tiles do): acc = truncate(acc + step) to `bits` mantissa bits,
+    the reported FP22 accumulator (SageAttention 2; DeepSeek-V3 report 3.5.2; DeepGEMM issues 37
+    and 50). A model only: split-K partials (M <= 64) and in-step alignment are not modelled."""
     acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
     for k0 in range(0, a.shape[1], 32):
         acc += a[:, k0:k0 + 32].double() @ w[:, k0:k0 + 32].double().t()
@@ -184,11 +186,13 @@ class Tally:
     gu_total: int = 0
     max_diff: float = 0.0
     ref_at_max: float = 0.0
+    over_calls: list[str] = dataclasses.field(default_factory=list)  # "call#: shapes: over"
     worst_excess: float | None = None  # max of |d| - limit: the element compare.py reports
     diff_at_worst: float = 0.0
     ref_at_worst: float = 0.0
 
-    def add(self, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
+    def add(self, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float,
+            label: str) -> None:
         g, w = got.double().flatten(), want.double().flatten()
         d = (g - w).abs()
         excess = d - (atol + rtol * w.abs())
@@ -196,6 +200,8 @@ class Tally:
         self.calls, self.total = self.calls + 1, self.total + d.numel()
         self.over, self.calls_over = self.over + over, self.calls_over + (over > 0)
         self.most_over_in_call = max(self.most_over_in_call, over)
+        if over:
+            self.over_calls.append(f"{label}: {over}")
         self.not_bitwise_equal += int((g != w).sum())
         if d.numel():
             i, j = int(d.argmax()), int(excess.argmax())
@@ -216,12 +222,14 @@ def intercept(table: OpTable, tallies: dict, stats: dict, gen: torch.Generator,
         def call(**kw):
             want = table.fns[op](**kw)
             tol = REGISTRY.ops[op].tolerances[want.dtype]
+            label = (f"#{tallies[op]['exact'].calls} x{list(kw['x'].shape)} -> "
+                     f"{list(want.shape)}")
             gu_ref = None
             for name, v in variants(op, ulp_frac).items():
                 got, gu = emulate(*(kw[k] for k in OPS[op]), v, gen,
                                   stats[op] if name == "fold" else None)
                 tally = tallies[op][name]
-                tally.add(got, want, tol.atol, tol.rtol)
+                tally.add(got, want, tol.atol, tol.rtol, label)
                 gu_ref = gu if name == "exact" else gu_ref
                 if gu is not None:
                     tally.gu_changed += int((gu != gu_ref).sum())
@@ -273,7 +281,13 @@ def report(title: str, tallies: dict, stats: dict) -> None:
           "elements compared;\n!=bits: elements not bitwise equal; worst: the element of largest"
           " |d| - (atol + rtol |ref|) (the one\ncompare.py reports), where some are over; g/u chg:"
           " fraction of the MoE's bf16 g and u that differ\n")
-    print(f"{'op':9s} {'operand':7s} {'codes changed by fold':>21s} {'of':>10s} "
+    for op, vs in tallies.items():
+        for name, t in vs.items():
+            if t.over_calls:
+                more = f" (+{len(t.over_calls) - 8} more)" if len(t.over_calls) > 8 else ""
+                print(f"{op} {name}: calls over (call #: x -> out: elements over): "
+                      f"{'; '.join(t.over_calls[:8])}{more}")
+    print(f"\n{'op':9s} {'operand':7s} {'codes changed by fold':>21s} {'of':>10s} "
           f"{'fraction':>9s} {'max E - e_b':>11s}")
     for op, s in stats.items():
         for kind, r in s.as_dict().items():
