@@ -3,13 +3,16 @@ activation quantisation (`act_quant_fp8`), the grouped W8A16 `wo_a` projection
 (`gemm_grouped_w8a16`) and the batch-invariant bf16-weight GEMM `gemm_bf16` (its kernel
 `gemm_nt` lives in gemm_nt.py; the heads in head.py use it too).
 
-`gemm_fp8` applies the UE8M0 block scales exactly, per 32-wide K step on the fp32 accumulator
-(gemm_blockwise.py). The older *folded* kernel (`gemm_fp8_folded`: every block re-encoded relative
-to its row's largest exponent, one scale per row and per column in the epilogue, a pure chained
-`tl.dot` main loop) is kept for the benchmark only: the re-encoding `e4m3(q * 2^(e - E))` rounds
-or flushes the low bits of blocks many binades below their row's largest, and on the H200
-(in-situ check on `mini`, 2026-11-29) that put 25 of 5.35M outputs of one GEMM over the op's
-tolerance. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
+`gemm_fp8` applies the UE8M0 block scales exactly, per 32-wide K step, each step's product
+formed from zero and added in fp32 (gemm_blockwise.py). The older *folded* kernel
+(`gemm_fp8_folded`: every block re-encoded relative to its row's largest exponent, one scale per
+row and per column in the epilogue, a chained `tl.dot` main loop) is kept for the benchmark. Its
+chained FP8 wgmma accumulator adds in reduced precision: on the H200 (in-situ check on `mini`,
+2026-11-29) two calls of the `engram.wkv` GEMM (K = 6144) had 25 and 8 of 5.35M outputs over the
+op's tolerance, and benchmarks/fold_loss.py's CPU model of that accumulator flags the same two
+calls, while the folding itself (`e4m3(q * 2^(e - E))`, lossy only for small codes of blocks far
+below their row's largest) kept every output inside it on the dummy weights.
+`gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
 """
 
 from __future__ import annotations

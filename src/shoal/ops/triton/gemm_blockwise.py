@@ -3,12 +3,14 @@ its own FP8 tensor-core product, formed from zero and added to the fp32 accumula
 s_a[row, kb] * s_w[col // 32, kb] (the checkpoint's 32x32 weight blocks, the per-32 activation
 blocks of model.md §5.2).
 
-Why not folding (gemm.py's `gemm_fp8_folded`): re-encoding every block of a row relative to the
-row's largest exponent rounds or flushes the low bits of blocks many binades below it. The H200
-in-situ check (tests/gpu/test_model_gpu.py, 2026-11-29) found it on `mini`: 25 of 5.35M outputs
-of one layer's GEMM over the op's tolerance, worst |diff| 0.0166 at 0.128. Here products are
-exact (e4m3 x e4m3) and each 32-term sum starts from zero, so the result is the blockwise
-reference sum up to fp32 rounding and summation order.
+Why (gemm.py's `gemm_fp8_folded` was the default before): its main loop chains the accumulator
+through FP8 wgmma, which adds in reduced precision; the H200 in-situ check
+(tests/gpu/test_model_gpu.py, 2026-11-29) found `mini`'s engram.wkv GEMM (K = 6144) with 25 of
+5.35M outputs over the op's tolerance (worst |diff| 0.0166 at 0.128), which a CPU model of that
+accumulator reproduces (benchmarks/fold_loss.py). Its scale folding also rounds or flushes small
+codes of blocks far below their row's largest (inside the tolerance on the dummy weights). Here
+products are exact (e4m3 x e4m3), each 32-term sum starts from zero and is added in fp32, and
+the scales are never folded.
 
 Owns `gemm_fp8_blockwise` (codes + scales in, bf16 out), its split-K reduce and its tile set.
 """

@@ -21,7 +21,7 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
    Tiles (`default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
    fp8 operands go through mma.sync as fp16: exact products, fp32 accumulation); above, plain
-   128-row wgmma tiles. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
+   128-row wgmma tiles with promoted accumulation. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
    are 1.08-1.17x faster at decode on the H200 but FP8 wgmma adds in reduced precision:
    relative error 9.4e-3 against 1.7e-4 for the 16-row tiles (bench_moe correctness, realistic
    weights, 2026-11-29), so they are opt-in (`configs=`). Every program sums the full K of its
@@ -35,11 +35,12 @@ Numerics versus the reference (all inside the op's 2e-2 abs/rel fp32 tolerance):
   E - e_b = 8, for e4m3 activations while |q| 2^(e_b - E) >= 2^-6 or is a multiple of 2^-9.
   Beyond that low bits are rounded (RNE) or flushed; such blocks are >= 2^6..2^8 below the row's
   largest and move the output far below bf16 resolution of its magnitude.
-- the K sum is fp32 in wgmma order (reference: fp64, then fp32); products are exact. Every
-  program sums the full K of its rows in ascending BLOCK_K steps whatever the batch, so a row's
-  result depends only on its own (token, expert) within one tile family; across the decode
-  (mma.sync) and prefill (wgmma) tiles the bits differ (FP8 wgmma's reduced-precision
-  accumulation; test_batch_invariance is xfail until promoted wgmma tiles are the default).
+- the K sum: products are exact; decode tiles (mma.sync) add in fp32, prefill tiles (wgmma)
+  add each BLOCK_K product from zero (FP8 wgmma's reduced-precision adds) into an fp32
+  accumulator (reference: fp64, then fp32). Every program sums the full K of its rows in
+  ascending BLOCK_K steps whatever the batch, so a row's result depends only on its own (token,
+  expert) within one tile family; across the two families the bits differ
+  (test_batch_invariance is xfail).
 - the combine adds the k bf16 expert outputs in slot order (reference: ascending expert id).
 - a weight row whose scales include 0xFF (NaN) gives NaN for the whole output column, like the
   reference's dot; a UE8M0 byte 0 (2^-127) row max is read as 0.
@@ -147,8 +148,8 @@ class TileConfig:
     promote: bool = False
     """Form each BLOCK_K step's product from zero and add it to the fp32 accumulator, instead of
     chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
-    chained accumulator drifts over K (DeepGEMM promotes every 128). Not yet measured on the H200
-    (bench_moe variants `asm_p`, `asm_swap_p`)."""
+    chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
+    128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
@@ -156,15 +157,20 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
 
     Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
     16-row tiles on mma.sync (exact fp32 accumulation); above, plain 128-row wgmma tiles (one
-    weight conversion per 128 rows). Measured on the H200 (bench_moe, 2026-11-29): the swap-AB
-    wgmma tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but 50x less accurate
-    (relative error 9.4e-3 vs 1.7e-4): FP8 wgmma accumulates in reduced precision. Consequence,
-    still open: decode-size and prefill-size batches use different MMA instructions, so a
-    token's MoE output is not bitwise batch-invariant across the 40-rows-per-expert boundary
-    (the fix is a promoted fp32 accumulation on the wgmma tiles, as DeepGEMM does)."""
+    weight conversion per 128 rows) with promoted accumulation: FP8 wgmma adds into a chained
+    accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
+    fp32. Unpromoted, those tiles put up to 189 of 46,976 outputs of one tiny-model call over
+    the op's tolerance in situ on the H200 (2026-11-29), and benchmarks/fold_loss.py's CPU
+    model of the accumulator reproduces that (24,186 of 4.9M at mini shapes). Promotion cost
+    1.3% at T = 8192 on the H200 (bench_moe `asm_p` 14.37 vs 14.19 ms). The swap-AB wgmma
+    tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but less accurate even
+    promoted (relative error 3.2e-3, unpromoted 9.4e-3, 16-row tiles 1.7e-4). Still open:
+    decode-size and prefill-size batches use different MMA instructions, so a token's MoE
+    output is not bitwise batch-invariant across the 40-rows-per-expert boundary."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 32, 256, 4, 4), TileConfig(16, 64, 256, 4, 4)
-    return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
+    return (TileConfig(128, 64, 128, 8, 3, promote=True),
+            TileConfig(128, 128, 128, 8, 3, promote=True))
 
 
 # Swap-AB decode tiles (faster, less accurate; see default_configs): pass as `configs=`.
