@@ -60,8 +60,6 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
     return PreparedFP8Weight(codes, col.contiguous(), weight._version)
 
 
-
-
 # --------------------------------------------------------------------------- activation quant
 
 
