@@ -24,6 +24,7 @@ pytestmark = needs_kernels
 from shoal.ops.reference import moe as ref  # noqa: E402
 from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
+from shoal.ops.triton import router as trouter  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
 
 
@@ -246,7 +247,7 @@ def test_router_matches_reference_and_pins_ties() -> None:
     bias = torch.randn(64, generator=g) * 0.1
     bias[5] = bias[9] = 50.0  # far above every score, and w[5] == w[9]: a tie on every row
     w[9] = w[5]
-    ids, wt = tmoe.router(x=x.to(DEV), weight=w.to(DEV), bias=bias.to(DEV), k=6,
+    ids, wt = trouter.router(x=x.to(DEV), weight=w.to(DEV), bias=bias.to(DEV), k=6,
                           route_scale=1.5)
     rids, rwt = ref.router(x=x, weight=w, bias=bias, k=6, route_scale=1.5)
     assert torch.equal(ids.cpu(), rids)
@@ -266,7 +267,7 @@ def test_router_selection_kernel_matches_reference(t, e, k, temp) -> None:
     w[1::3] = w[0]  # equal rows: equal scores, ties on every token
     bias = torch.zeros(e)
     bias[::5] = torch.randn(len(bias[::5]), generator=g) * 0.5
-    ids, wt = tmoe.router(x=x.to(DEV), weight=w.to(DEV), bias=bias.to(DEV), k=k,
+    ids, wt = trouter.router(x=x.to(DEV), weight=w.to(DEV), bias=bias.to(DEV), k=k,
                           route_scale=1.5, gate_temp=temp)
     rids, rwt = ref.router(x=x, weight=w, bias=bias, k=k, route_scale=1.5, gate_temp=temp)
     assert ids.dtype == torch.int64 and ids.shape == (t, k) and wt.shape == (t, k)

@@ -18,4 +18,5 @@ from shoal.ops.triton import (  # noqa: F401
     norm,
     pool,
     rope,
+    router,
 )
