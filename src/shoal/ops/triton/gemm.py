@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.gemm_blockwise import gemm_fp8_blockwise, split_k
+from shoal.ops.triton.gemm_blockwise import gemm_fp8_blockwise, split_k, tile_offsets
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
 
 FP8_MAX = 448.0
@@ -153,18 +153,8 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The folded-scale kernel (benchmark baseline, see the module docstring)."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (offs_m % M).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K

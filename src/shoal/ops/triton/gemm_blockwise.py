@@ -51,6 +51,20 @@ def _ue8m0(byte):
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def tile_offsets(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Row and column offsets of output tile `pid`, in GROUP_M-row bands (L2 reuse)."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
@@ -60,18 +74,8 @@ def _blockwise_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, M, N, K, M_BU
     """c[M, N] = sum_kb s_a[m, kb] s_w[n // 32, kb] (a[m, kb] . b[n, kb]) over the 32-blocks kb
     of this program's K range (SPLIT_K > 1: fp32 partial sums to ws[pid_k]). a [M, K] and
     b [N, K] e4m3 (row-major), as [M, K/32] and bs [ceil(N/32), K/32] UE8M0 bytes."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (offs_m % M).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
     kb_total = K // 32
