@@ -155,8 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     origins = dict(llm.engine.runner.ops.origin)
     fallback = sorted(op for op, backend in origins.items() if backend == "reference")
     listed = "all" if len(fallback) == len(origins) else ", ".join(fallback) or "none"
-    print(f"engine ready in {time.perf_counter() - t0:.1f} s ({args.model}, {gpu}, "
-          f"cuda_graphs={args.cuda_graphs}; reference ops: {listed})", flush=True)
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    result["startup_s"] = {"total": time.perf_counter() - t0,
+                           "prefill_warmup": runner.warmup_seconds,
+                           "graph_capture": graphs.capture_seconds if graphs else 0.0,
+                           "graphs": graphs.num_graphs if graphs else 0}
+    print(f"engine ready in {result['startup_s']['total']:.1f} s ({args.model}, {gpu}, "
+          f"cuda_graphs={args.cuda_graphs}: {result['startup_s']['graphs']} graphs captured in "
+          f"{result['startup_s']['graph_capture']:.1f} s after a "
+          f"{runner.warmup_seconds:.1f} s prefill warm-up; reference ops: {listed})", flush=True)
     prefill = []
     if not args.skip_prefill:
         for mode in args.modes:

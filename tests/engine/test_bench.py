@@ -17,3 +17,6 @@ def test_bench_tiny_json_line(tmp_path, capsys):
     assert [p["mode"] for p in result["prefill"]] == ["full", "bounded"]
     assert result["prefill"][0]["speedup_vs_full"] == 1.0
     assert result["kv_bytes_per_token"] > 0
+    startup = result["startup_s"]  # on the CPU: no graphs, no warm-up
+    assert startup["total"] > 0 and startup["graphs"] == 0 and startup["graph_capture"] == 0.0
+    assert result["declined_calls"] == {}

@@ -98,6 +98,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._logits: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
+        self.capture_seconds = 0.0
 
     # ---- static inputs ------------------------------------------------------------------
     def static_batch(self, size: int, bound: int) -> ForwardBatch:
@@ -194,9 +195,9 @@ class DecodeGraphs:
                                                                          self.caches).logits
                     self._graphs[(size, bound)] = graph
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
         logger.info("CUDA graphs: captured %d decode graphs (batch sizes %s x context bounds %s) "
-                    "in %.1f s", len(self._graphs), self.sizes, self.bounds,
-                    time.perf_counter() - t0)
+                    "in %.1f s", len(self._graphs), self.sizes, self.bounds, self.capture_seconds)
 
     @property
     def num_graphs(self) -> int:

@@ -123,6 +123,7 @@ class ModelRunner:
         if self.speculative and not cfg.num_draft_layers:
             raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
                              "has none")
+        self.warmup_seconds = 0.0  # prefill warm-up before graph capture (CUDA graphs only)
         self.graphs = self._decode_graphs()
 
     def decode_graphs(self, *, use_graphs: bool) -> DecodeGraphs:
@@ -155,7 +156,8 @@ class ModelRunner:
                                             replay_window=self.config.runner.replay_window)
                 self.model.forward(batch, self.caches)
         torch.cuda.synchronize()
-        logger.info("warm-up: %d prefill shapes in %.1f s", len(chunks), time.perf_counter() - t0)
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d prefill shapes in %.1f s", len(chunks), self.warmup_seconds)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.config.runner.cuda_graphs:
