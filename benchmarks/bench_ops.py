@@ -137,10 +137,13 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
             x = x.to(torch.bfloat16)
             ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
             got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
-            folded = tri_gemm.gemm_fp8_folded(*tri_gemm._act_quant(x, 32, fold=True),
-                                              tri_gemm.prepare_fp8_weight(codes, scales))
+            xq, prep = tri_gemm._act_quant(x, 32, fold=True), tri_gemm.prepare_fp8_weight(
+                codes, scales)
+            folded = tri_gemm.gemm_fp8_folded(*xq, prep)
+            promoted = tri_gemm.gemm_fp8_folded(*xq, prep, promote=True)
             log(f"check gemm_fp8 {name} M=64{' spread' if spread else ''}: rel err blockwise "
-                f"{rel_err(got, ref):.2e}, folded {rel_err(folded, ref):.2e}")
+                f"{rel_err(got, ref):.2e}, folded {rel_err(folded, ref):.2e}, folded+promoted "
+                f"{rel_err(promoted, ref):.2e}")
         n_copies = copies(n * k)
         weights = [(codes, scales)] + [(codes.clone(), scales.clone())
                                        for _ in range(n_copies - 1)]
@@ -155,6 +158,8 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                               for q, w in zip(itertools.cycle(qs), weights, strict=False)])
             t_folded = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p)
                               for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
+            t_promoted = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p, True)
+                                for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
             t_op = bench([lambda xi=xi, w=w: tri_gemm.gemm_fp8(x=xi, weight=w[0],
                                                                weight_scale=w[1])
                           for xi, w in zip(itertools.cycle(xs), weights, strict=False)])
@@ -169,6 +174,8 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                    scaled_mm_us=round(t_ref * 1e3, 1))
             record("gemm_fp8 (folded kernel)", shape, t_folded, flops, nbytes, FP8_PEAK,
                    vs_scaled_mm=round(t_folded / t_ref, 3))
+            record("gemm_fp8 (folded, promoted)", shape, t_promoted, flops, nbytes, FP8_PEAK,
+                   vs_scaled_mm=round(t_promoted / t_ref, 3))
             record("gemm_fp8 (op+act_quant)", shape, t_op, flops, nbytes + m * k, FP8_PEAK)
 
 

@@ -151,8 +151,11 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The folded-scale kernel (benchmark baseline, see the module docstring)."""
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PROMOTE: tl.constexpr):
+    """The folded-scale kernel (benchmark baseline, see the module docstring). PROMOTE: each
+    BLOCK_K step's product is formed from zero and added in fp32 (DeepGEMM-style promotion of
+    the reduced-precision FP8 wgmma accumulator), instead of chaining the accumulator."""
     pid_k = tl.program_id(1)
     offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (offs_m % M).to(tl.int64)
@@ -171,7 +174,10 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if PROMOTE:
+            acc += tl.dot(a, b)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -199,9 +205,12 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.const
     tl.store(c_ptr + offs, (acc * rs * cs).to(tl.bfloat16), mask=mask)
 
 
-def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight) -> torch.Tensor:
+def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
+                    promote: bool = False) -> torch.Tensor:
     """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T
-    (benchmark baseline; inexact for rows whose blocks span many binades)."""
+    (benchmark baseline: the chained accumulator adds in reduced precision, and folding rounds
+    small codes of blocks far below their row's largest). promote: fp32 promotion of every
+    BLOCK_K step (the candidate if the blockwise kernel proves too slow)."""
     m, k = q.shape
     n = w.codes.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
@@ -218,7 +227,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
 
     _gemm_fp8_kernel[grid](q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket,
-                           SPLIT_K=split)
+                           SPLIT_K=split, PROMOTE=promote)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
