@@ -51,9 +51,8 @@ class RunnerConfig:
     speculative: draft with the DSpark block and verify by exact match (outputs identical to
     plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
-    speculative). Off by default until its GPU tests pass: on the H200 (2026-11-29) the
-    replay-vs-eager and compile-counter tests of tests/gpu/test_cuda_graphs.py failed, their
-    output cut off by the session's device time; the padded static path is CPU-tested.
+    speculative). Off by default: its H200 tests pass (replay equals eager bitwise, no
+    compilation after warm-up), but start-up at the default sizes is not yet measured.
     cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;
     a step with more requests than the largest runs eagerly); empty: the powers of two below
     min(max_num_seqs, 256), then that bound. Fewer sizes capture faster."""

@@ -47,17 +47,10 @@ def test_mismatches_are_logged_and_the_fast_result_is_kept() -> None:
     assert buf.tolist() == [4, 4, 4]  # the run goes on with the fast op's writes
     assert log.calls == {"scale": 1, "fill": 2}
     assert log.failed_ops() == ["fill"] and "call 1: out: 3 elements differ" in log.mismatches[0]
-    assert log.worst == {"fill": 1.0}
     fast_off = OpTable({"scale": lambda *, x, s: x * s + 2e-3}, {"scale": "fake"}, "fake")
     log = ShadowLog()
     shadow_table(fast_off, log, reg).scale(x=x, s=1.0)
     assert log.failed_ops() == ["scale"] and "over tolerance" in log.mismatches[0]
-    assert log.worst == {"scale": 1.0}
-    half = OpTable({"scale": lambda *, x, s: x * s + torch.tensor([0.0, 0.0, 0.0, 1.0])},
-                   {"scale": "fake"}, "fake")
-    log = ShadowLog()
-    shadow_table(half, log, reg).scale(x=x, s=1.0)
-    assert log.worst == {"scale": 0.25}
 
 
 def test_tiny_model_under_shadow_of_an_exact_backend() -> None:

@@ -69,24 +69,3 @@ def check_output(op: OpDef, name: str, got: Any, want: Any, msg: str,
             f"(atol={tol.atol}, rtol={tol.rtol}); worst |diff|={float(err[i]):.4g} "
             f"at ref={float(w[fin][i]):.4g}")
 
-
-def fraction_over(op: OpDef, got: torch.Tensor, want: torch.Tensor) -> float:
-    """Share of `want`'s elements that `got` misses by the op's rule (exact dtypes: differing;
-    NaN/inf counted where their positions differ). 0.0 when everything matches."""
-    if want.numel() == 0:
-        return 0.0
-    g, w = got.detach().cpu(), want.detach().cpu()
-    tol = op.tolerances.get(w.dtype)
-    if not w.dtype.is_floating_point or tol is None:
-        if w.dtype.itemsize == 1 and w.dtype.is_floating_point:
-            g, w = g.view(torch.uint8), w.view(torch.uint8)
-        same = g == w
-        if w.dtype.is_floating_point:
-            same |= torch.isnan(g) & torch.isnan(w)
-        return float((~same).float().mean())
-    g, w = g.float(), w.float()
-    fin = torch.isfinite(w)
-    bad = ~fin & ~((g == w) | (torch.isnan(g) & torch.isnan(w)))
-    err = (g - w).abs()
-    bad |= fin & ~(err <= tol.atol + tol.rtol * w.abs())
-    return float(bad.float().mean())

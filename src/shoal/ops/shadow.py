@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shoal.ops.compare import check_output, fraction_over, op_outputs
+from shoal.ops.compare import check_output, op_outputs
 from shoal.ops.registry import REFERENCE, REGISTRY, OpRegistry, OpTable
 
 
@@ -30,7 +30,6 @@ class ShadowLog:
 
     calls: dict[str, int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
-    worst: dict[str, float] = field(default_factory=dict)  # op -> largest share of elements off
     max_kept: int = 50
 
     def failed_ops(self) -> list[str]:
@@ -67,10 +66,6 @@ def shadow_table(fast: OpTable, log: ShadowLog, registry: OpRegistry = REGISTRY)
                 except AssertionError as exc:
                     if len(log.mismatches) < log.max_kept:
                         log.mismatches.append(f"{_op.name}: {str(exc).splitlines()[0]}")
-                    if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) and (
-                            g.shape == w.shape and g.dtype == w.dtype):
-                        share = fraction_over(_op, g, w)
-                        log.worst[_op.name] = max(log.worst.get(_op.name, 0.0), share)
             return got
 
         fns[name] = call

@@ -2,10 +2,9 @@
 `StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
 
 Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
-with `cuda_graphs=True`, off by default until verified on the GPU); every other step runs
-eagerly. The caches hold one slot and one block
-beyond the memory plan, which the scheduler never sees: the padded rows of a graph step (and
-the warm-up) compute there.
+with `cuda_graphs=True`, off by default until its start-up cost is measured); every other step
+runs eagerly. The caches hold one slot and one block beyond the memory plan, which the
+scheduler never sees: the padded rows of a graph step (and the warm-up) compute there.
 
 Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
 the plan); what it needs about a request's sampling arrives with each step (`SampleRow`).
