@@ -35,6 +35,7 @@ from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
+from shoal.ops.triton.gemv_fp8 import GEMV_MAX_ROWS
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
 
@@ -121,10 +122,15 @@ def measure_ceilings() -> None:
     HBM, BF16_PEAK, FP8_PEAK = max(HBM, hbm), max(BF16_PEAK, bf16), max(FP8_PEAK, fp8)
 
 
+GEMM_MODES = {"promoted": tri_gemm.PROMOTED, "chained": tri_gemm.CHAINED}
+
+
 def bench_gemm_fp8(ms_list: list[int]) -> None:
-    """The op's blockwise-scaled kernel (exact scales), the folded-scale kernel (the earlier
-    default, inexact on rows whose blocks span many binades) and torch._scaled_mm with one
-    per-tensor scale, on the same codes."""
+    """The folded-scale kernel in its two accumulation modes (promoted: the op's default,
+    DeepGEMM-style fp32 promotion per BLOCK_K; chained: no promotion, reduced-precision adds
+    along K), the op as the engine calls it (up to 8 rows the fused-quantisation GEMV, else
+    activation quantisation + the promoted kernel) and torch._scaled_mm with one per-tensor
+    scale, on the same codes. The check rows give each mode's relative error against the reference op."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in GEMM_SHAPES.items():
         w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
@@ -136,47 +142,37 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                                                  device="cuda").float()).repeat_interleave(32, 1)
             x = x.to(torch.bfloat16)
             ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
-            got = tri_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
             xq, prep = tri_gemm._act_quant(x, 32, fold=True), tri_gemm.prepare_fp8_weight(
                 codes, scales)
-            folded = tri_gemm.gemm_fp8_folded(*xq, prep)
-            promoted = tri_gemm.gemm_fp8_folded(*xq, prep, promote=True)
-            log(f"check gemm_fp8 {name} M=64{' spread' if spread else ''}: rel err blockwise "
-                f"{rel_err(got, ref):.2e}, folded {rel_err(folded, ref):.2e}, folded+promoted "
-                f"{rel_err(promoted, ref):.2e}")
+            errs = ", ".join(f"{mode} {rel_err(tri_gemm.gemm_fp8_folded(*xq, prep, v), ref):.2e}"
+                             for mode, v in GEMM_MODES.items())
+            log(f"check gemm_fp8 {name} M=64{' spread' if spread else ''}: rel err {errs}")
         n_copies = copies(n * k)
         weights = [(codes, scales)] + [(codes.clone(), scales.clone())
                                        for _ in range(n_copies - 1)]
         prepared = [tri_gemm.prepare_fp8_weight(c, s) for c, s in weights]
         for m in ms_list:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            qs = [tri_gemm._act_quant(xi, 32, fold=False) for xi in xs]
             qf = [tri_gemm._act_quant(xi, 32, fold=True) for xi in xs]
             flops = 2.0 * m * n * k
             nbytes = m * k + n * k + 2 * m * n
-            t_kernel = bench([lambda q=q, w=w: tri_gemm.gemm_fp8_blockwise(q[0], q[1], *w)
-                              for q, w in zip(itertools.cycle(qs), weights, strict=False)])
-            t_folded = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p)
-                              for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
-            t_promoted = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p, True)
-                                for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
-            t_op = bench([lambda xi=xi, w=w: tri_gemm.gemm_fp8(x=xi, weight=w[0],
-                                                               weight_scale=w[1])
-                          for xi, w in zip(itertools.cycle(xs), weights, strict=False)])
             one = torch.ones((), device="cuda")
             mats = [(q[0], p.codes.t()) for q, p in zip(itertools.cycle(qf), prepared,
                                                          strict=False)]
             t_ref = bench([lambda a=a, b=b, one=one: torch._scaled_mm(
                 a, b, one, one, out_dtype=torch.bfloat16) for a, b in mats])
             shape = f"{name} M{m}xN{n}xK{k}"
-            record("gemm_fp8 (blockwise kernel)", shape, t_kernel, flops, nbytes, FP8_PEAK,
-                   vs_scaled_mm=round(t_kernel / t_ref, 3), vs_folded=round(t_kernel / t_folded, 3),
-                   scaled_mm_us=round(t_ref * 1e3, 1))
-            record("gemm_fp8 (folded kernel)", shape, t_folded, flops, nbytes, FP8_PEAK,
-                   vs_scaled_mm=round(t_folded / t_ref, 3))
-            record("gemm_fp8 (folded, promoted)", shape, t_promoted, flops, nbytes, FP8_PEAK,
-                   vs_scaled_mm=round(t_promoted / t_ref, 3))
-            record("gemm_fp8 (op+act_quant)", shape, t_op, flops, nbytes + m * k, FP8_PEAK)
+            for mode, v in GEMM_MODES.items():
+                t = bench([lambda q=q, p=p, v=v: tri_gemm.gemm_fp8_folded(q[0], q[1], p, v)
+                           for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
+                record(f"gemm_fp8 ({mode})", shape, t, flops, nbytes, FP8_PEAK,
+                       vs_scaled_mm=round(t / t_ref, 3), scaled_mm_us=round(t_ref * 1e3, 1))
+            t_op = bench([lambda xi=xi, w=w: tri_gemm.gemm_fp8(x=xi, weight=w[0],
+                                                               weight_scale=w[1])
+                          for xi, w in zip(itertools.cycle(xs), weights, strict=False)])
+            path = "gemv, fused quant" if m <= GEMV_MAX_ROWS else "act_quant + promoted"
+            record(f"gemm_fp8 (op: {path})", shape, t_op, flops, nbytes + m * k, FP8_PEAK,
+                   vs_scaled_mm=round(t_op / t_ref, 3))
 
 
 def bench_grouped(ts: list[int]) -> None:
@@ -448,7 +444,7 @@ def main() -> None:
     if "ceil" in only:
         measure_ceilings()
     if "gemm" in only:
-        bench_gemm_fp8([1, 16, 4096] if args.quick else [1, 16, 4096, 8192])
+        bench_gemm_fp8([1, 4, 16, 4096] if args.quick else [1, 4, 8, 16, 4096, 8192])
     if "grouped" in only:
         bench_grouped([1, 64, 4096])
     attn = [x for x in only if x.split("=")[0] == "attn"]  # attn or attn=VARIANT+VARIANT

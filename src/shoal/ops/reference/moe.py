@@ -78,7 +78,37 @@ def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False) -
     return OpCase(f"T{t}xD{d}xI{inter}xE{e}k{k}", make, heavy=heavy)
 
 
-@REGISTRY.define("moe_mxfp4", tolerances={torch.float32: Tolerance(atol=2e-2, rtol=2e-2)},
+MOE_TOL = Tolerance(atol=2e-2, rtol=2e-2)
+MOE_FP8_SHARE, MOE_FP8_FACTOR = 0.01, 8.0
+
+
+def _moe_compare(got: torch.Tensor, want: torch.Tensor, case) -> None:
+    """|d| <= atol + rtol |ref| (2e-2 each) for at least 99% of the elements of a call, and
+    <= 8x that for all (NaN / inf positions equal).
+
+    Why not all within 1x: an FP8 tensor-core implementation (sm_90 wgmma) adds in reduced
+    precision (about 14 bits), so about half of its bf16 g / u differ from the reference's by
+    an ulp or more; h is then re-quantised to e4m3, and every flip of an e4m3 rounding moves
+    h by a whole e4m3 step (6-12%). Measured on the H200 (tiny in situ, 2026-11-29, promoted
+    128-row tiles): up to 72 of 46,976 outputs of a call (0.15%) over 1x, worst 3.5x;
+    benchmarks/fold_loss.py's CPU model of the accumulator gives the same picture at mini
+    shapes (<= 0.6% per call unpromoted). Exact-accumulation paths (fp32, mma.sync) stay inside
+    1x everywhere measured."""
+    g, w = got.float().cpu(), want.float().cpu()
+    assert torch.equal(torch.isnan(g), torch.isnan(w)), "NaN positions differ"
+    assert torch.equal(torch.isinf(g) & (g > 0), torch.isinf(w) & (w > 0)) and torch.equal(
+        torch.isinf(g) & (g < 0), torch.isinf(w) & (w < 0)), "inf positions differ"
+    fin = torch.isfinite(w)
+    err, lim = (g - w).abs()[fin], MOE_TOL.atol + MOE_TOL.rtol * w.abs()[fin]
+    over = int((err > lim).sum())
+    worst = float((err / lim).max()) if err.numel() else 0.0
+    assert over <= MOE_FP8_SHARE * err.numel() and worst <= MOE_FP8_FACTOR, (
+        f"{over} of {err.numel()} elements over tolerance (atol={MOE_TOL.atol}, "
+        f"rtol={MOE_TOL.rtol}; allowed {MOE_FP8_SHARE:.0%}), worst {worst:.2f}x "
+        f"(allowed {MOE_FP8_FACTOR:g}x)")
+
+
+@REGISTRY.define("moe_mxfp4", tolerances={torch.float32: MOE_TOL}, compare=_moe_compare,
                  cases=[_moe_case(1, 64, 32, 4, 2), _moe_case(7, 128, 64, 8, 2),
                         _moe_case(0, 64, 32, 4, 2), _moe_case(83, 128, 64, 8, 3),
                         _moe_case(16, 5120, 2304, 8, 6, heavy=True)])

@@ -1,22 +1,26 @@
-"""Triton (sm_90) GEMMs: the FP8 GEMM (`gemm_fp8`, on `gemm_blockwise.py`'s kernel), FP8
-activation quantisation (`act_quant_fp8`), the grouped W8A16 `wo_a` projection
-(`gemm_grouped_w8a16`) and the batch-invariant bf16-weight GEMM `gemm_bf16` (its kernel
-`gemm_nt` lives in gemm_nt.py; the heads in head.py use it too).
+"""Triton (sm_90) GEMMs: the FP8 GEMM `gemm_fp8`, FP8 activation quantisation (`act_quant_fp8`),
+the grouped W8A16 `wo_a` projection (`gemm_grouped_w8a16`) and the batch-invariant bf16-weight GEMM
+`gemm_bf16` (its kernel `gemm_nt` lives in gemm_nt.py; the heads in head.py use it too).
 
-`gemm_fp8` applies the UE8M0 block scales exactly, per 32-wide K step, each step's product
-formed from zero and added in fp32 (gemm_blockwise.py). The older *folded* kernel
-(`gemm_fp8_folded`: every block re-encoded relative to its row's largest exponent, one scale per
-row and per column in the epilogue, a chained `tl.dot` main loop) is kept for the benchmark. Its
-chained FP8 wgmma accumulator adds in reduced precision: on the H200 (in-situ check on `mini`,
-2026-11-29) two calls of the `engram.wkv` GEMM (K = 6144) had 25 and 8 of 5.35M outputs over the
-op's tolerance, and benchmarks/fold_loss.py's CPU model of that accumulator flags the same two
-calls, while the folding itself (`e4m3(q * 2^(e - E))`, lossy only for small codes of blocks far
-below their row's largest) kept every output inside it on the dummy weights.
-`gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
+`gemm_fp8`: the UE8M0 block scales are *folded* (every 32-block re-encoded relative to its row's
+largest exponent, `e4m3(q * 2^(e - E))`; one fp32 scale per activation row and per weight column
+remains for the epilogue), so the main loop is a pure FP8 wgmma. Its accumulation is *promoted*
+as in DeepSeek's DeepGEMM: each BLOCK_K (<= 128) step's product is formed from zero and added to
+the fp32 accumulator, because sm_90's FP8 wgmma adds in reduced precision (about 14 bits kept)
+along a chained accumulator. Measured on the H200 (2026-11-29): the chained kernel put 25 and 8
+of 5.35M outputs of mini's `engram.wkv` GEMM (K = 6144) over the op's tolerance in situ, and
+benchmarks/fold_loss.py's CPU model of that accumulator flags the same calls while the fold alone
+and fp32 adds keep every output inside it. A kernel that applied the scales exactly per 32-K
+step (one wgmma per step) was tried and dropped: 5-9x slower than the folded one at M = 4096,
+2-4x at M = 1, and not exact on the hardware either (one K = 32 wgmma already rounds its sum).
+Folding is exact while a shifted code stays an e4m3 normal or a multiple of 2^-9; it rounds or
+flushes only codes of blocks >= 2^6 below their row's largest, far below the output's bf16
+resolution. `gemm_grouped_w8a16` is exact: its weight tiles are dequantised in registers.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +28,8 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.gemm_blockwise import gemm_fp8_blockwise, split_k, tile_offsets
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
+from shoal.ops.triton.gemv_fp8 import GEMV_MAX_ROWS, gemv_fp8
 
 FP8_MAX = 448.0
 
@@ -116,46 +120,96 @@ def act_quant_fp8(*, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, to
 
 # --------------------------------------------------------------------------- FP8 GEMM
 
+CHAINED, PROMOTED = 0, 1  # `_gemm_fp8_kernel` PROMOTE modes (see there)
+DEFAULT_PROMOTE = PROMOTED
+
+
+class _PreparedCache:
+    """Folded weights prepared on first use, keyed by the weight tensor's identity; an entry dies
+    with its weight (weakref finalizer). Not a WeakKeyDictionary: its key comparison calls
+    Tensor.__eq__, which is elementwise. One per OpTable-independent process: the fold is a pure
+    function of the weight, so sharing it between engines in one process is harmless."""
+
+    def __init__(self) -> None:
+        self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
+
+    def get(self, weight: torch.Tensor, scale: torch.Tensor, block: int) -> PreparedFP8Weight:
+        key = id(weight)
+        hit = self._map.get(key)
+        if (hit is not None and hit[0]() is weight and hit[1] is scale
+                and hit[2].source_version == weight._version):
+            return hit[2]
+        prepared = prepare_fp8_weight(weight, scale, block)
+        self._map[key] = (weakref.ref(weight), scale, prepared)
+        weakref.finalize(weight, self._map.pop, key, None)
+        return prepared
+
+
+_PREPARED = _PreparedCache()
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Promoted modes hold a second [BM, BN] fp32 tile
+# (the step's product) next to the accumulator, so their tiles keep <= 64 accumulator registers
+# per thread (BM * BN <= 2048 * warps) and BLOCK_K <= 128 (DeepGEMM's promotion interval).
+# Measured on the H200 (2026-11-29): 0.47-0.65 of the FP8 peak at M = 4096 against the chained
+# kernel's 0.67-0.91; Triton's own promotion (`tl.dot(max_num_imprecise_acc=BLOCK_K)`) gave the
+# same bits and speed; 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes.
+_TILES = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
+          (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
+          (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4)]
+
 
 def _gemm_configs() -> list[triton.Config]:
-    out = []
-    for bm, bn, bk, warps, stages in [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-                                      (128, 128, 128, 8, 4), (128, 256, 64, 8, 4),
-                                      (64, 128, 128, 4, 4), (64, 128, 256, 4, 3),
-                                      (64, 64, 256, 4, 4)]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                 num_warps=warps, num_stages=stages))
-    return out
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                          num_warps=warps, num_stages=stages)
+            for bm, bn, bk, warps, stages in _TILES]
+
+
+def _tile_ok(bm: int, bn: int, bk: int, warps: int, m_bucket: int, k: int, split: int,
+             promote: int) -> bool:
+    if (m_bucket <= 64) != (bm == 64):
+        return False
+    if bk > max(32, k // max(split, 1)) and bk > 32:
+        return False
+    if promote != CHAINED and (bm * bn > 2048 * warps or bk > 128):
+        return False
+    return True
 
 
 def _prune(configs, named_args, **kwargs):
     m_bucket, k = named_args["M_BUCKET"], named_args["K"]
     split = kwargs.get("SPLIT_K", named_args.get("SPLIT_K", 1))
-    keep = []
-    for c in configs:
-        bm, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"]
-        if (m_bucket <= 64) != (bm == 64):
-            continue
-        if bk > max(32, k // max(split, 1)) and bk > 32:
-            continue
-        keep.append(c)
+    promote = kwargs.get("PROMOTE", named_args.get("PROMOTE", CHAINED))
+    keep = [c for c in configs
+            if _tile_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+                        c.num_warps, m_bucket, k, split, promote)]
     if not keep:
         keep = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8},
                               num_warps=4, num_stages=2)]
     return keep
 
 
-@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % (a["BLOCK_K"] * a["SPLIT_K"]) == 0})
 @triton.jit
-def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PROMOTE: tl.constexpr):
-    """The folded-scale kernel (benchmark baseline, see the module docstring). PROMOTE: each
-    BLOCK_K step's product is formed from zero and added in fp32 (DeepGEMM-style promotion of
-    the reduced-precision FP8 wgmma accumulator), instead of chaining the accumulator."""
+def tile_offsets(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Row and column offsets of output tile `pid`, in GROUP_M-row bands (L2 reuse)."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   PROMOTE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of c = (a * rs) @ (b * cs)^T over this program's K range
+    (SPLIT_K > 1: fp32 partial sums to ws[pid_k]). PROMOTE: CHAINED chains the accumulator
+    through the MMA (reduced-precision adds on sm_90 FP8 wgmma); PROMOTED forms each BLOCK_K
+    step's product from zero and adds it in fp32. M_BUCKET: the autotuning key only."""
     pid_k = tl.program_id(1)
     offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (offs_m % M).to(tl.int64)
@@ -174,7 +228,7 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
-        if PROMOTE:
+        if PROMOTE == 1:
             acc += tl.dot(a, b)
         else:
             acc = tl.dot(a, b, acc)
@@ -192,42 +246,75 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUC
         tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
 
 
+def _even_k(a) -> bool:
+    return a["K"] % (a["BLOCK_K"] * a["SPLIT_K"]) == 0
+
+
+_gemm_fp8_fixed = triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body))
+_gemm_fp8_kernel = triton.autotune(
+    configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K", "PROMOTE"],
+    prune_configs_by={"early_config_prune": _prune})(
+    triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body)))
+
+
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in tl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     rs = tl.load(rs_ptr + offs // N, mask=mask, other=0.0)
     cs = tl.load(cs_ptr + offs % N, mask=mask, other=0.0)
     tl.store(c_ptr + offs, (acc * rs * cs).to(tl.bfloat16), mask=mask)
 
 
+def split_k(m: int, n: int, k: int, sms: int) -> int:
+    """K splits for small M (decode): enough programs to fill the SMs, >= 512 K per split."""
+    if m > 64:
+        return 1
+    tiles = triton.cdiv(n, 128)
+    split = 1
+    while tiles * split * 2 <= 2 * sms and k // (split * 2) >= 512:
+        split *= 2
+    return split
+
+
 def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
-                    promote: bool = False) -> torch.Tensor:
-    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T
-    (benchmark baseline: the chained accumulator adds in reduced precision, and folding rounds
-    small codes of blocks far below their row's largest). promote: fp32 promotion of every
-    BLOCK_K step (the candidate if the blockwise kernel proves too slow)."""
+                    promote: int = DEFAULT_PROMOTE, *, split: int | None = None,
+                    tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
+    promote: CHAINED or PROMOTED (see `_gemm_fp8_body`). split: K splits (default
+    `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+    stages) instead of the autotuned choice (tests under the Triton interpreter)."""
     m, k = q.shape
     n = w.codes.shape[0]
+    if promote not in (CHAINED, PROMOTED):
+        raise ValueError(f"gemm_fp8_folded: promote must be 0 or 1, got {promote!r}")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    split = split_k(m, n, k, sms)
+    if split is None:
+        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 132)
+        split = split_k(m, n, k, sms)
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
     m_bucket = min(triton.next_power_of_2(m), 4096)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
 
-    _gemm_fp8_kernel[grid](q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket,
-                           SPLIT_K=split, PROMOTE=promote)
+    args = (q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket)
+    if tile is None:
+        _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote)
+    else:
+        bm, bn, bk, warps, stages = tile
+        _gemm_fp8_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                              SPLIT_K=split, PROMOTE=promote, num_warps=warps,
+                              num_stages=stages)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
@@ -244,12 +331,17 @@ def _supports_gemm(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 @REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm)
 def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: int = 32) -> torch.Tensor:
-    """Same contract as the reference op: the activation quantised per 32 (bit-exact), then the
-    blockwise-scaled kernel on the checkpoint's codes and scale bytes as they are."""
+    """Same contract as the reference op. Up to GEMV_MAX_ROWS rows (decode): `gemv_fp8` (fused
+    activation quantisation, exact products, fp32 sums). Above: the activation quantised per
+    32 (the reference's codes) and folded, the weight folded on first use (weakly cached),
+    promoted FP8 wgmma."""
     if weight.dtype == torch.uint8:
         weight = weight.view(torch.float8_e4m3fn)
-    q, qs = _act_quant(x, block, fold=False)
-    return gemm_fp8_blockwise(q, qs, weight, weight_scale)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_fp8(x, weight, weight_scale)
+    prepared = _PREPARED.get(weight, weight_scale, block)
+    q, rs = _act_quant(x, block, fold=True)
+    return gemm_fp8_folded(q, rs, prepared)
 
 
 # --------------------------------------------------------------------------- grouped W8A16
