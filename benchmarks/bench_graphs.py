@@ -34,7 +34,8 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", max_num_seqs=max(args.batches),
-              max_num_batched_tokens=2048, max_model_len=args.prompt_len + args.steps + 64)
+              max_num_batched_tokens=2048, max_model_len=args.prompt_len + args.steps + 64,
+              cuda_graphs=True)
     runner = llm.engine.runner
     graphs = runner.graphs
     print(f"engine + warm-up + capture: {time.perf_counter() - t0:.1f} s; graphs: "

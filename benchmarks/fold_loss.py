@@ -1,6 +1,6 @@
 """Why did the folded Triton `gemm_fp8` and `moe_mxfp4` leave their references' tolerance in the
-H200 in-situ check (benchmarks/results/in_situ_h200_2026-11-29.txt)? CPU emulation. (gemm_fp8
-has run the blockwise kernel since 6e16144; the folded one is gemm.py's `gemm_fp8_folded`.)
+H200 in-situ check (benchmarks/results/in_situ_h200_2026-11-29.txt)? CPU emulation. (Since then
+gemm_fp8 promotes every BLOCK_K product to fp32, which passes in situ: in_situ_h200_2026-11-29d.)
 
 The model runs on dummy weights with the reference ops; every gemm_fp8 / moe_mxfp4 call is
 recomputed on the same inputs in variants, otherwise exact (fp64 sums rounded as the reference

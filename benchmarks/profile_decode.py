@@ -54,7 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     batches = args.batch or [1]
     llm = LLM(args.model, load_format="dummy", max_num_seqs=max(batches),
-              max_num_batched_tokens=2048, max_model_len=args.prompt_len + 64)
+              max_num_batched_tokens=2048, max_model_len=args.prompt_len + 64,
+              cuda_graphs=False)  # per-kernel attribution needs eager launches
     print(dict(llm.engine.runner.ops.origin), flush=True)
     for b in batches:
         run(llm, b, args.prompt_len, args.steps, args.out)

@@ -135,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["full", "bounded", "staircase"],
                     help="prefill modes to time (the first is the baseline)")
     ap.add_argument("--plot", default="bench_e2e_tpot.png", help="where to write the PNG")
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="replay pure-decode steps as CUDA graphs (RunnerConfig.cuda_graphs)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay pure-decode steps as CUDA graphs (RunnerConfig.cuda_graphs; "
+                         "--no-cuda-graphs: eager)")
+    ap.add_argument("--all-graph-sizes", action="store_true",
+                    help="capture the engine's default batch sizes, not only the measured ones "
+                         "(start-up as a user sees it)")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_prefill:
         longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, load_format="dummy", cuda_graphs=args.cuda_graphs,
-              cuda_graph_batch_sizes=tuple(args.batches),  # capture only what is measured
+              cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
               max_model_len=longest)

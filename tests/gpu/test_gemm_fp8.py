@@ -116,51 +116,91 @@ def test_weight_scale_bytes_decode_like_the_reference(monkeypatch, byte: int,
     assert torch.equal(got[0, :32], want.expand(32)) and torch.isnan(got[0, 32:]).all()
 
 
-def test_tiles_compile_for_sm90_without_spills() -> None:
-    """AOT-compile the promoted tiles for sm_90 (Triton's bundled ptxas, no GPU needed): FP8
-    wgmma (QGMMA) in the SASS and no register spills (stack 0); split-K on the 64-row tiles."""
-    if INTERP:
-        pytest.skip("compiles for sm_90: run without TRITON_INTERPRET")
-    import itertools
+def _sm90_build(kern, ptrs: dict, consts: dict, warps: int, stages: int,
+                divisible: tuple[str, ...] = ("N", "K")) -> tuple[str, str]:
+    """AOT-compile a Triton kernel for sm_90 with Triton's bundled ptxas (no GPU needed),
+    specialised as the JIT would (pointers and `divisible` integers divisible by 16):
+    (cuobjdump resource usage, SASS)."""
     import os
-    import re
     import subprocess
     import tempfile
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shoal.ops.triton import gemm as tg
-
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not os.path.exists(os.path.join(tools, "cuobjdump")):
         pytest.skip("Triton's bundled cuobjdump is missing")
-    kern = tg._gemm_fp8_fixed.fn
     names = kern.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs or n in divisible}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
+        "num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        run = [os.path.join(tools, "cuobjdump")]
+        usage = subprocess.run(run + ["--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run(run + ["-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    return usage, sass
+
+
+def test_tiles_compile_for_sm90_without_spills() -> None:
+    """Every promoted FP8 GEMM tile and every grouped W8A16 tile builds for sm_90 without
+    register spills (stack 0); the FP8 GEMM runs FP8 wgmma (QGMMA); split-K on 64-row tiles."""
+    if INTERP:
+        pytest.skip("compiles for sm_90: run without TRITON_INTERPRET")
+    import re
+
+    from shoal.ops.triton import gemm as tg
+
     ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "ws_ptr": "*fp32",
             "rs_ptr": "*fp32", "cs_ptr": "*fp32"}
-    for (bm, bn, bk, warps, stages), promote in itertools.product(tg._TILES, (tg.PROMOTED,)):
-        if not tg._tile_ok(bm, bn, bk, warps, 64 if bm == 64 else 4096, 8192, 1, promote):
+    for bm, bn, bk, warps, stages in tg._TILES:
+        if not tg._tile_ok(bm, bn, bk, warps, 64 if bm == 64 else 4096, 8192, 1, tg.PROMOTED):
             continue
         for split in ((1, 4) if bm == 64 else (1,)):
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                      "SPLIT_K": split, "EVEN_K": True, "PROMOTE": promote}
-            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                     if n in ptrs or n in ("N", "K")}
-            src = ASTSource(fn=kern, signature=sig, attrs=attrs,
-                            constexprs={(names.index(n),): v for n, v in consts.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
-                "num_warps": warps, "num_stages": stages})
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "k.cubin")
-                with open(path, "wb") as f:
-                    f.write(compiled.asm["cubin"])
-                usage = subprocess.run([os.path.join(tools, "cuobjdump"),
-                                        "--dump-resource-usage", path],
-                                       capture_output=True, text=True, check=True).stdout
-                sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
-                                      capture_output=True, text=True, check=True).stdout
+                      "SPLIT_K": split, "EVEN_K": True, "PROMOTE": tg.PROMOTED}
+            usage, sass = _sm90_build(tg._gemm_fp8_fixed.fn, ptrs, consts, warps, stages)
             tag = f"{consts} warps {warps} stages {stages}"
             assert re.search(r"STACK:0\b", usage), f"{tag}: spills ({usage.strip()})"
             assert "QGMMA" in sass, f"{tag}: no FP8 wgmma"
+    ptrs = {"o_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "z_ptr": "*bf16"}
+    for bm, bn, bk, warps, stages in tg._GROUPED_TILES:
+        consts = {"G": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "stride_ok": 1}
+        usage, _ = _sm90_build(tg._grouped_w8a16_kernel.fn, ptrs, consts, warps, stages,
+                               ("R", "K", "stride_om", "stride_og"))
+        assert re.search(r"STACK:0\b", usage), f"grouped {consts} {warps} warps: spills"
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
+    """wo_a's grouped projection (exactly dequantised FP8 weight tiles, bf16 products exact in
+    fp32): decode-size (16-row tiles) and larger T against the reference, output poisoned."""
+    from shoal.ops.triton import gemm as tg
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    g = torch.Generator().manual_seed(t)
+    groups, rank, k = 4, 64, 256
+    o = torch.randn(t, groups, k, generator=g).to(torch.bfloat16)
+    wc, ws = quant_fp8_weight(torch.randn(groups * rank, k, generator=g) / k**0.5, 32)
+    ref = ref_gemm.gemm_grouped_w8a16(o=o, weight=wc, weight_scale=ws).float()
+    w = dequant_fp8_weight(wc, ws, 32).double().abs().view(groups, rank, k)
+    terms = torch.einsum("tgk,grk->tgr", o.double().abs(), w).reshape(t, -1)
+    small = min(triton.next_power_of_2(t), 4096) <= 16
+    tiles = [c for c in tg._GROUPED_TILES if (c[0] == 16) == small] if INTERP else [None]
+    for tile in tiles:  # the interpreter cannot autotune: every tile the pruner would offer
+        out = torch.full((t, groups * rank), float("nan"), dtype=torch.bfloat16)
+        out.copy_(tg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), tile=tile).cpu())
+        lim = ref.double().abs() * 2.0**-8 + terms * 2.0**-20
+        bad = (out.double() - ref.double()).abs() > lim
+        assert not bad.any(), f"{tile}: {int(bad.sum())} of {bad.numel()} elements off"

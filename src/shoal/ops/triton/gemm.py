@@ -29,7 +29,6 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
-from shoal.ops.triton.gemv_fp8 import GEMV_MAX_ROWS, gemv_fp8
 
 FP8_MAX = 448.0
 
@@ -331,14 +330,12 @@ def _supports_gemm(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 @REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm)
 def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: int = 32) -> torch.Tensor:
-    """Same contract as the reference op. Up to GEMV_MAX_ROWS rows (decode): `gemv_fp8` (fused
-    activation quantisation, exact products, fp32 sums). Above: the activation quantised per
-    32 (the reference's codes) and folded, the weight folded on first use (weakly cached),
-    promoted FP8 wgmma."""
+    """Same contract as the reference op: the activation quantised per 32 (the reference's codes)
+    and folded, the weight folded on first use (weakly cached), promoted FP8 wgmma (split-K for
+    decode sizes). A fused-quantisation CUDA-core GEMV for M <= 8 was tried and dropped: 3-11x
+    slower than this path on the H200 (2026-11-29, bench_ops: 32-119 us at M = 1)."""
     if weight.dtype == torch.uint8:
         weight = weight.view(torch.float8_e4m3fn)
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return gemv_fp8(x, weight, weight_scale)
     prepared = _PREPARED.get(weight, weight_scale, block)
     q, rs = _act_quant(x, block, fold=True)
     return gemm_fp8_folded(q, rs, prepared)
@@ -347,11 +344,24 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 # --------------------------------------------------------------------------- grouped W8A16
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode sizes (M_BUCKET <= 16) get 16-row tiles
+# with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): the wide
+# tiles gave 64 programs at T = 1 (39.8 us on the H200, 0.20 of the HBM floor; T = 64 ran
+# faster, 31.8 us).
+_GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                  (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
+                  (16, 32, 128, 8, 4)]
+
+
+def _grouped_prune(configs, named_args, **kwargs):
+    small = named_args["M_BUCKET"] <= 16
+    return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small]
+
+
 @triton.autotune(configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
                                         num_warps=w, num_stages=s)
-                          for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
-                                                   (128, 256, 64, 8, 3), (64, 64, 128, 4, 3)]],
-                 key=["M_BUCKET", "R", "K"])
+                          for bm, bn, bk, w, s in _GROUPED_TILES],
+                 key=["M_BUCKET", "R", "K"], prune_configs_by={"early_config_prune": _grouped_prune})
 @triton.jit
 def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_om, stride_og,
                           stride_ok, G: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -372,9 +382,9 @@ def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_
                     mask=kk[None, :] < K, other=0.0)
         wq = tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=kk[:, None] < K, other=0.0)
         e = tl.load(s_ptr + (rows // 32)[None, :] * kb + (kk // 32)[:, None],
-                    mask=kk[:, None] < K, other=127)
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(e == 255, float("nan"), scale)
+                    mask=kk[:, None] < K, other=127).to(tl.int32)
+        scale = tl.where(e == 255, float("nan"),
+                         tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True)))
         b = (wq.to(tl.float32) * scale).to(tl.bfloat16)
         acc = tl.dot(a.to(tl.bfloat16), b, acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < R)
@@ -386,10 +396,10 @@ def _supports_grouped(*, o: torch.Tensor, weight: torch.Tensor, block: int = 32,
     return o.is_cuda and o.dim() == 3 and block == 32 and (weight.shape[0] // o.shape[1]) % 32 == 0
 
 
-@REGISTRY.implement("triton", "gemm_grouped_w8a16", supports=_supports_grouped)
-def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       block: int = 32) -> torch.Tensor:
-    """Same contract as the reference: o [T, G, Kg] bf16 -> z [T, G * R] bf16 (exact dequant)."""
+def grouped_w8a16(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+                  tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """o [T, G, Kg] bf16 -> z [T, G * R] bf16. tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+    stages) instead of the autotuned choice (tests under the Triton interpreter)."""
     t, g, k = o.shape
     r = weight.shape[0] // g
     z = torch.empty(t, g * r, dtype=torch.bfloat16, device=o.device)
@@ -400,13 +410,24 @@ def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: t
     weight = weight.contiguous()
     scale = weight_scale.contiguous()
     m_bucket = min(triton.next_power_of_2(t), 4096)
+    args = (o, weight, scale, z, t, r, k, m_bucket, o.stride(0), o.stride(1), o.stride(2))
+    if tile is None:
+        def grid(meta):
+            return (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(r, meta["BLOCK_N"]), g)
 
-    def grid(meta):
-        return (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(r, meta["BLOCK_N"]), g)
-
-    _grouped_w8a16_kernel[grid](o, weight, scale, z, t, r, k, m_bucket, o.stride(0), o.stride(1),
-                                o.stride(2), G=g)
+        _grouped_w8a16_kernel[grid](*args, G=g)
+    else:
+        bm, bn, bk, warps, stages = tile
+        _grouped_w8a16_kernel.fn[(triton.cdiv(t, bm), triton.cdiv(r, bn), g)](
+            *args, G=g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return z
+
+
+@REGISTRY.implement("triton", "gemm_grouped_w8a16", supports=_supports_grouped)
+def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block: int = 32) -> torch.Tensor:
+    """Same contract as the reference: o [T, G, Kg] bf16 -> z [T, G * R] bf16 (exact dequant)."""
+    return grouped_w8a16(o, weight, weight_scale)
 
 
 def _supports_bf16(*, x: torch.Tensor, weight: torch.Tensor,

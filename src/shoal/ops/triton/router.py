@@ -71,7 +71,7 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     acc = tl.zeros((E_P2,), dtype=tl.float64)
     for sl in tl.static_range(S):
         acc += tl.load(ws_ptr + (sl * T + t) * E + offs, mask=live, other=0.0)
-    x = (acc.to(tl.float32) / temp).to(tl.float64)
+    x = tl.math.div_rn(acc.to(tl.float32), temp).to(tl.float64)  # IEEE, as torch's /
     ex = tl.exp(-tl.abs(x))
     u = 1.0 + ex
     log1p = tl.where(u == 1.0, ex, tl.log(u) * (ex / tl.where(u == 1.0, 1.0, u - 1.0)))
