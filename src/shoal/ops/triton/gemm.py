@@ -345,9 +345,9 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode sizes (M_BUCKET <= 16) get 16-row tiles
-# with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): the wide
-# tiles gave 64 programs at T = 1 (39.8 us on the H200, 0.20 of the HBM floor; T = 64 ran
-# faster, 31.8 us).
+# with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): on the H200
+# (2026-11-29) T = 1 went from 39.8 us (the wide tiles, 64 programs; 0.20 of the HBM floor) to
+# 23.2 us (0.34); T = 64 (31.2 us) and T = 4096 (649 us, 0.56) use the wide tiles as before.
 _GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                   (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                   (16, 32, 128, 8, 4)]
