@@ -126,8 +126,10 @@ DEFAULT_PROMOTE = PROMOTED
 class _PreparedCache:
     """Folded weights prepared on first use, keyed by the weight tensor's identity; an entry dies
     with its weight (weakref finalizer). Not a WeakKeyDictionary: its key comparison calls
-    Tensor.__eq__, which is elementwise. One per OpTable-independent process: the fold is a pure
-    function of the weight, so sharing it between engines in one process is harmless."""
+    Tensor.__eq__, which is elementwise. Module-level (the one piece of global state in the ops):
+    the fold is a pure function of the weight, so engines in one process can share it; a
+    load-time weight-preparation hook per backend would remove it (and the folded copy's
+    memory, about the size of the FP8 dense weights)."""
 
     def __init__(self) -> None:
         self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
@@ -151,7 +153,7 @@ _PREPARED = _PreparedCache()
 # per thread (BM * BN <= 2048 * warps) and BLOCK_K <= 128 (DeepGEMM's promotion interval).
 # Measured on the H200 (2026-11-29): 0.47-0.65 of the FP8 peak at M = 4096 against the chained
 # kernel's 0.67-0.91; Triton's own promotion (`tl.dot(max_num_imprecise_acc=BLOCK_K)`) gave the
-# same bits and speed; 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes.
+# same bits and speed. 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes (sm_90 build).
 _TILES = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
           (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
           (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4)]
