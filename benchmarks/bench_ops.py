@@ -33,6 +33,7 @@ from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
+from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.quant.fp8 import quant_fp8_weight
@@ -179,13 +180,13 @@ def bench_grouped(ts: list[int]) -> None:
     w = torch.randn(g * r, k, generator=gen, device="cuda") / k**0.5
     codes, scales = quant_fp8_weight(w)
     o = torch.randn(64, g, k, device="cuda", dtype=torch.bfloat16)
-    got = tri_gemm.gemm_grouped_w8a16(o=o, weight=codes, weight_scale=scales)
+    got = tri_grouped.gemm_grouped_w8a16(o=o, weight=codes, weight_scale=scales)
     ref = ref_gemm.gemm_grouped_w8a16(o=o, weight=codes, weight_scale=scales)
     log(f"check gemm_grouped_w8a16 T=64: rel err {rel_err(got, ref):.2e}")
     ws = [(codes.clone(), scales.clone()) for _ in range(copies(g * r * k))]
     for t in ts:
         os_ = [torch.randn(t, g, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        calls = [lambda oi=oi, wi=wi: tri_gemm.gemm_grouped_w8a16(
+        calls = [lambda oi=oi, wi=wi: tri_grouped.gemm_grouped_w8a16(
             o=oi, weight=wi[0], weight_scale=wi[1]) for oi, wi in
             zip(itertools.cycle(os_), ws, strict=False)]
         ms = bench(calls)

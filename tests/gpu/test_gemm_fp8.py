@@ -1,6 +1,8 @@
 """The Triton FP8 GEMM (ops/triton/gemm.py: folded scales, promoted FP8 wgmma) against the exact
 blockwise sum and the reference op, including rows whose 32-blocks span many binades (where
-folding rounds or flushes the small blocks). Runs on sm_90 or under the Triton interpreter."""
+folding rounds or flushes the small blocks), and the grouped W8A16 projection (gemm_grouped.py)
+against its reference; both kernels' tiles build for sm_90 without spills. Runs on sm_90 or
+under the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -159,6 +161,7 @@ def test_tiles_compile_for_sm90_without_spills() -> None:
     import re
 
     from shoal.ops.triton import gemm as tg
+    from shoal.ops.triton import gemm_grouped as tgg
 
     ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "ws_ptr": "*fp32",
             "rs_ptr": "*fp32", "cs_ptr": "*fp32"}
@@ -173,9 +176,9 @@ def test_tiles_compile_for_sm90_without_spills() -> None:
             assert re.search(r"STACK:0\b", usage), f"{tag}: spills ({usage.strip()})"
             assert "QGMMA" in sass, f"{tag}: no FP8 wgmma"
     ptrs = {"o_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "z_ptr": "*bf16"}
-    for bm, bn, bk, warps, stages in tg._GROUPED_TILES:
+    for bm, bn, bk, warps, stages in tgg._GROUPED_TILES:
         consts = {"G": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "stride_ok": 1}
-        usage, _ = _sm90_build(tg._grouped_w8a16_kernel.fn, ptrs, consts, warps, stages,
+        usage, _ = _sm90_build(tgg._grouped_w8a16_kernel.fn, ptrs, consts, warps, stages,
                                ("R", "K", "stride_om", "stride_og"))
         assert re.search(r"STACK:0\b", usage), f"grouped {consts} {warps} warps: spills"
 
@@ -185,7 +188,7 @@ def test_tiles_compile_for_sm90_without_spills() -> None:
 def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
     """wo_a's grouped projection (exactly dequantised FP8 weight tiles, bf16 products exact in
     fp32): decode-size (16-row tiles) and larger T against the reference, output poisoned."""
-    from shoal.ops.triton import gemm as tg
+    from shoal.ops.triton import gemm_grouped as tgg
 
     if INTERP:
         patch_interpreter(monkeypatch)
@@ -197,10 +200,10 @@ def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
     w = dequant_fp8_weight(wc, ws, 32).double().abs().view(groups, rank, k)
     terms = torch.einsum("tgk,grk->tgr", o.double().abs(), w).reshape(t, -1)
     small = min(triton.next_power_of_2(t), 4096) <= 16
-    tiles = [c for c in tg._GROUPED_TILES if (c[0] == 16) == small] if INTERP else [None]
+    tiles = [c for c in tgg._GROUPED_TILES if (c[0] == 16) == small] if INTERP else [None]
     for tile in tiles:  # the interpreter cannot autotune: every tile the pruner would offer
         out = torch.full((t, groups * rank), float("nan"), dtype=torch.bfloat16)
-        out.copy_(tg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), tile=tile).cpu())
+        out.copy_(tgg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), tile=tile).cpu())
         lim = ref.double().abs() * 2.0**-8 + terms * 2.0**-20
         bad = (out.double() - ref.double()).abs() > lim
         assert not bad.any(), f"{tile}: {int(bad.sum())} of {bad.numel()} elements off"

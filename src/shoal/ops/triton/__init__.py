@@ -10,6 +10,7 @@ from shoal.ops.triton import (  # noqa: F401
     cache,
     engram,
     gemm,
+    gemm_grouped,
     head,
     hyper_connections,
     indexer,
