@@ -38,6 +38,7 @@ import torch
 
 from shoal.ops.reference import moe as ref
 from shoal.ops.triton import moe as tmoe
+from shoal.ops.triton import moe_route
 from shoal.quant.fp4 import quant_mxfp4
 
 HBM = 4.24e12
@@ -199,7 +200,7 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
     s = routing(t, E, 10, dev)
     k = TOPK
     cfg1, cfg2 = tmoe.default_configs(t * k, E)
-    tok, orow, rw, counts = tmoe._route(s["ids"], s["weights"], E)
+    tok, orow, rw, counts = moe_route.route(s["ids"], s["weights"], E)
     xq, xs = tmoe._quant_folded(s["x"])
     h = torch.empty(t * k, INTER, dtype=torch.bfloat16, device=dev)
     y = torch.empty(t * k, D, dtype=torch.bfloat16, device=dev)
@@ -207,7 +208,7 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
                  cfg1, True, True, True, None)
     hq, hs = tmoe._quant_folded(h)
     stages = {
-        "route": lambda: tmoe._route(s["ids"], s["weights"], E),
+        "route": lambda: moe_route.route(s["ids"], s["weights"], E),
         "x_quant": lambda: tmoe._quant_folded(s["x"]),
         "w13_gemm": lambda: tmoe._launch(xq, xs, tok, h, orow, rw, w["w13"], w["w13_scale"],
                                          counts, INTER, D, 10.0, cfg1, True, True, True, None),

@@ -1,8 +1,8 @@
 """The Triton FP8 GEMM (ops/triton/gemm.py: folded scales, promoted FP8 wgmma) against the exact
 blockwise sum and the reference op, including rows whose 32-blocks span many binades (where
 folding rounds or flushes the small blocks), and the grouped W8A16 projection (gemm_grouped.py)
-against its reference; both kernels' tiles build for sm_90 without spills. Runs on sm_90 or
-under the Triton interpreter."""
+against its reference. Runs on sm_90 or under the Triton interpreter (the sm_90 builds of their
+tiles: test_sm90_builds.py)."""
 
 from __future__ import annotations
 
@@ -116,71 +116,6 @@ def test_weight_scale_bytes_decode_like_the_reference(monkeypatch, byte: int,
                              tile=(64, 64, 32, 4, 2)).float().cpu()
     want = torch.tensor(32.0 * expect).to(torch.bfloat16).float()
     assert torch.equal(got[0, :32], want.expand(32)) and torch.isnan(got[0, 32:]).all()
-
-
-def _sm90_build(kern, ptrs: dict, consts: dict, warps: int, stages: int,
-                divisible: tuple[str, ...] = ("N", "K")) -> tuple[str, str]:
-    """AOT-compile a Triton kernel for sm_90 with Triton's bundled ptxas (no GPU needed),
-    specialised as the JIT would (pointers and `divisible` integers divisible by 16):
-    (cuobjdump resource usage, SASS)."""
-    import os
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(tools, "cuobjdump")):
-        pytest.skip("Triton's bundled cuobjdump is missing")
-    names = kern.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ptrs or n in divisible}
-    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
-                    constexprs={(names.index(n),): v for n, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
-        "num_warps": warps, "num_stages": stages})
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        run = [os.path.join(tools, "cuobjdump")]
-        usage = subprocess.run(run + ["--dump-resource-usage", path], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run(run + ["-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-    return usage, sass
-
-
-def test_tiles_compile_for_sm90_without_spills() -> None:
-    """Every promoted FP8 GEMM tile and every grouped W8A16 tile builds for sm_90 without
-    register spills (stack 0); the FP8 GEMM runs FP8 wgmma (QGMMA); split-K on 64-row tiles."""
-    if INTERP:
-        pytest.skip("compiles for sm_90: run without TRITON_INTERPRET")
-    import re
-
-    from shoal.ops.triton import gemm as tg
-    from shoal.ops.triton import gemm_grouped as tgg
-
-    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "ws_ptr": "*fp32",
-            "rs_ptr": "*fp32", "cs_ptr": "*fp32"}
-    for bm, bn, bk, warps, stages in tg._TILES:
-        if not tg._tile_ok(bm, bn, bk, warps, 64 if bm == 64 else 4096, 8192, 1, tg.PROMOTED):
-            continue
-        for split in ((1, 4) if bm == 64 else (1,)):
-            consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                      "SPLIT_K": split, "EVEN_K": True, "PROMOTE": tg.PROMOTED}
-            usage, sass = _sm90_build(tg._gemm_fp8_fixed.fn, ptrs, consts, warps, stages)
-            tag = f"{consts} warps {warps} stages {stages}"
-            assert re.search(r"STACK:0\b", usage), f"{tag}: spills ({usage.strip()})"
-            assert "QGMMA" in sass, f"{tag}: no FP8 wgmma"
-    ptrs = {"o_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "z_ptr": "*bf16"}
-    for bm, bn, bk, warps, stages in tgg._GROUPED_TILES:
-        consts = {"G": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "stride_ok": 1}
-        usage, _ = _sm90_build(tgg._grouped_w8a16_kernel.fn, ptrs, consts, warps, stages,
-                               ("R", "K", "stride_om", "stride_og"))
-        assert re.search(r"STACK:0\b", usage), f"grouped {consts} {warps} warps: spills"
 
 
 @needs_kernels

@@ -26,6 +26,7 @@ pytestmark = needs_kernels
 from shoal.ops.reference import moe as ref  # noqa: E402
 from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
+from shoal.ops.triton import moe_route as troute  # noqa: E402
 from shoal.ops.triton import router as trouter  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
 
@@ -185,8 +186,8 @@ def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(31 * t + k)
     ids = torch.randint(0, 9 if t > 50 else e, (t, k), generator=g)  # heavy ties when large
     w = torch.rand(t, k, generator=g)
-    got = tmoe._route(ids.to(DEV), w.to(DEV), e)
-    want = tmoe._route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
+    got = troute.route(ids.to(DEV), w.to(DEV), e)
+    want = troute.route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
     assert int(got[3].sum()) == t * k
@@ -291,3 +292,4 @@ def test_router_selection_kernel_matches_reference(t, e, k, temp) -> None:
     assert ids.dtype == torch.int64 and ids.shape == (t, k) and wt.shape == (t, k)
     assert torch.equal(ids.cpu(), rids)
     assert torch.equal(wt.cpu(), rwt)
+

@@ -1,0 +1,77 @@
+"""Ahead-of-time sm_90 builds of the Triton GEMM and MoE kernels at their real tiles and the
+mini shapes, on the CPU (Triton's bundled ptxas): no register spills, FP8 wgmma where expected.
+Catches a kernel that no longer compiles for Hopper, or a tile that spills, without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from support.sm90 import sm90_build, stack_bytes  # noqa: E402
+from support.triton_interpreter import INTERP  # noqa: E402
+
+pytestmark = pytest.mark.skipif(INTERP, reason="sm_90 builds: run without TRITON_INTERPRET")
+
+
+def test_gemm_tiles_build_without_spills() -> None:
+    """Every promoted FP8 GEMM tile and every grouped W8A16 tile builds for sm_90 without
+    register spills (stack 0); the FP8 GEMM runs FP8 wgmma (QGMMA); split-K on 64-row tiles."""
+    from shoal.ops.triton import gemm as tg
+    from shoal.ops.triton import gemm_grouped as tgg
+
+    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "ws_ptr": "*fp32",
+            "rs_ptr": "*fp32", "cs_ptr": "*fp32"}
+    for bm, bn, bk, warps, stages in tg._TILES:
+        if not tg._tile_ok(bm, bn, bk, warps, 64 if bm == 64 else 4096, 8192, 1, tg.PROMOTED):
+            continue
+        for split in ((1, 4) if bm == 64 else (1,)):
+            consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                      "SPLIT_K": split, "EVEN_K": True, "PROMOTE": tg.PROMOTED}
+            usage, sass = sm90_build(tg._gemm_fp8_fixed.fn, ptrs, consts, warps, stages)
+            tag = f"{consts} warps {warps} stages {stages}"
+            assert stack_bytes(usage) == 0, f"{tag}: spills ({usage.strip()})"
+            assert "QGMMA" in sass, f"{tag}: no FP8 wgmma"
+    ptrs = {"o_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "z_ptr": "*bf16"}
+    for bm, bn, bk, warps, stages in tgg._GROUPED_TILES:
+        consts = {"G": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "stride_ok": 1}
+        usage, _ = sm90_build(tgg._grouped_w8a16_kernel.fn, ptrs, consts, warps, stages,
+                              ("R", "K", "stride_om", "stride_og"))
+        assert stack_bytes(usage) == 0, f"grouped {consts} {warps} warps: spills"
+
+
+def test_moe_kernels_build_without_spills() -> None:
+    """The grouped GEMM at the default decode and prefill tiles and with K slices, the split
+    SwiGLU and the combine build for sm_90 (no GPU needed) without register spills, at the
+    mini shapes (D 5120, I 2304, 384 experts)."""
+    from shoal.ops.triton import moe as tmoe
+
+    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "arow_ptr": "*i32", "out_ptr": "*bf16",
+            "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8",
+            "cnt_ptr": "*i32", "lut_ptr": "*i32", "limit": "fp32"}
+    rows_small, rows_big = 6, 8192 * 6
+    for rows in (rows_small, rows_big):
+        for cfg, swiglu, k in zip(tmoe.default_configs(rows, 384), (True, False), (5120, 2304),
+                                  strict=True):
+            for split in (1, 2):
+                cfg = dataclasses.replace(cfg, split_k=split)
+                bk = cfg.block_k
+                while k % bk:
+                    bk //= 2
+                consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
+                          "BM": cfg.block_m, "BN": cfg.block_n, "BK": bk, "SWIGLU": swiglu,
+                          "GATHER_A": swiglu, "W4A8": True, "CONVERT": 1, "SWAP_AB": False,
+                          "PROMOTE": cfg.promote, "SPLIT": tmoe._splits(cfg, k, bk)}
+                usage, _ = sm90_build(tmoe._moe_gemm_kernel, ptrs, consts, cfg.num_warps,
+                                      cfg.num_stages, ("N", "E"))
+                assert stack_bytes(usage) == 0, f"{cfg} {'w13' if swiglu else 'w2'}: spills"
+    for split, ydt in ((1, "*bf16"), (3, "*fp32")):
+        usage, _ = sm90_build(tmoe._combine_kernel, {"y_ptr": ydt, "out_ptr": "*fp32"},
+                              {"KTOP": 6, "BLOCK": 1024, "SPLIT": split}, 4, 2)
+        assert stack_bytes(usage) == 0
+    usage, _ = sm90_build(tmoe._swiglu_splits_kernel,
+                          {"ws_ptr": "*fp32", "rw_ptr": "*fp32", "h_ptr": "*bf16",
+                           "limit": "fp32"}, {"SPLIT": 4, "BR": 4, "BLOCK": 256}, 4, 2)
+    assert stack_bytes(usage) == 0
