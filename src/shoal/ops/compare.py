@@ -28,6 +28,14 @@ def op_outputs(op: OpDef, result: Any, kwargs: dict[str, Any]) -> list[tuple[str
     return outs + [(name, kwargs[name]) for name in op.inplace if name in kwargs]
 
 
+def assert_same_nonfinite(got: torch.Tensor, want: torch.Tensor, prefix: str) -> None:
+    """NaN, +inf and -inf at the same positions (float tensors of one shape)."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{prefix}: NaN positions differ"
+    for sign in (1, -1):
+        gi, wi = got == sign * torch.inf, want == sign * torch.inf
+        assert torch.equal(gi, wi), f"{prefix}: inf positions differ"
+
+
 def check_output(op: OpDef, name: str, got: Any, want: Any, msg: str,
                  case: OpCase | None = None) -> None:
     """Raise AssertionError (starting with `msg`) unless `got` matches the reference's `want`."""
@@ -48,10 +56,7 @@ def check_output(op: OpDef, name: str, got: Any, want: Any, msg: str,
                                   f"{bad[0].tolist()}")
         return
     g, w = got.float(), want.float()
-    assert torch.equal(torch.isnan(g), torch.isnan(w)), f"{msg}: {name}: NaN positions differ"
-    for sign in (1, -1):
-        gi, wi = g == sign * torch.inf, w == sign * torch.inf
-        assert torch.equal(gi, wi), f"{msg}: {name}: inf positions differ"
+    assert_same_nonfinite(g, w, f"{msg}: {name}")
     fin = torch.isfinite(w)
     tol = op.tolerances.get(want.dtype)
     if tol is None:

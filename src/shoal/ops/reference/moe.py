@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shoal.ops.compare import assert_same_nonfinite
 from shoal.ops.reference._cases import fp4_weight, randn
 from shoal.ops.reference._math import matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
@@ -95,9 +96,7 @@ def _moe_compare(got: torch.Tensor, want: torch.Tensor, case) -> None:
     shapes (<= 0.6% per call unpromoted). Exact-accumulation paths (fp32, mma.sync) stay inside
     1x everywhere measured."""
     g, w = got.float().cpu(), want.float().cpu()
-    assert torch.equal(torch.isnan(g), torch.isnan(w)), "NaN positions differ"
-    assert torch.equal(torch.isinf(g) & (g > 0), torch.isinf(w) & (w > 0)) and torch.equal(
-        torch.isinf(g) & (g < 0), torch.isinf(w) & (w < 0)), "inf positions differ"
+    assert_same_nonfinite(g, w, "moe_mxfp4")
     fin = torch.isfinite(w)
     err, lim = (g - w).abs()[fin], MOE_TOL.atol + MOE_TOL.rtol * w.abs()[fin]
     over = int((err > lim).sum())

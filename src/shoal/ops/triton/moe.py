@@ -183,7 +183,8 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
     W4A8: a is folded e4m3 with row scales as_ptr; else a is bf16 and weights dequantise to bf16.
     SWAP_AB: the accumulators hold the transposed [BN, BM] tile (weights as the left operand).
     SPLIT > 1: this program sums K slice program_id(2) only and stores its scaled fp32 partials
-    to out_ptr = ws [SPLIT, rows, NW] (w13: g at n, u at N + n), rows in routed order.
+    to out_ptr = ws [SPLIT, R, NW]: w13 at the routed rows (g at n, u at N + n), w2 at the
+    (token, slot) output rows orow[r].
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
