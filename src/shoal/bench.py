@@ -125,6 +125,8 @@ def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shoal bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mini")
+    ap.add_argument("--device", default="auto",
+                    help="auto (cuda when available), cuda or cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
@@ -144,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    on_cuda = args.device != "cpu" and torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs}
     t0 = time.perf_counter()
     longest = args.prompt_len + args.steps + 16
     if not args.skip_prefill:
         longest = max(longest, args.prefill_len + 16)
-    llm = LLM(args.model, load_format="dummy", cuda_graphs=args.cuda_graphs,
+    llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),

@@ -7,7 +7,7 @@ from shoal.bench import main
 
 
 def test_bench_tiny_json_line(tmp_path, capsys):
-    rc = main(["--model", "tiny", "--batches", "1", "3", "--prompt-len", "16", "--steps", "3",
+    rc = main(["--model", "tiny", "--device", "cpu", "--batches", "1", "3", "--prompt-len", "16", "--steps", "3",
                "--prefill-prompts", "2", "--prefill-len", "48", "--prefill-budget", "32",
                "--modes", "full", "bounded", "--plot", str(tmp_path / "p.png")])
     assert rc == 0

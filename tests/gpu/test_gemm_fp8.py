@@ -142,3 +142,25 @@ def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
         lim = ref.double().abs() * 2.0**-8 + terms * 2.0**-20
         bad = (out.double() - ref.double()).abs() > lim
         assert not bad.any(), f"{tile}: {int(bad.sum())} of {bad.numel()} elements off"
+
+
+@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="sm_90 wgmma bits")
+@pytest.mark.parametrize("m", [5, 200])
+def test_promoted_tiles_agree_bitwise(m: int) -> None:
+    """Every tile the autotuner may pick for a promoted GEMM gives the same bits, so which tile
+    wins the timing (per process) cannot change a result: run-to-run determinism."""
+    from shoal.ops.triton import gemm as tg
+
+    n, k = 384, 1536
+    xb, q, qs, wc, ws = _inputs(m, n, k, 11 * m, False)
+    fq, rs = _fold_act(q, qs)
+    prepared = tg.prepare_fp8_weight(wc.to(DEV), ws.to(DEV))
+    split = tg.split_k(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    bucket = min(triton.next_power_of_2(m), 4096)
+    tiles = [t for t in tg._TILES if tg._tile_ok(t[0], t[1], t[2], t[3], bucket, k, split,
+                                                 tg.PROMOTED)]
+    assert len(tiles) >= 2, tiles
+    outs = [tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, tg.PROMOTED, split=split,
+                               tile=t) for t in tiles]
+    for t, o in zip(tiles[1:], outs[1:], strict=True):
+        assert torch.equal(o, outs[0]), f"tile {t} differs from {tiles[0]} at M = {m}"

@@ -155,6 +155,9 @@ _PREPARED = _PreparedCache()
 # Measured on the H200 (2026-11-29): 0.47-0.65 of the FP8 peak at M = 4096 against the chained
 # kernel's 0.67-0.91; Triton's own promotion (`tl.dot(max_num_imprecise_acc=BLOCK_K)`) gave the
 # same bits and speed. 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes (sm_90 build).
+# Promoted tiles all use BLOCK_K = 128, so the autotuner's (timing-dependent) choice never
+# changes the result: a 64-K promotion interval rounds differently, which made prefill logits
+# depend on which tile won in a given process.
 _TILES = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
           (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
           (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4)]
@@ -172,8 +175,8 @@ def _tile_ok(bm: int, bn: int, bk: int, warps: int, m_bucket: int, k: int, split
         return False
     if bk > max(32, k // max(split, 1)) and bk > 32:
         return False
-    if promote != CHAINED and (bm * bn > 2048 * warps or bk > 128):
-        return False
+    if promote != CHAINED and (bm * bn > 2048 * warps or bk != 128):
+        return False  # every promoted tile adds the same 128-K partials: autotuning keeps bits
     return True
 
 
