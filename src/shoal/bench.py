@@ -75,9 +75,10 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
                             ignore_eos=True)
     groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
         3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
-    times, prep = [], []
+    times, prep, peak = [], [], 0
     sched = llm.engine.scheduler
     while llm.engine.has_unfinished():
+        peak = max(peak, len(sched.running))
         pure_decode = len(sched.running) == batch and all(
             r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
         sync()
@@ -91,6 +92,10 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
             prep.append(llm.engine.stats.prepare_time - before)
     for g_id in groups:
         llm.engine.release(g_id)
+    if not times:  # e.g. fewer slots or blocks than requests: say so instead of a number
+        return {"batch": batch, "error": f"no step decoded all {batch} requests together "
+                f"(at most {peak} ran at once; slots {sched.max_running}, KV blocks "
+                f"{sched.kv.num_blocks})"}
     decode = times[1:] if len(times) > 2 else times  # first pure-decode step compiles
     tpot = statistics.median(decode)
     floor = decode_floor(llm, batch, prompt_len + steps // 2)
@@ -190,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         d = bench_decode(llm, b, args.prompt_len, args.steps)
         decode.append(d)
+        if "error" in d:
+            print(f"{b:5d} {d['error']}", flush=True)
+            continue
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
               f"{d['host_prepare_share']:10.1%}", flush=True)
     result["decode"] = decode
@@ -204,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        xs = [d["batch"] for d in decode]
-        plt.plot(xs, [d["tpot_ms"] for d in decode], "o-", label="shoal TPOT")
-        plt.plot(xs, [d["floor_ms"] for d in decode], "k--", label="HBM floor")
+        done = [d for d in decode if "error" not in d]
+        xs = [d["batch"] for d in done]
+        plt.plot(xs, [d["tpot_ms"] for d in done], "o-", label="shoal TPOT")
+        plt.plot(xs, [d["floor_ms"] for d in done], "k--", label="HBM floor")
         plt.xscale("log", base=2)
         plt.yscale("log")
         plt.xlabel("batch")
