@@ -120,9 +120,6 @@ DECODE_CFGS = {
     "swap16x128k256w8": (_swap(16, 128, 256, 8, 3),) * 2,
     "swap32x64k256s4": (_swap(32, 64, 256, 4, 4),) * 2,
     "v0_plain": V0_DECODE,
-    "plain_split2": tuple(dataclasses.replace(c, split_k=2) for c in V0_DECODE),
-    "plain_split4": tuple(dataclasses.replace(c, split_k=4) for c in V0_DECODE),
-    "plain_split8": tuple(dataclasses.replace(c, split_k=8) for c in V0_DECODE),
 }
 PREFILL_CFGS = {
     "plain128x64|128x128": (tmoe.TileConfig(128, 64, 128, 8, 3),
@@ -250,7 +247,7 @@ def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = Tr
 
     sig = {"a_ptr": "*fp8e4nv" if w4a8 else "*bf16", "as_ptr": "*fp32", "arow_ptr": "*i32",
            "out_ptr": "*bf16", "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8",
-           "ws_ptr": "*u8", "cnt_ptr": "*i32", "lut_ptr": "*i32", "N": "i32", "E": "i32", "R": "i32",
+           "ws_ptr": "*u8", "cnt_ptr": "*i32", "lut_ptr": "*i32", "N": "i32", "E": "i32",
            "limit": "fp32"}
     bk = cfg.block_k
     while k % bk:
@@ -258,7 +255,7 @@ def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = Tr
     consts = {"K": k, "E_P2": triton.next_power_of_2(E),
               "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
               "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
-              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote, "SPLIT": tmoe._splits(cfg, k, bk)}
+              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]  # as the JIT specialises them
              for n in names if n.endswith("_ptr") or n in ("N", "E")}

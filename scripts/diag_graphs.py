@@ -114,17 +114,17 @@ def main() -> int:
         if not same_lp:
             for i, (x, y) in enumerate(zip(results[a], results[b], strict=True)):
                 if x != y:
-                    j = next(j for j, (p, q) in enumerate(zip(x[1], y[1])) if p != q)
+                    j = next(j for j, (p, q) in enumerate(zip(x[1], y[1], strict=False)) if p != q)
                     print(f"  request {i}: first logprob difference at output token {j}: "
                           f"{x[1][j][:2]} vs {y[1][j][:2]}")
     ea, st = records["eager"].calls, records["static"].calls
     print(f"forwards recorded: eager {len(ea)}, static {len(st)}")
-    for s, (ca, cb) in enumerate(zip(ea, st)):
-        for c, (x, y) in enumerate(zip(ca, cb)):
+    for s, (ca, cb) in enumerate(zip(ea, st, strict=False)):
+        for c, (x, y) in enumerate(zip(ca, cb, strict=False)):
             if x[0] != y[0]:
                 print(f"forward {s} call {c}: op order differs ({x[0]} vs {y[0]})")
                 return 0
-            for o, (hx, hy) in enumerate(zip(x[1], y[1])):
+            for o, (hx, hy) in enumerate(zip(x[1], y[1], strict=False)):
                 if hx[0] == hy[0] and hx != hy:
                     print(f"first differing output: forward {s} call {c} op {x[0]} output {o} "
                           f"(trailing shape {hx[0]})")

@@ -6,8 +6,6 @@ the run; the portable non-asm weight conversion is used there). Skipped otherwis
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -140,7 +138,6 @@ BIG_SWAP = (tmoe.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
 SWAP_PROMOTED = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True),) * 2
 BIG_PROMOTED = (tmoe.TileConfig(128, 64, 128, 8, 3, promote=True),
                 tmoe.TileConfig(128, 128, 128, 8, 3, promote=True))
-PLAIN_SPLIT = tuple(dataclasses.replace(c, split_k=2) for c in PLAIN)
 
 
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
@@ -163,20 +160,6 @@ def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
     _check(tmoe.moe_experts(**kw, configs=configs), want)
 
 
-@pytest.mark.parametrize("t,split", [(1, 4), (6, 2), (25, 3)])
-def test_w4a8_split_k_matches_reference(t: int, split: int) -> None:
-    """K slices (TileConfig.split_k): partials summed in slice order before the bf16 rounding,
-    the SwiGLU and the combine; against the reference, and within fp32 summation order of the
-    unsplit tiles (the same products, grouped differently)."""
-    kw = _case(3000 + t, t, 256, 192, 8, 3, spread=4)
-    plain = (tmoe.TileConfig(16, 32, 64, 4, 2), tmoe.TileConfig(16, 64, 64, 4, 2))
-    sliced = tuple(dataclasses.replace(c, split_k=split) for c in plain)
-    got = tmoe.moe_experts(**kw, configs=sliced)
-    _check(got, ref.moe_mxfp4(**_cpu(kw)))
-    ref._moe_compare(got, tmoe.moe_experts(**kw, configs=plain), None)
-    assert tmoe._splits(sliced[0], 256, 64) == {4: 4, 2: 2, 3: 2}[split]  # whole BLOCK_K steps
-
-
 @pytest.mark.parametrize("rows_k", [(1, 1), (1, 6), (7, 2), (83, 3), (200, 6)])
 def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
     """The one-launch counting sort gives exactly torch's stable argsort permutation and the
@@ -196,8 +179,7 @@ def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
 @pytest.mark.skipif(not ON_GPU, reason="prmt inline asm needs the device")
 @pytest.mark.parametrize("variant", [None, 1, 2])
 @pytest.mark.parametrize("name,configs", [("default", None), ("swap", SWAP), ("plain", PLAIN),
-                                          ("big", BIG), ("big_swap", BIG_SWAP),
-                                          ("plain_split", PLAIN_SPLIT)])
+                                          ("big", BIG), ("big_swap", BIG_SWAP)])
 def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> None:
     """Both prmt conversions on every tile family give the portable conversion's bits (the asm
     relies on 4 packed elements being 4 consecutive K of one weight row; spread = 9 makes every

@@ -4,8 +4,6 @@ Catches a kernel that no longer compiles for Hopper, or a tile that spills, with
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -43,9 +41,8 @@ def test_gemm_tiles_build_without_spills() -> None:
 
 
 def test_moe_kernels_build_without_spills() -> None:
-    """The grouped GEMM at the default decode and prefill tiles and with K slices, the split
-    SwiGLU and the combine build for sm_90 (no GPU needed) without register spills, at the
-    mini shapes (D 5120, I 2304, 384 experts)."""
+    """The grouped GEMM at the default decode and prefill tiles and the combine build for sm_90
+    (no GPU needed) without register spills, at the mini shapes (D 5120, I 2304, 384 experts)."""
     from shoal.ops.triton import moe as tmoe
 
     ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "arow_ptr": "*i32", "out_ptr": "*bf16",
@@ -55,23 +52,16 @@ def test_moe_kernels_build_without_spills() -> None:
     for rows in (rows_small, rows_big):
         for cfg, swiglu, k in zip(tmoe.default_configs(rows, 384), (True, False), (5120, 2304),
                                   strict=True):
-            for split in (1, 2):
-                cfg = dataclasses.replace(cfg, split_k=split)
-                bk = cfg.block_k
-                while k % bk:
-                    bk //= 2
-                consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
-                          "BM": cfg.block_m, "BN": cfg.block_n, "BK": bk, "SWIGLU": swiglu,
-                          "GATHER_A": swiglu, "W4A8": True, "CONVERT": 1, "SWAP_AB": False,
-                          "PROMOTE": cfg.promote, "SPLIT": tmoe._splits(cfg, k, bk)}
-                usage, _ = sm90_build(tmoe._moe_gemm_kernel, ptrs, consts, cfg.num_warps,
-                                      cfg.num_stages, ("N", "E"))
-                assert stack_bytes(usage) == 0, f"{cfg} {'w13' if swiglu else 'w2'}: spills"
-    for split, ydt in ((1, "*bf16"), (3, "*fp32")):
-        usage, _ = sm90_build(tmoe._combine_kernel, {"y_ptr": ydt, "out_ptr": "*fp32"},
-                              {"KTOP": 6, "BLOCK": 1024, "SPLIT": split}, 4, 2)
-        assert stack_bytes(usage) == 0
-    usage, _ = sm90_build(tmoe._swiglu_splits_kernel,
-                          {"ws_ptr": "*fp32", "rw_ptr": "*fp32", "h_ptr": "*bf16",
-                           "limit": "fp32"}, {"SPLIT": 4, "BR": 4, "BLOCK": 256}, 4, 2)
+            bk = cfg.block_k
+            while k % bk:
+                bk //= 2
+            consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
+                      "BM": cfg.block_m, "BN": cfg.block_n, "BK": bk, "SWIGLU": swiglu,
+                      "GATHER_A": swiglu, "W4A8": True, "CONVERT": 1, "SWAP_AB": False,
+                      "PROMOTE": cfg.promote}
+            usage, _ = sm90_build(tmoe._moe_gemm_kernel, ptrs, consts, cfg.num_warps,
+                                  cfg.num_stages, ("N", "E"))
+            assert stack_bytes(usage) == 0, f"{cfg} {'w13' if swiglu else 'w2'}: spills"
+    usage, _ = sm90_build(tmoe._combine_kernel, {"y_ptr": "*bf16", "out_ptr": "*fp32"},
+                          {"KTOP": 6, "BLOCK": 1024}, 4, 2)
     assert stack_bytes(usage) == 0

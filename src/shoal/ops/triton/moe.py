@@ -24,10 +24,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    128-row wgmma tiles with promoted accumulation. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
    are 1.08-1.17x faster at decode on the H200 but FP8 wgmma adds in reduced precision:
    relative error 9.4e-3 against 1.7e-4 for the 16-row tiles (bench_moe correctness, realistic
-   weights, 2026-11-29), so they are opt-in (`configs=`). By default every program sums the
-   full K of its rows; `TileConfig.split_k` (opt-in, not yet measured on the H200) gives each
-   K slice its own program, with fp32 partials summed in slice order before the bf16 rounding
-   (`_swiglu_splits_kernel` for w13, `_combine_kernel` for w2).
+   weights, 2026-11-29), so they are opt-in (`configs=`). Every program sums the full K of its
+   rows (split-K was built and measured on the H200: 2 slices 1% faster at T = 1 and 10%
+   slower at T = 64, 4 and 8 slices slower at both; removed).
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -43,7 +42,7 @@ measured, the wgmma tiles put <= 0.15% of a tiny call over 1x on the H200):
   add each BLOCK_K product from zero (FP8 wgmma's reduced-precision adds inside it) into an
   fp32 accumulator (reference: fp64, then fp32); their g / u then differ from the reference's by
   bf16 ulps often enough that h's e4m3 re-quantisation moves some h by a whole e4m3 step.
-  Every program sums the full K of its rows (or of its K slice, split_k) in ascending BLOCK_K
+  Every program sums the full K of its rows in ascending BLOCK_K
   steps whatever the batch, so a row's result depends only on its own (token, expert) within
   one tile family; across the two families the bits differ (test_batch_invariance is xfail).
 - the combine adds the k bf16 expert outputs in slot order (reference: ascending expert id).
@@ -86,12 +85,6 @@ class TileConfig:
     chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
     chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
     128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
-    split_k: int = 1
-    """K slices, each its own program (more programs for decode sizes, where a few hundred
-    programs each loop over all of K); the fp32 partials (row and column scales applied:
-    powers of two, so exact) go to a workspace and are summed in slice order before the bf16
-    rounding, the SwiGLU (w13) or the combine (w2). Opt-in (bench_moe --sweep decode): not
-    yet measured on the H200. K must split into whole BLOCK_K steps (else fewer slices)."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
@@ -170,21 +163,17 @@ def _mma(x, y, acc, PROMOTE: tl.constexpr):
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, ws_ptr, cnt_ptr,
-                     lut_ptr, N, E, R, limit, K: tl.constexpr, E_P2: tl.constexpr,
+                     lut_ptr, N, E, limit, K: tl.constexpr, E_P2: tl.constexpr,
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
-                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     CONVERT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
     of weight rows n and N + n of the expert (w13); else out[orow[r], n] = bf16(y) (w2).
     W4A8: a is folded e4m3 with row scales as_ptr; else a is bf16 and weights dequantise to bf16.
     SWAP_AB: the accumulators hold the transposed [BN, BM] tile (weights as the left operand).
-    SPLIT > 1: this program sums K slice program_id(2) only and stores its scaled fp32 partials
-    to out_ptr = ws [SPLIT, R, NW]: w13 at the routed rows (g at n, u at N + n), w2 at the
-    (token, slot) output rows orow[r].
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -216,9 +205,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         offs_k = tl.arange(0, BK)
-        KS: tl.constexpr = K // SPLIT
-        k_lo = tl.program_id(2) * KS
-        for k0 in range(k_lo, k_lo + KS, BK):
+        for k0 in range(0, K, BK):
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
             if W4A8:
@@ -248,15 +235,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             acc_g = acc_g * rs[:, None] * col_scale(wmax_g)[None, :]
             if SWIGLU:
                 acc_u = acc_u * rs[:, None] * col_scale(wmax_u)[None, :]
-        if SPLIT > 1 and SWIGLU:  # partials of g and u, rows in routed order
-            part = (tl.program_id(2).to(tl.int64) * R + rows[:, None]) * NW
-            tl.store(out_ptr + part + offs_n[None, :], acc_g, mask=omask)
-            tl.store(out_ptr + part + N + offs_n[None, :], acc_u, mask=omask)
-        elif SPLIT > 1:  # partials of y at the (token, slot) output rows
-            orow = tl.load(orow_ptr + rows, mask=rmask, other=0).to(tl.int64)
-            part = (tl.program_id(2).to(tl.int64) * R + orow[:, None]) * N
-            tl.store(out_ptr + part + offs_n[None, :], acc_g, mask=omask)
-        elif SWIGLU:
+        if SWIGLU:
             rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
             ptrs = out_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
             tl.store(ptrs, _swiglu(acc_g, acc_u, rw, limit), mask=omask)
@@ -267,43 +246,15 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, D, R, KTOP: tl.constexpr, BLOCK: tl.constexpr,
-                    SPLIT: tl.constexpr):
-    """out[t, :] = sum_j fp32(y[t * KTOP + j, :]) in slot order. SPLIT > 1: y is the w2 GEMM's
-    fp32 partials [SPLIT, R, D]; each slot's row is their in-order sum rounded to bf16."""
+def _combine_kernel(y_ptr, out_ptr, D, KTOP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, :] = sum_j fp32(y[t * KTOP + j, :]) in slot order."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(KTOP):
-        if SPLIT == 1:
-            acc += tl.load(y_ptr + (t * KTOP + j) * D + offs, mask=mask, other=0.0).to(
-                tl.float32)
-        else:
-            y = tl.zeros((BLOCK,), dtype=tl.float32)
-            for sl in tl.static_range(SPLIT):
-                y += tl.load(y_ptr + (sl * R + t * KTOP + j) * D + offs, mask=mask, other=0.0)
-            acc += _bf16(y).to(tl.float32)
+        acc += tl.load(y_ptr + (t * KTOP + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + offs, acc, mask=mask)
-
-
-@triton.jit
-def _swiglu_splits_kernel(ws_ptr, rw_ptr, h_ptr, R, N, limit, SPLIT: tl.constexpr,
-                          BR: tl.constexpr, BLOCK: tl.constexpr):
-    """h [R, N] bf16 from the w13 GEMM's fp32 partials ws [SPLIT, R, 2N] (g at n, u at N + n),
-    summed in slice order, then `_swiglu` (the unsplit epilogue)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows[:, None] < R) & (offs[None, :] < N)
-    g = tl.zeros((BR, BLOCK), dtype=tl.float32)
-    u = tl.zeros((BR, BLOCK), dtype=tl.float32)
-    for sl in tl.static_range(SPLIT):
-        base = ws_ptr + (sl * R + rows[:, None]).to(tl.int64) * (2 * N) + offs[None, :]
-        g += tl.load(base, mask=mask, other=0.0)
-        u += tl.load(base + N, mask=mask, other=0.0)
-    rw = tl.load(rw_ptr + rows, mask=rows < R, other=0.0)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * N + offs[None, :], _swiglu(g, u, rw, limit),
-             mask=mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -323,20 +274,12 @@ def _quant_folded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), torch.exp2((top.squeeze(1) - 127).float())
 
 
-def _splits(cfg: TileConfig, k: int, bk: int) -> int:
-    """cfg.split_k, lowered until K splits into whole BLOCK_K steps."""
-    split = max(cfg.split_k, 1)
-    while split > 1 and k % (split * bk):
-        split -= 1
-    return split
-
-
 def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: TileConfig,
             swiglu: bool, gather: bool, w4a8: bool,
-            convert: int | None) -> tuple[torch.Tensor, int]:
+            convert: int | None) -> None:
     """One grouped GEMM: w13 writes h [R, n] bf16 into `out`; w2 writes y [R, n] bf16 at the
-    output rows into `out`, or with K slices returns a new buffer of fp32 partials
-    [split, R, n] for `_combine`. Returns (the buffer holding the result, K slices). convert: the `w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the prmt variant
+    output rows into `out`. convert: the `w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
+    prmt variant
     with the fewest instructions for the tile orientation (2 for swap-AB, where the weights are
     the register operand; 1 for plain tiles, where 2 costs more)."""
     rows, e = orow.shape[0], w.shape[0]
@@ -347,35 +290,22 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     bk = cfg.block_k
     while k % bk:
         bk //= 2
-    split = _splits(cfg, k, bk)
-    dest = out
-    if split > 1:
-        dest = torch.empty(split, rows, 2 * n if swiglu else n, dtype=torch.float32,
-                           device=a.device)
     m_tiles = triton.cdiv(rows, cfg.block_m) + min(e, rows)
-    grid = (triton.cdiv(n, cfg.block_n), m_tiles, split)
+    grid = (triton.cdiv(n, cfg.block_n), m_tiles)
     dummy = counts
     _moe_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, arow if arow is not None else dummy, dest,
-        orow, rw, w, ws, counts, lut_table(a.device), n, e, rows, float(limit), K=k,
+        a, a_scale if a_scale is not None else dummy, arow if arow is not None else dummy, out,
+        orow, rw, w, ws, counts, lut_table(a.device), n, e, float(limit), K=k,
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
-        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote, SPLIT=split,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if split > 1 and swiglu:
-        br, block = 4, 256
-        _swiglu_splits_kernel[(triton.cdiv(rows, br), triton.cdiv(n, block))](
-            dest, rw, out, rows, n, float(limit), SPLIT=split, BR=br, BLOCK=block, num_warps=4)
-        return out, split
-    return dest, split
+        W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _combine(y: torch.Tensor, t: int, k: int, d: int, split: int = 1) -> torch.Tensor:
+def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
     out = torch.empty(t, d, dtype=torch.float32, device=y.device)
     block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block))](y, out, d, t * k, KTOP=k, BLOCK=block,
-                                                SPLIT=split, num_warps=4)
+    _combine_kernel[(t, triton.cdiv(d, block))](y, out, d, KTOP=k, BLOCK=block, num_warps=4)
     return out
 
 
@@ -415,15 +345,15 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         _launch(xq, xs, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
                 True, convert)
         hq, hs = _quant_folded(h)
-        y, split = _launch(hq, hs, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2,
-                           False, False, True, convert)
+        _launch(hq, hs, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False,
+                False, True, convert)
     else:
         xb = x.contiguous()
         _launch(xb, None, tok, h, orow, rw, w13b, s13, counts, inter, d, limit, cfg1, True, True,
                 False, 0)
-        y, split = _launch(h, None, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2,
-                           False, False, False, 0)
-    return _combine(y, t, k, d, split)
+        _launch(h, None, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False,
+                False, False, 0)
+    return _combine(y, t, k, d)
 
 
 def moe_w4a16(**kwargs) -> torch.Tensor:
