@@ -13,7 +13,7 @@ syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e
 2*T*6*3*D*I / 1343e12), the fraction of floor, and the W4A8 (asm) / W4A16 speed ratio. A
 correctness line per variant (vs the reference on the CPU, T = 16 on 8 experts) comes first.
 
---sweep decode|prefill|all: also time `asm` with each candidate tile pair of DECODE_CFGS /
+--sweep decode|decode-plain|prefill|all: also time `asm` with each candidate tile pair of DECODE_CFGS /
 PREFILL_CFGS (a pair that fails to build is reported and skipped) and name the best.
 --breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
 combine; each stage its own graph) with each GEMM's own HBM floor.
@@ -120,6 +120,19 @@ DECODE_CFGS = {
     "swap16x128k256w8": (_swap(16, 128, 256, 8, 3),) * 2,
     "swap32x64k256s4": (_swap(32, 64, 256, 4, 4),) * 2,
     "v0_plain": V0_DECODE,
+}
+# plain (exact fp32 mma.sync) decode tiles around the default, `--sweep decode-plain`
+_P = tmoe.TileConfig
+PLAIN_DECODE_CFGS = {
+    "v0_plain": V0_DECODE,
+    "plain_n64": (_P(16, 64, 256, 4, 4), _P(16, 64, 256, 4, 4)),
+    "plain_w2n32": (_P(16, 32, 256, 4, 4), _P(16, 32, 256, 4, 4)),
+    "plain_s3": (_P(16, 32, 256, 4, 3), _P(16, 64, 256, 4, 3)),
+    "plain_k128s6": (_P(16, 32, 128, 4, 6), _P(16, 64, 128, 4, 6)),
+    "plain_k512s3": (_P(16, 32, 512, 4, 3), _P(16, 64, 512, 4, 3)),
+    "plain_w2warps": (_P(16, 32, 256, 2, 4), _P(16, 64, 256, 2, 4)),
+    "plain_w8": (_P(16, 64, 256, 8, 4), _P(16, 128, 256, 8, 4)),
+    "plain_k128w2": (_P(16, 32, 128, 2, 6), _P(16, 32, 128, 2, 6)),
 }
 PREFILL_CFGS = {
     "plain128x64|128x128": (tmoe.TileConfig(128, 64, 128, 8, 3),
@@ -304,7 +317,7 @@ def sass_report() -> None:
                                            for c in tmoe.SWAP_DECODE)),
             ("prefill promoted", tuple(dataclasses.replace(c, promote=True)
                                        for c in tmoe.default_configs(6 * 8192, E))),
-            *DECODE_CFGS.items(), *PREFILL_CFGS.items()]
+            *DECODE_CFGS.items(), *PLAIN_DECODE_CFGS.items(), *PREFILL_CFGS.items()]
     for name, (c13, c2) in rows:
         for conv in ((2, 1) if c13.swap_ab else (1, 2)):
             for label, cfg, swiglu, k in (("w13", c13, True, D), ("w2", c2, False, INTER)):
@@ -320,7 +333,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="")
     ap.add_argument("--variants", default="asm,asm_p,asm_swap,asm_swap_p,w4a16")
-    ap.add_argument("--sweep", default="", choices=["", "decode", "prefill", "all"])
+    ap.add_argument("--sweep", default="", choices=["", "decode", "decode-plain", "prefill", "all"])
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")
     ap.add_argument("--sass", action="store_true",
@@ -364,6 +377,8 @@ def main() -> None:
         cands = {}
         if args.sweep in ("decode", "all") and t < 1024:
             cands = DECODE_CFGS
+        if args.sweep == "decode-plain" and t < 1024:
+            cands = PLAIN_DECODE_CFGS
         if args.sweep in ("prefill", "all") and t >= 1024:
             cands = PREFILL_CFGS
         sweep = {}
