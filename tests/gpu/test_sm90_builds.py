@@ -4,11 +4,13 @@ Catches a kernel that no longer compiles for Hopper, or a tile that spills, with
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from support.sm90 import sm90_build, stack_bytes  # noqa: E402
+from support.sm90 import sm90_build, sm90_ttgir, stack_bytes  # noqa: E402
 from support.triton_interpreter import INTERP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERP, reason="sm_90 builds: run without TRITON_INTERPRET")
@@ -65,3 +67,58 @@ def test_moe_kernels_build_without_spills() -> None:
     usage, _ = sm90_build(tmoe._combine_kernel, {"y_ptr": "*bf16", "out_ptr": "*fp32"},
                           {"KTOP": 6, "BLOCK": 1024}, 4, 2)
     assert stack_bytes(usage) == 0
+
+
+def _packs_consecutive_k(ttgir: str) -> list[bool]:
+    """For each inline-asm op (the prmt conversions, pack = 4): do a thread's registers come in
+    groups of 4 consecutive K of one weight row? Linear layouts: the first two register bases
+    are K + 1 and K + 2; blocked: K-major with a multiple of 4 elements per thread along K;
+    wgmma register operands (dot_op): kWidth a multiple of 4."""
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*)$", ttgir, re.M))
+    verdicts = []
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" not in line:
+            continue
+        lay = re.search(r"-> tensor<\d+x\d+xi8, (.*)>", line).group(1)
+        lay = layouts.get(lay, lay)
+        if lay.startswith("#ttg.linear"):
+            regs = re.search(r"register = \[(.*?)\], lane", lay).group(1)
+            verdicts.append(regs.replace(" ", "").startswith("[0,1],[0,2]"))
+        elif lay.startswith("#ttg.dot_op"):
+            verdicts.append(int(re.search(r"kWidth = (\d+)", lay).group(1)) % 4 == 0)
+        else:
+            spt = [int(v) for v in re.search(r"sizePerThread = \[(.*?)\]", lay).group(1).split(",")]
+            order = re.search(r"order = \[(.*?)\]", lay).group(1).replace(" ", "")
+            verdicts.append(order == "1,0" and spt[1] % 4 == 0)
+    return verdicts
+
+
+def test_prmt_operands_pack_consecutive_k() -> None:
+    """The prmt conversions (fp4_tiles.w_e4m3 CONVERT 1 / 2) treat 4 packed elements as 4
+    consecutive K of one row (one 32-block, one LUT). Triton picks the register layout, so this
+    checks it in the sm_90 IR of every default MoE tile (decode and prefill) and the swap-AB
+    decode tiles, for each conversion `_launch` allows there; and that the combination
+    `_launch` refuses (variant 2 on plain 128-row tiles: wrong bits on the H200) fails it."""
+    from shoal.ops.triton import moe as tmoe
+
+    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "arow_ptr": "*i32", "out_ptr": "*bf16",
+            "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8",
+            "cnt_ptr": "*i32", "lut_ptr": "*i32", "limit": "fp32"}
+
+    def verdicts(cfg, swiglu: bool, k: int, convert: int) -> list[bool]:
+        consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
+                  "BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k, "SWIGLU": swiglu,
+                  "GATHER_A": swiglu, "W4A8": True, "CONVERT": convert, "SWAP_AB": cfg.swap_ab,
+                  "PROMOTE": cfg.promote}
+        return _packs_consecutive_k(sm90_ttgir(tmoe._moe_gemm_kernel, ptrs, consts,
+                                               cfg.num_warps, cfg.num_stages, ("N", "E")))
+
+    pairs = [*tmoe.default_configs(6, 384), *tmoe.default_configs(8192 * 6, 384),
+             *tmoe.SWAP_DECODE]
+    for i, cfg in enumerate(pairs):
+        swiglu, k = (True, 5120) if i % 2 == 0 else (False, 2304)
+        for convert in ((1, 2) if cfg.swap_ab else (1,)):
+            got = verdicts(cfg, swiglu, k, convert)
+            assert got and all(got), f"{cfg} convert {convert}: prmt operand layout {got}"
+    big = tmoe.default_configs(8192 * 6, 384)[0]
+    assert not all(verdicts(big, True, 5120, 2)), "the refused combination should fail"

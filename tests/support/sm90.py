@@ -7,6 +7,27 @@ import pytest
 import triton
 
 
+def _compile(kern, ptrs: dict, consts: dict, warps: int, stages: int,
+             divisible: tuple[str, ...]):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kern.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs or n in divisible}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
+        "num_warps": warps, "num_stages": stages})
+
+
+def sm90_ttgir(kern, ptrs: dict, consts: dict, warps: int, stages: int,
+               divisible: tuple[str, ...] = ("N", "K")) -> str:
+    """The TritonGPU IR of an sm_90 build (as `sm90_build`): the layouts Triton chose."""
+    return _compile(kern, ptrs, consts, warps, stages, divisible).asm["ttgir"]
+
+
 def sm90_build(kern, ptrs: dict, consts: dict, warps: int, stages: int,
                divisible: tuple[str, ...] = ("N", "K")) -> tuple[str, str]:
     """AOT-compile a Triton kernel for sm_90 with Triton's bundled ptxas (no GPU needed),
@@ -16,20 +37,10 @@ def sm90_build(kern, ptrs: dict, consts: dict, warps: int, stages: int,
     import subprocess
     import tempfile
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not os.path.exists(os.path.join(tools, "cuobjdump")):
         pytest.skip("Triton's bundled cuobjdump is missing")
-    names = kern.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ptrs or n in divisible}
-    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
-                    constexprs={(names.index(n),): v for n, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
-        "num_warps": warps, "num_stages": stages})
+    compiled = _compile(kern, ptrs, consts, warps, stages, divisible)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
