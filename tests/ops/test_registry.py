@@ -56,6 +56,31 @@ def test_tables_count_separately_and_keyword_only():
         a.missing  # noqa: B018
 
 
+def test_backend_state_is_per_table():
+    """A backend registered with `state` gets its own object from each resolved table (e.g. a
+    weight cache dies with its engine; nothing is module-global); direct calls get none."""
+    reg = _registry()
+    made = []
+
+    def new_state() -> list:
+        made.append([])
+        return made[-1]
+
+    @reg.implement("stateful", "negate", state=new_state)
+    def neg(*, x: torch.Tensor, state: list | None = None) -> torch.Tensor:
+        if state is not None:
+            state.append(x.numel())
+        return -x
+
+    a, b = reg.resolve(["stateful"]), reg.resolve(["stateful"])
+    a.negate(x=torch.ones(2))
+    a.negate(x=torch.ones(3))
+    b.negate(x=torch.ones(5))
+    assert made == [[2, 3], [5]]
+    assert reg.impl("stateful", "negate").fn(x=torch.ones(1)).tolist() == [-1.0]
+    assert made == [[2, 3], [5]]
+
+
 def test_moe_compare_allows_rare_fp8_requantisation_flips_only() -> None:
     """moe_mxfp4's compare: <= 1% of elements over 1x tolerance, none over 8x, NaN parity."""
     from shoal.ops.reference.moe import _moe_compare

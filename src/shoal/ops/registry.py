@@ -67,6 +67,9 @@ class OpDef:
 class BackendImpl:
     fn: Callable[..., Any]
     supports: Callable[..., bool]
+    # state(): a fresh per-table object (e.g. a cache of weights prepared on first use), passed
+    # to fn as `state=` by the resolved table; direct calls of fn pass none (fn must accept that)
+    state: Callable[[], Any] | None = None
 
 
 class OpRegistry:
@@ -91,13 +94,16 @@ class OpRegistry:
         return wrap
 
     def implement(self, backend: str, name: str, *,
-                  supports: Callable[..., bool] | None = None):
-        """Decorator registering a backend implementation of op `name` (same signature)."""
+                  supports: Callable[..., bool] | None = None,
+                  state: Callable[[], Any] | None = None):
+        """Decorator registering a backend implementation of op `name` (same signature, plus a
+        `state=None` keyword when `state` is given: each resolved table makes its own)."""
 
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             if backend == REFERENCE:
                 raise ValueError("the reference backend is defined with define()")
-            self._impls.setdefault(backend, {})[name] = BackendImpl(fn, supports or _always)
+            self._impls.setdefault(backend, {})[name] = BackendImpl(fn, supports or _always,
+                                                                    state)
             return fn
 
         return wrap
@@ -159,13 +165,15 @@ def _guarded(name: str, impl: BackendImpl, reference: Callable[..., Any],
     """Call the backend when `supports(**kwargs)` holds, else the reference (never silently
     wrong; the predicate is cheap and shape-only). Each declined call is counted in `declined`
     (`OpTable.declined`), and the first one per op is logged with its arguments, so a slow
-    reference on the hot path is visible rather than silent."""
+    reference on the hot path is visible rather than silent. A backend with `state` gets this
+    table's own instance on every call."""
+    extra = {} if impl.state is None else {"state": impl.state()}
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
             raise TypeError(f"op {name}: call with keyword arguments only")
         if impl.supports(**kwargs):
-            return impl.fn(**kwargs)
+            return impl.fn(**kwargs, **extra)
         if name not in declined:
             logger.warning("op %s: %s declines (%s); the reference runs", name,
                            getattr(impl.fn, "__module__", "?"), _describe(kwargs))

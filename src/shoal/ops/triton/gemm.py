@@ -124,13 +124,12 @@ CHAINED, PROMOTED = 0, 1  # `_gemm_fp8_kernel` PROMOTE modes (see there)
 DEFAULT_PROMOTE = PROMOTED
 
 
-class _PreparedCache:
+class PreparedCache:
     """Folded weights prepared on first use, keyed by the weight tensor's identity; an entry dies
-    with its weight (weakref finalizer). Not a WeakKeyDictionary: its key comparison calls
-    Tensor.__eq__, which is elementwise. Module-level (the one piece of global state in the ops):
-    the fold is a pure function of the weight, so engines in one process can share it; a
-    load-time weight-preparation hook per backend would remove it (and the folded copy's
-    memory, about the size of the FP8 dense weights)."""
+    with its weight (weakref finalizer) or with the cache. Not a WeakKeyDictionary: its key
+    comparison calls Tensor.__eq__, which is elementwise. Each resolved op table owns one (the
+    registry's per-table `state`), so nothing is shared between engines; the folded copies
+    take about the size of the FP8 dense weights."""
 
     def __init__(self) -> None:
         self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
@@ -145,9 +144,6 @@ class _PreparedCache:
         self._map[key] = (weakref.ref(weight), scale, prepared)
         weakref.finalize(weight, self._map.pop, key, None)
         return prepared
-
-
-_PREPARED = _PreparedCache()
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Promoted modes hold a second [BM, BN] fp32 tile
 # (the step's product) next to the accumulator, so their tiles keep <= 64 accumulator registers
@@ -333,16 +329,18 @@ def _supports_gemm(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
             and weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.dim() == 2)
 
 
-@REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm)
+@REGISTRY.implement("triton", "gemm_fp8", supports=_supports_gemm, state=PreparedCache)
 def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             block: int = 32) -> torch.Tensor:
+             block: int = 32, state: PreparedCache | None = None) -> torch.Tensor:
     """Same contract as the reference op: the activation quantised per 32 (the reference's codes)
-    and folded, the weight folded on first use (weakly cached), promoted FP8 wgmma (split-K for
-    decode sizes). A fused-quantisation CUDA-core GEMV for M <= 8 was tried and dropped: 3-11x
-    slower than this path on the H200 (2026-11-29, bench_ops: 32-119 us at M = 1)."""
+    and folded, the weight folded on first use (cached in the op table's `state`; folded on
+    every call without one), promoted FP8 wgmma (split-K for decode sizes). A
+    fused-quantisation CUDA-core GEMV for M <= 8 was tried and dropped: 3-11x slower than this
+    path on the H200 (2026-11-29, bench_ops: 32-119 us at M = 1)."""
     if weight.dtype == torch.uint8:
         weight = weight.view(torch.float8_e4m3fn)
-    prepared = _PREPARED.get(weight, weight_scale, block)
+    prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None
+                else state.get(weight, weight_scale, block))
     q, rs = _act_quant(x, block, fold=True)
     return gemm_fp8_folded(q, rs, prepared)
 
