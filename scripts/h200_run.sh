@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One batched GPU session on a bare H200 machine (torch + Triton preinstalled, no network):
 #   bash scripts/h200_run.sh STAGE[:SECONDS] ...      results under $OUT (default ./h200_out)
-# Stages: tests (whole pytest suite, GPU tests included), probe (every Triton op at real shapes,
-# one fresh process each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick),
-# profile (benchmarks/profile_decode.py at batch 1 and 64), e2e (shoal bench; E2E_ARGS adds
-# arguments; TEST_ARGS likewise for tests, e.g. a path or -k). Packages the machine lacks
-# travel as wheels in .whl/ (README, Tests and benchmarks).
+# Stages: tests (tests/gpu and tests/ops: on the H200 about 4 min for tests/gpu without
+# test_cuda_graphs.py, 3+ min for that file, 2 min for the conformance suite; the whole suite
+# also runs the engine tests on CUDA and does not fit one 10-minute call; TEST_ARGS replaces
+# the paths, e.g. "tests/gpu -k moe"), probe (every Triton op at real shapes, one fresh process
+# each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick), profile
+# (benchmarks/profile_decode.py at batch 1 and 64), e2e (shoal bench; E2E_ARGS adds arguments).
+# Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -25,8 +27,8 @@ for spec in "$@"; do
     case $stage in
         tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present)
                python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 120"
-               timeout "$limit" python3 -m pytest tests -q -rfEs --tb=short -p no:cacheprovider \
-                   --durations=25 $per_test ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1 ;;
+               timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/gpu tests/ops} -q -rfEs \
+                   --tb=short -p no:cacheprovider --durations=25 $per_test > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
                    index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \
                    compressed_write index_k_write index_q_quant rope_tail rmsnorm hc_coeffs \
