@@ -45,16 +45,24 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     return ids, w * route_scale
 
 
+def _swiglu_case(t: int, i: int, dtype: torch.dtype, routed: bool) -> OpCase:
+    """fp32 g, u with routing weights (routed experts), or bf16 without (the shared expert)."""
+    name = f"T{t}xI{i}{'' if routed else '-shared'}-{str(dtype).removeprefix('torch.')}"
+    return OpCase(name, lambda g, d: {
+        "gate": randn(g, t, i, scale=6.0, dtype=dtype, device=d),
+        "up": randn(g, t, i, scale=6.0, dtype=dtype, device=d),
+        "weight": torch.rand(t, generator=g).to(d) if routed else None, "limit": 10.0})
+
+
 @REGISTRY.define("swiglu_clamp", tolerances={torch.bfloat16: Tolerance(atol=1e-2, rtol=1e-2)},
-                 cases=[OpCase(f"T{t}xI{i}", (lambda t, i: lambda g, d: {
-                     "gate": randn(g, t, i, scale=6.0, dtype=torch.float32, device=d),
-                     "up": randn(g, t, i, scale=6.0, dtype=torch.float32, device=d),
-                     "weight": torch.rand(t, generator=g).to(d), "limit": 10.0})(t, i))
-                     for t, i in ((1, 32), (7, 64), (0, 32), (83, 2304))])
+                 cases=[*(_swiglu_case(t, i, torch.float32, True)
+                          for t, i in ((1, 32), (7, 64), (0, 32), (83, 2304))),
+                        _swiglu_case(5, 96, torch.bfloat16, False),
+                        _swiglu_case(1, 2304, torch.bfloat16, False)])
 def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
                  limit: float) -> torch.Tensor:
-    """h = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) [* w]) ; g, u [T, I] fp32,
-    w [T] fp32 routing weight or None (shared expert)."""
+    """h = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) [* w]) ; g, u [T, I] fp32 or
+    bf16 (widened exactly), w [T] fp32 routing weight or None (shared expert)."""
     up = up.float().clamp(-limit, limit)
     gate = gate.float().clamp(max=limit)
     h = torch.nn.functional.silu(gate.double()).float() * up

@@ -51,7 +51,7 @@ def _supports(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | No
 @REGISTRY.implement("triton", "swiglu_clamp", supports=_supports)
 def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
                  limit: float) -> torch.Tensor:
-    """gate, up [T, I] fp32 (any strides), weight [T] fp32 or None -> h [T, I] bf16."""
+    """gate, up [T, I] fp32 or bf16 (any strides), weight [T] fp32 or None -> h [T, I] bf16."""
     t, inter = gate.shape
     out = torch.empty(t, inter, dtype=torch.bfloat16, device=gate.device)
     if t == 0 or inter == 0:
