@@ -90,12 +90,17 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         if pure_decode:
             times.append(dt)
             prep.append(llm.engine.stats.prepare_time - before)
+    errors = [e for e in (llm.engine.output(g_id).error for g_id in groups) if e]
     for g_id in groups:
         llm.engine.release(g_id)
     if not times:  # e.g. fewer slots or blocks than requests: say so instead of a number
         return {"batch": batch, "error": f"no step decoded all {batch} requests together "
                 f"(at most {peak} ran at once; slots {sched.max_running}, KV blocks "
-                f"{sched.kv.num_blocks})"}
+                f"{sched.kv.num_blocks}; {len(errors)} requests failed"
+                + (f", the first: {errors[0]})" if errors else ")")}
+    if errors:  # a timing over failed requests would be meaningless
+        return {"batch": batch, "error": f"{len(errors)} of {batch} requests failed; the "
+                f"first: {errors[0]}"}
     decode = times[1:] if len(times) > 2 else times  # first pure-decode step compiles
     tpot = statistics.median(decode)
     floor = decode_floor(llm, batch, prompt_len + steps // 2)
