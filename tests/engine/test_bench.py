@@ -20,3 +20,14 @@ def test_bench_tiny_json_line(tmp_path, capsys):
     startup = result["startup_s"]  # on the CPU: no graphs, no warm-up
     assert startup["total"] > 0 and startup["graphs"] == 0 and startup["graph_capture"] == 0.0
     assert result["declined_calls"] == {}
+
+
+def test_bench_decode_reports_a_batch_that_never_runs_whole():
+    """More requests than slots: no step decodes them all, and the entry says so (no number)."""
+    from shoal import LLM
+    from shoal.bench import bench_decode
+
+    llm = LLM("tiny", device="cpu", max_num_seqs=2, max_num_batched_tokens=64)
+    d = bench_decode(llm, 3, 8, 2)
+    assert "tpot_ms" not in d and "at most 2 ran at once" in d["error"], d
+    assert not llm.engine.has_unfinished()
