@@ -28,11 +28,13 @@ def _local(sub: torch.Tensor | None, sup: torch.Tensor | None) -> torch.Tensor |
 
 
 def swa_kv(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
-           rows: torch.Tensor | None) -> None:
-    """kv = RoPE(kv_norm(wkv . x)) at p, stored as MXFP8 records in the scratch rows."""
+           rows: torch.Tensor | None, kv: torch.Tensor | None = None) -> None:
+    """kv = RoPE(kv_norm(wkv . x)) at p, stored as MXFP8 records in the scratch rows (kv: wkv . x
+    already computed)."""
     ops, p, cfg = ctx.ops, ctx.params, ctx.config
-    kv = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wkv.weight"],
-                      weight_scale=p[prefix + "attn.wkv.scale"])
+    if kv is None:
+        kv = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wkv.weight"],
+                          weight_scale=p[prefix + "attn.wkv.scale"])
     kv = ops.rmsnorm(x=kv, weight=p[prefix + "attn.kv_norm.weight"], eps=cfg.norm_eps)
     kv = ops.rope_tail(x=kv, positions=select(ctx.batch.positions, rows),
                        params=rope_params(cfg, spec))
@@ -40,12 +42,15 @@ def swa_kv(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
 
 
 def project_q(ctx: StepContext, prefix: str, spec: LayerSpec, x: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """qr = q_norm(wq_a . x) [F, q_lora]; q = RoPE(wq_b . qr) at p [F, H, head_dim]."""
+              positions: torch.Tensor,
+              qa: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """qr = q_norm(wq_a . x) [F, q_lora]; q = RoPE(wq_b . qr) at p [F, H, head_dim] (qa: wq_a . x
+    already computed)."""
     ops, p, cfg = ctx.ops, ctx.params, ctx.config
-    qr = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wq_a.weight"],
-                      weight_scale=p[prefix + "attn.wq_a.scale"])
-    qr = ops.rmsnorm(x=qr, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
+    if qa is None:
+        qa = ops.gemm_fp8(x=x, weight=p[prefix + "attn.wq_a.weight"],
+                          weight_scale=p[prefix + "attn.wq_a.scale"])
+    qr = ops.rmsnorm(x=qa, weight=p[prefix + "attn.q_norm.weight"], eps=cfg.norm_eps)
     q = ops.gemm_fp8(x=qr, weight=p[prefix + "attn.wq_b.weight"],
                      weight_scale=p[prefix + "attn.wq_b.scale"])
     q = q.view(positions.shape[0], cfg.num_heads, cfg.head_dim)
@@ -76,13 +81,18 @@ def attention(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
     """x [P, D] bf16 (normed collapse of rows.prod) -> y [F, D] bf16 for rows.full."""
     b = ctx.batch
     prefix = f"layers.{spec.layer_id}."
-    swa_kv(ctx, prefix, spec, select(x, _local(rows.kv, rows.prod)), rows.kv)
-    if spec.role is LayerRole.FULL:
-        run_compressor(ctx, spec, x, rows.prod)
     full = rows.full
     xf = select(x, _local(full, rows.prod))
     pos = select(b.positions, full)
-    qr, q = project_q(ctx, prefix, spec, xf, pos)
+    both = ctx.params.fused(prefix + "attn.wq_a+wkv") if rows.kv is full else None
+    qa = kv = None
+    if both is not None:  # the same rows need q and kv (every layer of a decode step)
+        qakv = ctx.ops.gemm_fp8(x=xf, weight=both[0], weight_scale=both[1])
+        qa, kv = qakv[:, :both[2]], qakv[:, both[2]:]
+    swa_kv(ctx, prefix, spec, select(x, _local(rows.kv, rows.prod)), rows.kv, kv=kv)
+    if spec.role is LayerRole.FULL:
+        run_compressor(ctx, spec, x, rows.prod)
+    qr, q = project_q(ctx, prefix, spec, xf, pos, qa=qa)
     comp_cache = comp_idx = None
     if spec.compress_ratio > 0:
         if spec.owns_index_query:

@@ -18,8 +18,13 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
     routed = ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit,
                            **p.experts(prefix))
     se = ffn + "shared_experts."
-    gate = ops.gemm_fp8(x=x, weight=p[se + "w1.weight"], weight_scale=p[se + "w1.scale"])
-    up = ops.gemm_fp8(x=x, weight=p[se + "w3.weight"], weight_scale=p[se + "w3.scale"])
+    w13 = p.fused(se + "w1+w3")
+    if w13 is not None:  # one GEMM: gate columns, then up columns
+        gu = ops.gemm_fp8(x=x, weight=w13[0], weight_scale=w13[1])
+        gate, up = gu[:, :w13[2]], gu[:, w13[2]:]
+    else:
+        gate = ops.gemm_fp8(x=x, weight=p[se + "w1.weight"], weight_scale=p[se + "w1.scale"])
+        up = ops.gemm_fp8(x=x, weight=p[se + "w3.weight"], weight_scale=p[se + "w3.scale"])
     h = ops.swiglu_clamp(gate=gate, up=up, weight=None, limit=cfg.swiglu_limit)  # bf16 in
     shared = ops.gemm_fp8(x=h, weight=p[se + "w2.weight"], weight_scale=p[se + "w2.scale"])
     return (routed + shared).to(torch.bfloat16)  # fp32 + bf16: one fp32 add (no extra cast)

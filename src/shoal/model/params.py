@@ -1,8 +1,11 @@
 """Model parameters: the checkpoint's tensors by their official names, validated against the
-inventory, with the routed experts stacked per layer for the grouped MoE op.
+inventory, with the routed experts stacked per layer for the grouped MoE op, and FP8 projections
+that read the same input stored as one matrix (`fused`: wq_a + wkv, shared w1 + w3), so a step
+runs one GEMM (one activation quantisation, one launch) for both.
 
 Invariant: the name map is total (model.md §6): every inventory tensor must arrive with its
-shape and dtype, unknown names are an error that names them, the vision tower is ignored.
+shape and dtype, unknown names are an error that names them, the vision tower is ignored. A
+fused pair's official names are views of its rows (no second copy).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from shoal.model.config import ModelConfig
 from shoal.model.weights import checkpoint_inventory, is_vision_name
 
 EXPERT_PARTS = ("w13", "w13_scale", "w2", "w2_scale")
+# (first, second, fused name): FP8 [N, K] weights of one input, stacked by rows
+FUSED_PAIRS = (("attn.wq_a", "attn.wkv", "attn.wq_a+wkv"),
+               ("ffn.shared_experts.w1", "ffn.shared_experts.w3", "ffn.shared_experts.w1+w3"))
 
 
 class WeightError(ValueError):
@@ -28,6 +34,7 @@ class ModelParams:
                  experts: dict[str, dict[str, torch.Tensor]]) -> None:
         self._tensors = tensors
         self._experts = experts
+        self._fused = _fuse_pairs(tensors)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -48,6 +55,11 @@ class ModelParams:
 
     def names(self) -> list[str]:
         return sorted(self._tensors)
+
+    def fused(self, name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(weight [N1 + N2, K], scale, N1) of a fused pair ('layers.3.attn.wq_a+wkv'), or None
+        when the pair was not fused (absent, or N1 not a whole number of 32-row blocks)."""
+        return self._fused.get(name)
 
     @classmethod
     def load(cls, config: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -126,3 +138,27 @@ def _expert_names(config: ModelConfig, experts: dict[str, dict]) -> set[str]:
     for slot in experts.values():
         out |= slot["_seen"]
     return out
+
+
+def _fuse_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor,
+                                                                      int]]:
+    """Stack every FUSED_PAIRS pair into one weight and scale (rows of the first, then the
+    second); the official names become views of the stacked rows. Pairs whose first part is not
+    a whole number of 32-row scale blocks, or whose K differ, stay apart."""
+    fused = {}
+    for first, second, name in FUSED_PAIRS:
+        suffix = first + ".weight"
+        for key in [k for k in tensors if k.endswith(suffix)]:
+            pre = key[:-len(suffix)]
+            wa, wb = tensors[key], tensors.get(pre + second + ".weight")
+            if (wb is None or wa.dim() != 2 or wa.shape[1] != wb.shape[1] or wa.shape[0] % 32
+                    or wa.dtype != wb.dtype):
+                continue
+            sa, sb = tensors[pre + first + ".scale"], tensors[pre + second + ".scale"]
+            w = torch.cat([wa.view(torch.uint8), wb.view(torch.uint8)]).view(wa.dtype)
+            sc = torch.cat([sa, sb])
+            n, ns = wa.shape[0], sa.shape[0]
+            tensors[key], tensors[pre + second + ".weight"] = w[:n], w[n:]
+            tensors[pre + first + ".scale"], tensors[pre + second + ".scale"] = sc[:ns], sc[ns:]
+            fused[pre + name] = (w, sc, n)
+    return fused
