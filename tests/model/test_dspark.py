@@ -86,7 +86,10 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Te
 
 
 def _collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * stream.float()).sum(dim=1).to(torch.bfloat16)
+    """As `hc_collapse` defines it: exact products summed in fp64, then fp32, then bf16 (an fp32
+    sum differs in its last bits, and about one run in a few hundred a bf16 rounding then flips
+    and the drafts drift apart: seed 816288166)."""
+    return (pre.double().unsqueeze(-1) * stream.double()).sum(dim=1).float().to(torch.bfloat16)
 
 
 def _lin(p, x, name):
