@@ -247,44 +247,19 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
 
 def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
                k: int = D) -> str:
-    """AOT-compile one `_moe_gemm_kernel` specialisation for sm_90 (no GPU needed: Triton's
-    bundled ptxas / cuobjdump) -> registers, stack (spills), shared memory, and the SASS
-    instructions of the main loop per weight element a thread converts."""
+    """AOT-compile one `_moe_gemm_kernel` specialisation for sm_90 (`shoal.ops.triton.aot`, no
+    GPU needed) -> registers, stack (spills), shared memory, and the SASS instructions of the
+    main loop per weight element a thread converts."""
     import collections
     import re
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from shoal.ops.triton import aot
 
-    sig = {"a_ptr": "*fp8e4nv" if w4a8 else "*bf16", "as_ptr": "*fp32", "arow_ptr": "*i32",
-           "out_ptr": "*bf16", "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8",
-           "ws_ptr": "*u8", "cnt_ptr": "*i32", "lut_ptr": "*i32", "N": "i32", "E": "i32",
-           "limit": "fp32"}
+    kern = aot.moe_gemm(cfg, swiglu, k, convert, w4a8=w4a8, experts=E)
+    usage, sass = aot.usage_and_sass(kern)
     bk = cfg.block_k
     while k % bk:
         bk //= 2
-    consts = {"K": k, "E_P2": triton.next_power_of_2(E),
-              "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
-              "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
-              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]]  # as the JIT specialises them
-             for n in names if n.endswith("_ptr") or n in ("N", "E")}
-    sig.update({c: "constexpr" for c in consts})
-    src = ASTSource(fn=tmoe._moe_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kern.asm["cubin"])
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     ins = [(int(m.group(1), 16), m.group(2)) for m in

@@ -10,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from support.sm90 import sm90_build, sm90_ttgir, stack_bytes  # noqa: E402
+from support.sm90 import sm90_build, stack_bytes  # noqa: E402
 from support.triton_interpreter import INTERP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERP, reason="sm_90 builds: run without TRITON_INTERPRET")
@@ -45,24 +45,15 @@ def test_gemm_tiles_build_without_spills() -> None:
 def test_moe_kernels_build_without_spills() -> None:
     """The grouped GEMM at the default decode and prefill tiles and the combine build for sm_90
     (no GPU needed) without register spills, at the mini shapes (D 5120, I 2304, 384 experts)."""
+    from shoal.ops.triton import aot
     from shoal.ops.triton import moe as tmoe
 
-    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "arow_ptr": "*i32", "out_ptr": "*bf16",
-            "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8",
-            "cnt_ptr": "*i32", "lut_ptr": "*i32", "limit": "fp32"}
-    rows_small, rows_big = 6, 8192 * 6
-    for rows in (rows_small, rows_big):
+    if not aot.has_tools():
+        pytest.skip("Triton's bundled cuobjdump is missing")
+    for rows in (6, 8192 * 6):
         for cfg, swiglu, k in zip(tmoe.default_configs(rows, 384), (True, False), (5120, 2304),
                                   strict=True):
-            bk = cfg.block_k
-            while k % bk:
-                bk //= 2
-            consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
-                      "BM": cfg.block_m, "BN": cfg.block_n, "BK": bk, "SWIGLU": swiglu,
-                      "GATHER_A": swiglu, "W4A8": True, "CONVERT": 1, "SWAP_AB": False,
-                      "PROMOTE": cfg.promote}
-            usage, _ = sm90_build(tmoe._moe_gemm_kernel, ptrs, consts, cfg.num_warps,
-                                  cfg.num_stages, ("N", "E"))
+            usage, _ = aot.usage_and_sass(aot.moe_gemm(cfg, swiglu, k, 1))
             assert stack_bytes(usage) == 0, f"{cfg} {'w13' if swiglu else 'w2'}: spills"
     usage, _ = sm90_build(tmoe._combine_kernel, {"y_ptr": "*bf16", "out_ptr": "*fp32"},
                           {"KTOP": 6, "BLOCK": 1024}, 4, 2)
@@ -99,19 +90,11 @@ def test_prmt_operands_pack_consecutive_k() -> None:
     checks it in the sm_90 IR of every default MoE tile (decode and prefill) and the swap-AB
     decode tiles, for each conversion `_launch` allows there; and that the combination
     `_launch` refuses (variant 2 on plain 128-row tiles: wrong bits on the H200) fails it."""
+    from shoal.ops.triton import aot
     from shoal.ops.triton import moe as tmoe
 
-    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "arow_ptr": "*i32", "out_ptr": "*bf16",
-            "orow_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8",
-            "cnt_ptr": "*i32", "lut_ptr": "*i32", "limit": "fp32"}
-
     def verdicts(cfg, swiglu: bool, k: int, convert: int) -> list[bool]:
-        consts = {"K": k, "E_P2": 512, "KB_P2": triton.next_power_of_2(k // 32),
-                  "BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k, "SWIGLU": swiglu,
-                  "GATHER_A": swiglu, "W4A8": True, "CONVERT": convert, "SWAP_AB": cfg.swap_ab,
-                  "PROMOTE": cfg.promote}
-        return _packs_consecutive_k(sm90_ttgir(tmoe._moe_gemm_kernel, ptrs, consts,
-                                               cfg.num_warps, cfg.num_stages, ("N", "E")))
+        return _packs_consecutive_k(aot.moe_gemm(cfg, swiglu, k, convert).asm["ttgir"])
 
     pairs = [*tmoe.default_configs(6, 384), *tmoe.default_configs(8192 * 6, 384),
              *tmoe.SWAP_DECODE]
