@@ -44,9 +44,12 @@ def test_logits_equal_with_and_without_fusion() -> None:
     fused = ModelParams.load(TINY, named)
     apart = ModelParams.load(TINY, named)
     apart._fused.clear()  # every projection through its own GEMM
-    ops = resolve_ops("cpu")
-    logits = []
+    logits, decode_gemms = [], []
     for params in (fused, apart):
+        ops = resolve_ops("cpu")
+        calls = []
+        gemm = ops.fns["gemm_fp8"]
+        ops.fns["gemm_fp8"] = lambda _g=gemm, _c=calls, **kw: (_c.append(1), _g(**kw))[1]
         model = DeepseekV41(TINY, params, ops, token_map_for(TINY))
         caches = KVCaches.allocate(TINY, num_blocks=4, num_slots=3, max_tokens=96,
                                    block_size=128)
@@ -60,8 +63,12 @@ def test_logits_equal_with_and_without_fusion() -> None:
                                      caches).logits)
         step = [RequestChunk.from_sequence(s + [7], len(s), 1, slot, [slot], len(s) + 1)
                 for slot, s in enumerate(seqs)]
+        calls.clear()
         out.append(model.forward(build_forward_batch(TINY, step, prefill_mode="full"),
                                  caches).logits)
         logits.append(out)
+        decode_gemms.append(len(calls))
     for a, b in zip(*logits, strict=True):
         assert torch.equal(a, b)
+    # a decode step: one GEMM instead of two for wq_a + wkv and for w1 + w3, in every layer
+    assert decode_gemms[1] - decode_gemms[0] == 2 * TINY.num_layers, decode_gemms
