@@ -268,9 +268,7 @@ def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
                 continue
             block_n = opts.get("block_n", 64)
             nb = -(-n_swa // block_n) + -(-n_comp // block_n)
-            split = opts.get("split") or tri_attn.choose_split(
-                t * opts.get("dsplit", 1), nb,
-                torch.cuda.get_device_properties(0).multi_processor_count)
+            split = tri_attn.partition(t, nb, opts.get("split"))[0]
             record(f"sparse_attn[{vname}]", f"T{t}xH{h}xD{d} swa{n_swa}+comp{n_comp}", ms,
                    flops, nbytes, BF16_PEAK, split=split,
                    frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))

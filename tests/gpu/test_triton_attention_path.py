@@ -243,3 +243,29 @@ def test_sparse_attn_variants_match_reference(vname, opts, t, h, d, n_swa, n_com
     if t:
         assert not got[0].any(), "an all-empty row must give 0"
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("knobs", [{}, {"variant": "chunked", "p_mem": True}],
+                         ids=["flat", "op-knobs"])
+def test_sparse_attn_decode_rows_do_not_depend_on_the_batch(monkeypatch, knobs) -> None:
+    """The op's decode partition (fixed index blocks per split, counted from the first block):
+    a row's output is bitwise the same alone, in a batch, and with its compressed index list
+    padded by -1 columns to a wider batch's width (what a longer request or a CUDA graph's
+    context bound adds), though the padding changes the number of splits."""
+    from shoal.ops.triton import attention as tattn
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    # 1 SWA + 3 compressed blocks; padded: 4 compressed blocks. The former SM-count split
+    # (4 splits of 1 block here, 2 of 2 when padded or in a batch of 20) failed this.
+    kw = _attn_inputs(20, 4, 128, 64, 192, seed=77)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    whole = tattn.sparse_attn(**dev, **knobs).cpu()
+    wide = dict(dev, comp_idx=torch.nn.functional.pad(dev["comp_idx"], (0, 64), value=-1))
+    assert tattn.partition(20, 5)[0] != tattn.partition(20, 4)[0]  # really more splits
+    assert torch.equal(tattn.sparse_attn(**wide, **knobs).cpu(), whole)
+    for i in (1, 3, 17):
+        alone = {k: (v[i:i + 1] if k in ("q", "swa_idx", "comp_idx") else v)
+                 for k, v in dev.items()}
+        assert torch.equal(tattn.sparse_attn(**alone, **knobs).cpu(), whole[i:i + 1]), i

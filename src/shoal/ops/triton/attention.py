@@ -8,9 +8,13 @@ then compressed blocks. Records are read directly and dequantised in registers t
   e2m1 value (bit-built fp32) * e4m3 scale (<= 6 significant bits: exact in bf16).
 Scores are fp32 (bf16 x bf16 wgmma), P is rounded to bf16 before P.V, as in the reference.
 
-Decode (few tokens) splits the index blocks of each token over NSPLIT programs so that the grid
-fills the SMs; a combine pass merges the fp32 partials (m, l, acc) and adds the sink. With
-NSPLIT = 1 (prefill, many tokens) the kernel finishes the row itself (no combine pass).
+Decode-sized steps (<= DECODE_MAX_TOKENS rows) split each token's index blocks into groups of
+BLOCKS_PER_SPLIT, one program each, and a combine pass merges the fp32 partials (m, l, acc) in
+split order and adds the sink. The partition depends only on the token's own index lists, so a
+decode row's bits do not depend on the batch size, on other requests' index widths or on a
+CUDA graph's padded context bound (trailing padded blocks are empty splits: exact zeros). Larger
+steps (NSPLIT = 1) finish each row in one program (no combine pass): a second family, whose
+bits differ from the decode family's in P's bf16 rounding.
 
 Two kernels (sparse_attn(variant=...); OP_KNOBS picks the registered op's):
 - "flat" (_sparse_attn_kernel): the whole [BLOCK_N, D] key tile dequantised at once, q
@@ -100,7 +104,7 @@ def _softmax_step(s, valid, m_i, l_i, acc, scale):
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr, o_ptr,
-                        part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt, stride_qh,
+                        part_ptr, ml_ptr, n_swa, n_comp, per, scale, stride_qt, stride_qh,
                         stride_si, stride_ci, H: tl.constexpr, HP: tl.constexpr,
                         D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                         DSPLIT: tl.constexpr, HAS_COMP: tl.constexpr, Q_IN_LOOP: tl.constexpr,
@@ -120,8 +124,7 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
     nb = nb_swa
     if HAS_COMP:
         nb += tl.cdiv(n_comp, BLOCK_N)
-    per = tl.cdiv(nb, NSPLIT)
-    b0 = split * per
+    b0 = split * per  # per: index blocks per split (the host's partition)
     b1 = tl.minimum(b0 + per, nb)
     m_i = tl.full((HP,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((HP,), dtype=tl.float32)
@@ -176,30 +179,31 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr,
                     NSPLIT: tl.constexpr, HB: tl.constexpr):
+    """o = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - m)), w_s = exp(m_s - m), m = max_s m_s;
+    the sums run over the splits in order, so trailing empty splits (m_s = -1e30, l_s = 0,
+    acc_s = 0: padded index blocks) add exact zeros and leave the bits unchanged."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = offs_h < H
-    offs_s = tl.arange(0, NSPLIT)
     offs_d = tl.arange(0, D)
-    ml = ml_ptr + ((t * NSPLIT + offs_s[:, None]) * H + offs_h[None, :]) * 2  # [S, HB]
-    m = tl.load(ml, mask=hmask[None, :], other=0.0)
-    l_s = tl.load(ml + 1, mask=hmask[None, :], other=0.0)
-    m_all = tl.max(m, axis=0)  # [HB]
-    w = tl.exp(m - m_all[None, :])
-    sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
-    denom = tl.sum(l_s * w, axis=0) + tl.exp(sink - m_all)
+    m_all = tl.full((HB,), -1e30, dtype=tl.float32)
+    for s in tl.static_range(NSPLIT):
+        ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
+        m_all = tl.maximum(m_all, tl.load(ml, mask=hmask, other=-1e30))
+    denom = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, D), dtype=tl.float32)
     for s in tl.static_range(NSPLIT):
-        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)
+        ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
+        w_s = tl.exp(tl.load(ml, mask=hmask, other=-1e30) - m_all)
+        denom += tl.load(ml + 1, mask=hmask, other=0.0) * w_s
         part = tl.load(part_ptr + ((t * NSPLIT + s) * H + offs_h[:, None]) * D + offs_d[None, :],
                        mask=hmask[:, None], other=0.0)
         acc += part * w_s[:, None]
+    sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
+    denom += tl.exp(sink - m_all)
     o = acc / denom[:, None]
     tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
              mask=hmask[:, None])
-
-
-# ------------------------------------------------------------------ D-chunked variant (v2)
 
 
 @triton.jit
@@ -346,7 +350,7 @@ def _store_chunk(acc, c, l_i, m_i, denom, t, split, offs_h, hmask, o_ptr, part_p
 
 @triton.jit
 def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sink_ptr,
-                                o_ptr, part_ptr, ml_ptr, n_swa, n_comp, scale, stride_qt,
+                                o_ptr, part_ptr, ml_ptr, n_swa, n_comp, per, scale, stride_qt,
                                 stride_qh, stride_si, stride_ci, scr_ptr, H: tl.constexpr,
                                 HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                 NSPLIT: tl.constexpr, DSPLIT: tl.constexpr,
@@ -369,8 +373,7 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
     nb = nb_swa
     if HAS_COMP:
         nb += tl.cdiv(n_comp, BLOCK_N)
-    per = tl.cdiv(nb, NSPLIT)
-    b0 = split * per
+    b0 = split * per  # per: index blocks per split (the host's partition)
     b1 = tl.minimum(b0 + per, nb)
     m_i = tl.full((HP,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((HP,), dtype=tl.float32)
@@ -427,19 +430,32 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
                      part_ptr, H, D, NSPLIT)
 
 
-def choose_split(num_tokens: int, num_blocks: int, sms: int) -> int:
-    """Index-dimension split so that num_tokens * split programs cover about one wave."""
-    split = 1
-    while num_tokens * split * 2 <= sms and split * 2 <= num_blocks and split < 8:
-        split *= 2
-    return split
+# Decode-sized steps (at most this many tokens; a power of two, so a CUDA-graph batch padded to
+# the next captured size stays on the same side) split each token's index blocks into groups of
+# BLOCKS_PER_SPLIT, counted from the first block: a token's partition depends only on its own
+# index lists (trailing padded blocks are empty splits, which add exact zeros in the combine),
+# never on the batch size or on other requests' widths. Larger steps run each row in one program.
+DECODE_MAX_TOKENS = 64
+BLOCKS_PER_SPLIT = 2
+
+
+def partition(num_tokens: int, num_blocks: int, split: int | None = None) -> tuple[int, int]:
+    """(splits, index blocks per split) for `num_tokens` rows of `num_blocks` blocks. split:
+    that many splits over the row's blocks (tuning and tests); None: the op's fixed partition."""
+    if split is None:
+        if num_tokens > DECODE_MAX_TOKENS or num_blocks <= BLOCKS_PER_SPLIT:
+            return 1, max(num_blocks, 1)
+        return triton.cdiv(num_blocks, BLOCKS_PER_SPLIT), BLOCKS_PER_SPLIT
+    return split, max(triton.cdiv(num_blocks, split), 1)
 
 
 VARIANTS = ("flat", "chunked")
 # The knobs the registered op runs with (D >= 128; smaller D always runs "flat"), from the H200
 # run of benchmarks/bench_ops.py --only attn (2026-11-29, 64 heads x 512, 128 SWA + 512 rows):
 # "pmem" 39.5 / 43.4 / 81.7 / 253 us at T = 1 / 16 / 64 / 256 against "flat" 42.0 / 47.1 /
-# 94.2 / 287 us (fastest at T >= 64, within 25% of the best variant at T = 1 and 16).
+# 94.2 / 287 us (fastest at T >= 64, within 25% of the best variant at T = 1 and 16). Those
+# times predate the fixed decode partition (they split by the SM count: 8 splits of 2 blocks at
+# T = 1, the same partition; 2 of 5 at T = 64, now 5 of 2): T = 16 and 64 are unmeasured since.
 OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True})
 
 
@@ -450,7 +466,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 num_stages: int = 1, dsplit: int = 1, q_in_loop: bool = False,
                 scale_bcast: bool = True, keep_k: bool = False, p_mem: bool = False,
                 q_res: bool = False) -> torch.Tensor:
-    """The op with tuning knobs exposed (split=None: chosen from the SM count).
+    """The op with tuning knobs exposed (split=None: the op's fixed partition, `partition`).
 
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
     dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
@@ -484,10 +500,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     else:
         comp_idx, comp_cache = swa_idx, swa_cache  # unused
     nb = triton.cdiv(n_swa, block_n) + triton.cdiv(n_comp, block_n)
-    if split is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count \
-            if q.is_cuda else 132
-        split = choose_split(t * dsplit, nb, sms)
+    split, per = partition(t, nb, split)
     sink = sink.float().contiguous()
     if split > 1:
         part = torch.empty(t, split, h, d, dtype=torch.float32, device=q.device)
@@ -495,7 +508,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     else:
         part = ml = out
     common = (q, swa_cache, swa_idx, comp_cache, comp_idx, sink, out, part, ml, n_swa, n_comp,
-              float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0))
+              per, float(scale), q.stride(0), q.stride(1), swa_idx.stride(0), comp_idx.stride(0))
     hp = max(16, triton.next_power_of_2(h))
     if variant == "flat":
         _sparse_attn_kernel[(t, split, dsplit)](
