@@ -206,6 +206,9 @@ def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.co
              mask=hmask[:, None])
 
 
+# ------------------------------------------------------------------ D-chunked variant (v2)
+
+
 @triton.jit
 def _ue8m0(e):
     """int32 UE8M0 byte -> fp32 2^(e - 127) (byte 0 -> 2^-127)."""
