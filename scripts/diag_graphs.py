@@ -32,7 +32,9 @@ def _region_hash(t: torch.Tensor, rows: int) -> tuple:
 class Recorder:
     def __init__(self, llm: LLM) -> None:
         model = llm.engine.runner.model
-        self.calls: list[list[tuple]] = []
+        self.calls: list[list[tuple]] = []  # per forward: (op, output hashes) per op call
+        self.real = 0  # rows of the current forward that belong to requests
+        self.pending = 0  # set by the graphs' forward: its step's row count (before padding)
         forward = model.forward
 
         def fwd(batch, caches, **kw):
@@ -65,9 +67,6 @@ class Recorder:
                 self.calls[-1].append((name, [_region_hash(o, self.real) for o in outs]))
             return out
         return call
-
-    real = 0
-    pending = 0
 
 
 def _llm(model: str, graphs: bool) -> LLM:

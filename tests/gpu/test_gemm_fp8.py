@@ -87,7 +87,7 @@ def _fold_act(q: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 @needs_kernels
 def test_gemm_fp8_op_matches_reference(monkeypatch) -> None:
-    """The registered op (act quant + weakly cached weight fold + kernel) on odd shapes."""
+    """The registered op (act quant + weight fold + kernel; no table, so no cache) on odd shapes."""
     from shoal.ops.triton import gemm as tg
 
     if not torch.cuda.is_available():
