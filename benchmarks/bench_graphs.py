@@ -16,7 +16,7 @@ import time
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.bench import bench_decode
+from shoal.bench import bench_decode, random_prompt
 
 
 def greedy(llm: LLM, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -41,8 +41,7 @@ def main() -> int:
     print(f"engine + warm-up + capture: {time.perf_counter() - t0:.1f} s; graphs: "
           f"{0 if graphs is None else graphs.num_graphs}", flush=True)
     g = torch.Generator().manual_seed(1)
-    vocab = llm.config.model_config.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 140, 300)]
+    prompts = [random_prompt(llm.config.model_config, n, g) for n in (9, 140, 300)]
     with_graphs = greedy(llm, prompts, 12)
     runner.graphs = None
     eager_tokens = greedy(llm, prompts, 12)

@@ -25,8 +25,9 @@ for spec in "$@"; do
     [ "$limit" = "$spec" ] && limit=300
     start=$(date +%s)
     case $stage in
-        tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present)
-               python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 120"
+        tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present;
+               # 300 s: a mini engine test starts two engines of about 80 s each)
+               python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 300"
                timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/gpu tests/ops} -q -rfEs \
                    --tb=short -p no:cacheprovider --durations=25 $per_test > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \

@@ -28,6 +28,17 @@ from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, s
 HBM = 4.24e12
 
 
+def random_prompt(cfg, length: int, generator: torch.Generator) -> list[int]:
+    """`length` token ids drawn uniformly from the ordinary vocabulary of ModelConfig `cfg`:
+    ids 3 .. vocab - 1 without the image token (a text engine rejects a prompt holding it)."""
+    image = cfg.image_token_id
+    skip = image is not None and 3 <= image < cfg.vocab_size
+    ids = torch.randint(3, cfg.vocab_size - skip, (length,), generator=generator)
+    if skip:
+        ids += (ids >= image).long()
+    return ids.tolist()
+
+
 def weight_bytes(llm: LLM) -> tuple[int, int, int]:
     """(non-expert backbone + head bytes, bytes of one routed expert, layers)."""
     params = llm.engine.runner.model.params
@@ -67,14 +78,13 @@ def sync() -> None:
 
 def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(batch)
-    vocab = llm.config.model_config.vocab_size
     # every request must still be running when the last one finishes its (budgeted) prefill
     budget = llm.config.scheduler.max_num_batched_tokens
     prefill_steps = -(-batch * prompt_len // budget)
     params = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0.0,
                             ignore_eos=True)
-    groups = [llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
-        3, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch)]
+    groups = [llm.engine.add_request(None, params, prompt_token_ids=random_prompt(
+        llm.config.model_config, prompt_len, g)) for _ in range(batch)]
     times, prep, peak = [], [], 0
     sched = llm.engine.scheduler
     while llm.engine.has_unfinished():
@@ -116,8 +126,7 @@ def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
     runner.config = dataclasses.replace(
         runner.config, runner=dataclasses.replace(runner.config.runner, prefill_mode=mode))
     g = torch.Generator().manual_seed(0)
-    vocab = llm.config.model_config.vocab_size
-    batch = [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(prompts)]
+    batch = [random_prompt(llm.config.model_config, length, g) for _ in range(prompts)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([{"prompt_token_ids": batch[0][:256]}], params, use_tqdm=False)  # warm-up
     s = llm.engine.stats

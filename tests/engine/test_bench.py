@@ -31,3 +31,19 @@ def test_bench_decode_reports_a_batch_that_never_runs_whole():
     d = bench_decode(llm, 3, 8, 2)
     assert "tpot_ms" not in d and "at most 2 ran at once" in d["error"], d
     assert not llm.engine.has_unfinished()
+
+
+def test_random_prompts_never_hold_the_image_token():
+    """The bench's prompts draw from the ordinary vocabulary: every id in [3, vocab) but the
+    image token (a mini batch of 256 x 512 random ids held it once and lost a request)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shoal.bench import random_prompt
+
+    for image, want in ((7, set(range(3, 12)) - {7}), (3, set(range(4, 12))),
+                        (11, set(range(3, 11))), (None, set(range(3, 12)))):
+        cfg = SimpleNamespace(vocab_size=12, image_token_id=image)
+        ids = random_prompt(cfg, 3000, torch.Generator().manual_seed(0))
+        assert len(ids) == 3000 and set(ids) == want, image

@@ -59,9 +59,11 @@ def _llm(model: str, graphs: bool, **kw):
                kv_cache_memory_gb=2.0, max_num_seqs=6, max_model_len=1100, **kw)
 
 
-def _prompts(vocab: int, lengths, seed: int = 5) -> list[list[int]]:
+def _prompts(cfg, lengths, seed: int = 5) -> list[list[int]]:
+    from shoal.bench import random_prompt
+
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [random_prompt(cfg, n, g) for n in lengths]
 
 
 def _generate(llm, prompts, max_tokens):
@@ -86,7 +88,7 @@ def test_graph_replay_equals_eager(model: str) -> None:
     max_tokens = (12, 9, 3, 12, 6)  # finishing at different steps: sizes 5, 4, 2 ...
     eager = _llm(model, graphs=False)
     assert eager.engine.runner.graphs is None
-    prompts = _prompts(eager.config.model_config.vocab_size, lengths)
+    prompts = _prompts(eager.config.model_config, lengths)
     want = _generate(eager, prompts, max_tokens)
     del eager
     gc.collect()
@@ -117,15 +119,15 @@ def test_no_triton_compilation_after_warmup(capsys: pytest.CaptureFixture) -> No
         probe[(1,)](x, 8, BLOCK=8)
     assert [n.rsplit(".", 1)[-1] for n in seen] == ["probe"] and x.eq(2).all()
     llm = _llm("tiny", graphs=True)
-    prompts = _prompts(llm.config.model_config.vocab_size, (7, 300, 64))
+    prompts = _prompts(llm.config.model_config, (7, 300, 64))
     _generate(llm, prompts, (3, 3, 3))  # prefill steps of these lengths run once
     with count_triton_compilations() as during_run:
-        prompts = _prompts(llm.config.model_config.vocab_size, (7, 300, 64), seed=6)
+        prompts = _prompts(llm.config.model_config, (7, 300, 64), seed=6)
         _generate(llm, prompts, (20, 11, 16))  # decode: batch 3, 2, 1 over new contexts
     assert during_run == [], f"compiled during the run: {sorted(set(during_run))}"
     # Not asserted (reported): kernels a prefill of an unseen length still compiles.
     with count_triton_compilations() as new_lengths:
-        _generate(llm, _prompts(llm.config.model_config.vocab_size, (13, 517, 90)), (1, 1, 1))
+        _generate(llm, _prompts(llm.config.model_config, (13, 517, 90)), (1, 1, 1))
     with capsys.disabled():
         print(f"\nprefill of unseen lengths compiled {len(new_lengths)} kernel variants: "
               f"{sorted(set(new_lengths))}")
