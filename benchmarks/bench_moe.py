@@ -139,6 +139,14 @@ PLAIN_DECODE_CFGS = {
     "plain_w2_k128s8": (_P(16, 32, 128, 2, 8), _P(16, 64, 128, 2, 8)),
     "plain_w2_n16": (_P(16, 16, 256, 2, 4), _P(16, 32, 256, 2, 4)),
     "plain_w1": (_P(16, 16, 256, 1, 4), _P(16, 32, 256, 1, 4)),
+    # fewer registers per thread (sm_90 builds: w13 16x16x128 127, 16x32x64 116, default 232;
+    # ncu 2026-11-29: the default is register-limited to 8 warps per SM, 0.4 issued per cycle)
+    "occ_n16k128": (_P(16, 16, 128, 2, 4), _P(16, 32, 128, 2, 4)),
+    "occ_n16k128s8": (_P(16, 16, 128, 2, 8), _P(16, 32, 128, 2, 4)),
+    "occ_n32k64s8": (_P(16, 32, 64, 2, 8), _P(16, 32, 128, 2, 4)),
+    "occ_n16k128_w2n64": (_P(16, 16, 128, 2, 4), _P(16, 64, 128, 2, 4)),
+    "occ_n16k128_w2n16": (_P(16, 16, 128, 2, 4), _P(16, 16, 128, 2, 4)),
+    "occ_n32k128": (_P(16, 32, 128, 2, 4), _P(16, 32, 128, 2, 4)),
 }
 PREFILL_CFGS = {
     "plain128x64|128x128": (tmoe.TileConfig(128, 64, 128, 8, 3),
@@ -315,6 +323,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--variants", default="asm,asm_p,asm_swap,asm_swap_p,w4a16")
     ap.add_argument("--sweep", default="", choices=["", "decode", "decode-plain", "prefill", "all"])
+    ap.add_argument("--cfgs", default="", help="comma-separated sweep candidates (default: all)")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")
     ap.add_argument("--sass", action="store_true",
@@ -362,6 +371,8 @@ def main() -> None:
             cands = PLAIN_DECODE_CFGS
         if args.sweep in ("prefill", "all") and t >= 1024:
             cands = PREFILL_CFGS
+        if args.cfgs:
+            cands = {n: c for n, c in cands.items() if n in args.cfgs.split(",")}
         sweep = {}
         for cname, cfg in cands.items():
             calls = [(lambda s=s, cfg=cfg: tmoe.moe_experts(**s, **w, use_asm=True,

@@ -211,8 +211,9 @@ def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=
 
 
 ATTN_VARIANTS = {
-    # name: sparse_attn knobs (see tri_attn.sparse_attn); "auto" is what the op runs today
-    "auto": dict(),
+    # name: sparse_attn knobs (see tri_attn.sparse_attn); "op" is what the registered op runs
+    "op": dict(tri_attn.OP_KNOBS),
+    "flat": dict(),
     "flat-d2-qloop": dict(block_n=64, dsplit=2, q_in_loop=True),
     "chunked": dict(variant="chunked"),
     "chunked-d2": dict(variant="chunked", dsplit=2),
@@ -222,6 +223,10 @@ ATTN_VARIANTS = {
     "pmem-bn32-s1": dict(variant="chunked", p_mem=True, block_n=32, split=1),
     "pmem-qres": dict(variant="chunked", p_mem=True, q_res=True),
     "pmem-qres-bn32": dict(variant="chunked", p_mem=True, q_res=True, block_n=32),
+    "pmem-s2": dict(variant="chunked", p_mem=True, num_stages=2),
+    "pmem-d4": dict(variant="chunked", p_mem=True, dsplit=4),
+    "pmem-per1": dict(variant="chunked", p_mem=True, split=10),  # 1 block per program (10 blocks)
+    "pmem-d2-per1": dict(variant="chunked", p_mem=True, dsplit=2, split=10),
 }
 
 

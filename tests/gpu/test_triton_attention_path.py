@@ -269,3 +269,21 @@ def test_sparse_attn_decode_rows_do_not_depend_on_the_batch(monkeypatch, knobs) 
         alone = {k: (v[i:i + 1] if k in ("q", "swa_idx", "comp_idx") else v)
                  for k, v in dev.items()}
         assert torch.equal(tattn.sparse_attn(**alone, **knobs).cpu(), whole[i:i + 1]), i
+
+
+@needs_kernels
+def test_sparse_attn_column_groups_do_not_change_bits(monkeypatch) -> None:
+    """The op picks 1, 2 or 4 output-column groups per (token, split) by the SM count
+    (`column_split`); every group recomputes the same scores and sums its columns the same
+    way, so the bits are those of one group."""
+    from shoal.ops.triton import attention as tattn
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    kw = _attn_inputs(2, 4, 128, 13, 70, seed=91)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    outs = [tattn.sparse_attn(**dev, **tattn.OP_KNOBS, dsplit=g).cpu() for g in (1, 2, 4)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    if not INTERP:  # the automatic choice on the device: 4 groups for a lone decode row
+        assert tattn.column_split(1, 5, torch.device(DEV)) == 4
+        assert tattn.column_split(64, 5, torch.device(DEV)) == 1

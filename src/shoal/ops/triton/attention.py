@@ -35,6 +35,7 @@ P's bf16 rounding or fp32 summation order only.
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 import torch
@@ -178,20 +179,22 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
 
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr,
-                    NSPLIT: tl.constexpr, HB: tl.constexpr):
+                    NSPLIT: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr):
     """o = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - m)), w_s = exp(m_s - m), m = max_s m_s;
     the sums run over the splits in order, so trailing empty splits (m_s = -1e30, l_s = 0,
-    acc_s = 0: padded index blocks) add exact zeros and leave the bits unchanged."""
+    acc_s = 0: padded index blocks) add exact zeros and leave the bits unchanged. Program
+    (t, head block, column block): HB heads x DB columns (each output element's arithmetic
+    does not depend on the blocking)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = offs_h < H
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(2) * DB + tl.arange(0, DB)
     m_all = tl.full((HB,), -1e30, dtype=tl.float32)
     for s in tl.static_range(NSPLIT):
         ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
         m_all = tl.maximum(m_all, tl.load(ml, mask=hmask, other=-1e30))
     denom = tl.zeros((HB,), dtype=tl.float32)
-    acc = tl.zeros((HB, D), dtype=tl.float32)
+    acc = tl.zeros((HB, DB), dtype=tl.float32)
     for s in tl.static_range(NSPLIT):
         ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
         w_s = tl.exp(tl.load(ml, mask=hmask, other=-1e30) - m_all)
@@ -452,6 +455,26 @@ def partition(num_tokens: int, num_blocks: int, split: int | None = None) -> tup
     return split, max(triton.cdiv(num_blocks, split), 1)
 
 
+def column_split(num_tokens: int, splits: int, device: torch.device) -> int:
+    """Output-column groups per (token, split) for the chunked kernel: the most of 4, 2, 1 that
+    keeps the programs within one per SM (each program is latency-bound; more of them overlap).
+    Every group recomputes the scores, so above one wave they only cost. A row's bits do not
+    depend on it (each column's sum and the scores are computed the same way). H200
+    (2026-11-29, 64 heads x 512, 10 index blocks): T = 1 4 groups 28.3 us, 2 29.9 us, 1 38.6;
+    T = 16 (above a wave at 2) 2 44.6, 1 42.0 us."""
+    sms = _sm_count(device)
+    for groups in (4, 2):
+        if num_tokens * splits * groups <= sms:
+            return groups
+    return 1
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if \
+        device.type == "cuda" else 1
+
+
 VARIANTS = ("flat", "chunked")
 # The knobs the registered op runs with (D >= 128; smaller D always runs "flat"), from the H200
 # run of benchmarks/bench_ops.py --only attn (2026-11-29, 64 heads x 512, 128 SWA + 512 rows):
@@ -466,7 +489,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, scale: float, *, variant: str = "flat",
                 split: int | None = None, block_n: int = 64, num_warps: int = 8,
-                num_stages: int = 1, dsplit: int = 1, q_in_loop: bool = False,
+                num_stages: int = 1, dsplit: int | None = None, q_in_loop: bool = False,
                 scale_bcast: bool = True, keep_k: bool = False, p_mem: bool = False,
                 q_res: bool = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: the op's fixed partition, `partition`).
@@ -474,7 +497,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
     dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
     byte once). variant "chunked": _sparse_attn_chunked_kernel (D in 4 chunks, D >= 128;
-    dsplit in 1, 2, 4 output-chunk groups per program, keep_k (dsplit 1 only) keeps the score
+    dsplit in 1, 2, 4 output-chunk groups (None: `column_split`), keep_k (dsplit 1) keeps the score
     pass's key chunks for P.V instead of dequantising them again), p_mem routes P through a
     scratch buffer (see _chunked_step), q_res loads q once per program instead of per block.
     Host-sync free: shapes only.
@@ -482,6 +505,12 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     t, h, d = q.shape
+    nb = triton.cdiv(swa_idx.shape[1], block_n) + (
+        triton.cdiv(comp_idx.shape[1], block_n) if comp_idx is not None else 0)
+    split, per = partition(t, nb, split)
+    if dsplit is None:
+        dsplit = (column_split(t, split, q.device) if variant == "chunked" and d >= 128
+                  and not keep_k else 1)
     if variant == "chunked" and (d < 128 or dsplit not in (1, 2, 4) or (keep_k and dsplit != 1)):
         raise ValueError(f"chunked: needs D >= 128, dsplit in (1, 2, 4), keep_k only with "
                          f"dsplit 1 (D={d}, dsplit={dsplit}, keep_k={keep_k})")
@@ -502,8 +531,6 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
             comp_idx = comp_idx.contiguous()
     else:
         comp_idx, comp_cache = swa_idx, swa_cache  # unused
-    nb = triton.cdiv(n_swa, block_n) + triton.cdiv(n_comp, block_n)
-    split, per = partition(t, nb, split)
     sink = sink.float().contiguous()
     if split > 1:
         part = torch.empty(t, split, h, d, dtype=torch.float32, device=q.device)
@@ -526,9 +553,10 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
             HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, Q_RES=q_res, num_warps=num_warps,
             num_stages=num_stages)
     if split > 1:
-        hb = 16
-        _combine_kernel[(t, triton.cdiv(h, hb))](part, ml, sink, out, H=h, D=d, NSPLIT=split,
-                                                 HB=hb, num_warps=4)
+        hb, db = 16, min(d, 128)  # H200: (1, 4) programs of 16 x 512 took 6 us at T = 1
+        _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
+                                                          NSPLIT=split, HB=hb, DB=db,
+                                                          num_warps=4)
     return out
 
 
