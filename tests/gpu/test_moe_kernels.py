@@ -203,9 +203,9 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
 
 @pytest.mark.skipif(not ON_GPU, reason="a property of the device's mma.sync")
 @pytest.mark.parametrize("configs", [
-    PLAIN_2WARPS, (tmoe.TileConfig(16, 16, 128, 2, 4), tmoe.TileConfig(16, 32, 128, 2, 4)),
+    PLAIN_2WARPS, None, (tmoe.TileConfig(16, 16, 128, 2, 4), tmoe.TileConfig(16, 32, 128, 2, 4)),
     (tmoe.TileConfig(16, 32, 64, 2, 8), tmoe.TileConfig(16, 64, 128, 2, 4))],
-    ids=["2warps", "n16k128", "n32k64"])
+    ids=["2warps", "default", "n16k128", "n32k64"])
 def test_plain_tiles_bits_do_not_depend_on_the_tile(configs) -> None:
     """Warps per program, BLOCK_N and BLOCK_K of the 16-row decode tiles move rows, columns and
     loop steps between programs, never the K order of a sum (mma.sync chained along K in

@@ -91,10 +91,13 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
 
     Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
-    16-row tiles on mma.sync (exact fp32 accumulation), 2 warps per program (H200,
-    2026-11-29, bench_moe --sweep decode-plain: 0.101 / 2.64 ms at T = 1 / 64 against
-    0.112 / 3.08 ms with 4 warps; the warp count moves rows between warps, not the K order of
-    a sum, so the bits are those of the 4-warp tiles); above, plain 128-row wgmma tiles (one
+    16-row tiles on mma.sync (exact fp32 accumulation), 16 x 32 x 128 with 2 warps per program
+    for both GEMMs (H200, 2026-11-29, bench_moe --sweep decode-plain: 0.098 / 2.57 / 3.98 ms
+    at T = 1 / 64 / 256 against 0.098 / 2.66 / 4.11 ms for 16x32x256 + 16x64x256 and
+    0.112 / 3.08 ms with 4 warps; ncu: the 256-K tile needs 232 registers, 8 warps per SM,
+    0.4 instructions issued per cycle; BLOCK_N 16 is 25-35% slower). Warps, BLOCK_N and
+    BLOCK_K move rows, columns and loop steps between programs, not the K order of a sum, so
+    the bits are those of any other 16-row tile (GPU test); above, plain 128-row wgmma tiles (one
     weight conversion per 128 rows) with promoted accumulation: FP8 wgmma adds into a chained
     accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
     fp32. Unpromoted, those tiles put up to 189 of 46,976 outputs of one tiny-model call over
@@ -106,7 +109,7 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     decode-size and prefill-size batches use different MMA instructions, so a token's MoE
     output is not bitwise batch-invariant across the 40-rows-per-expert boundary."""
     if rows / max(experts, 1) <= 40:
-        return TileConfig(16, 32, 256, 2, 4), TileConfig(16, 64, 256, 2, 4)
+        return TileConfig(16, 32, 128, 2, 4), TileConfig(16, 32, 128, 2, 4)
     return (TileConfig(128, 64, 128, 8, 3, promote=True),
             TileConfig(128, 128, 128, 8, 3, promote=True))
 
