@@ -481,7 +481,9 @@ VARIANTS = ("flat", "chunked")
 # "pmem" 39.5 / 43.4 / 81.7 / 253 us at T = 1 / 16 / 64 / 256 against "flat" 42.0 / 47.1 /
 # 94.2 / 287 us (fastest at T >= 64, within 25% of the best variant at T = 1 and 16). Those
 # times predate the fixed decode partition (they split by the SM count: 8 splits of 2 blocks at
-# T = 1, the same partition; 2 of 5 at T = 64, now 5 of 2): T = 16 and 64 are unmeasured since.
+# T = 1, the same partition; 2 of 5 at T = 64, now 5 of 2). With it, the column groups and the
+# blocked combine (same benchmark, 2026-11-29): 26.3 / 36.2 / 99.5 / 254 us; "flat" 41.2 / 43.9
+# / 118.4 / 288 us (without column groups); num_stages 2 changes nothing (103.7 vs 103.8 us).
 OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True})
 
 
