@@ -13,8 +13,9 @@ syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e
 2*T*6*3*D*I / 1343e12), the fraction of floor, and the W4A8 (asm) / W4A16 speed ratio. A
 correctness line per variant (vs the reference on the CPU, T = 16 on 8 experts) comes first.
 
---sweep decode|decode-plain|prefill|all: also time `asm` with each candidate tile pair of DECODE_CFGS /
-PREFILL_CFGS (a pair that fails to build is reported and skipped) and name the best.
+--sweep decode|decode-plain|prefill|all: also time `asm` with each candidate tile pair of
+DECODE_CFGS / PLAIN_DECODE_CFGS / PREFILL_CFGS (a pair that fails to build is reported and
+skipped) and name the best; --cfgs NAME,NAME keeps only those candidates.
 --breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
 combine; each stage its own graph) with each GEMM's own HBM floor.
 --sass (no GPU needed): AOT-compile the tiles for sm_90 and print registers, spills and the

@@ -18,6 +18,7 @@ import gc
 import torch
 
 from shoal import LLM, SamplingParams
+from shoal.bench import random_prompt
 
 
 def _region_hash(t: torch.Tensor, rows: int) -> tuple:
@@ -95,8 +96,7 @@ def main() -> int:
             llm.engine.runner.graphs.use_graphs = False
             llm.engine.runner.graphs._graphs.clear()
         g = torch.Generator().manual_seed(5)
-        vocab = llm.config.model_config.vocab_size
-        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        prompts = [random_prompt(llm.config.model_config, n, g) for n in lengths]
         rec = None
         if mode != "graphs":
             rec = Recorder(llm)

@@ -35,7 +35,6 @@ P's bf16 rounding or fp32 summation order only.
 
 from __future__ import annotations
 
-import functools
 from types import MappingProxyType
 
 import torch
@@ -43,6 +42,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.device import sm_count
 
 
 @triton.jit
@@ -462,17 +462,11 @@ def column_split(num_tokens: int, splits: int, device: torch.device) -> int:
     depend on it (each column's sum and the scores are computed the same way). H200
     (2026-11-29, 64 heads x 512, 10 index blocks): T = 1 4 groups 28.3 us, 2 29.9 us, 1 38.6;
     T = 16 (above a wave at 2) 2 44.6, 1 42.0 us."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     for groups in (4, 2):
         if num_tokens * splits * groups <= sms:
             return groups
     return 1
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if \
-        device.type == "cuda" else 1
 
 
 VARIANTS = ("flat", "chunked")

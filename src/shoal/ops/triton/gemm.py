@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
 
 FP8_MAX = 448.0
@@ -299,9 +300,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if k == 0:
         return out.zero_()
     if split is None:
-        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda else 132)
-        split = split_k(m, n, k, sms)
+        split = split_k(m, n, k, sm_count(q.device))
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
     m_bucket = min(triton.next_power_of_2(m), 4096)
 
