@@ -1,22 +1,26 @@
 """Where a decode step's time goes: run `mini` (dummy weights) to pure decode at a batch size,
 then profile a few engine steps with torch.profiler and print the top ops by device time and by
 host time (host syncs show up as cudaStreamSynchronize / aten::item / aten::_local_scalar_dense).
+--graphs profiles CUDA-graph replays instead (CUPTI still reports each kernel): the step's wall
+time against the sum of its kernel times shows the launch gaps between kernels.
 
-    PYTHONPATH=src python3 benchmarks/profile_decode.py --batch 1 --batch 64 [--out DIR]
+    PYTHONPATH=src python3 benchmarks/profile_decode.py --batch 1 --batch 64 [--graphs] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from shoal import LLM, SamplingParams
 
 
-def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
+def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -> None:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.config.model_config.vocab_size
     budget = llm.config.scheduler.max_num_batched_tokens
@@ -28,6 +32,11 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
     for _ in range(warm):
         llm.engine.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):  # unprofiled wall time per step (host included)
+        llm.engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.engine.step()
@@ -35,12 +44,15 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str) -> None:
     while llm.engine.has_unfinished():  # drain, so the next batch size starts clean
         llm.engine.step()
     ka = prof.key_averages()
-    text = [f"==== batch {batch}, {steps} steps ====",
+    kernels = sum(e.self_device_time_total for e in ka  # device events only, as the table's total
+                  if e.device_type != DeviceType.CPU) / 1e3 / steps
+    text = [f"==== batch {batch}, {steps} steps, {tag}: wall {wall_ms:.3f} ms per step "
+            f"(unprofiled), kernels {kernels:.3f} ms per step ====",
             ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
             ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
     print("\n".join(text), flush=True)
     if out:
-        with open(os.path.join(out, f"profile_decode_b{batch}.txt"), "w") as f:
+        with open(os.path.join(out, f"profile_decode_b{batch}_{tag}.txt"), "w") as f:
             f.write("\n".join(text))
 
 
@@ -51,14 +63,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="")
+    ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays")
     args = ap.parse_args()
     batches = args.batch or [1]
     llm = LLM(args.model, load_format="dummy", max_num_seqs=max(batches),
               max_num_batched_tokens=2048, max_model_len=args.prompt_len + 64,
-              cuda_graphs=False)  # per-kernel attribution needs eager launches
+              cuda_graphs=args.graphs, cuda_graph_batch_sizes=tuple(sorted(set(batches))))
     print(dict(llm.engine.runner.ops.origin), flush=True)
     for b in batches:
-        run(llm, b, args.prompt_len, args.steps, args.out)
+        run(llm, b, args.prompt_len, args.steps, args.out, "graphs" if args.graphs else "eager")
 
 
 if __name__ == "__main__":

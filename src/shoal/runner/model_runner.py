@@ -2,8 +2,7 @@
 `StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
 
 Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
-with `cuda_graphs=True`, off by default until its start-up cost is measured); every other step
-runs eagerly. The caches hold one slot and one block beyond the memory plan, which the
+with `cuda_graphs=True`, the default); every other step runs eagerly. The caches hold one slot and one block beyond the memory plan, which the
 scheduler never sees: the padded rows of a graph step (and the warm-up) compute there.
 
 Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
