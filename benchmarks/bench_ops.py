@@ -12,7 +12,7 @@ bf16-weight GEMMs at M = 1..256), each against the reference on the GPU (the old
 same run, plus bit-identity checks of batch invariance and of alternative tile configs.
 
 Run: PYTHONPATH=src python3 benchmarks/bench_ops.py [--quick] [--out DIR] [--only LIST]
-(--only: comma list of ceil, gemm, grouped, attn, index, hc, head; attn=V1+V2 picks attention
+(--only: comma list of ceil, gemm, grouped, attn, index, hc, head, router; attn=V1+V2 picks attention
 variants from ATTN_VARIANTS).
 """
 
@@ -36,6 +36,7 @@ from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
+from shoal.ops.triton import router as tri_router
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
 
@@ -434,6 +435,33 @@ def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
                    bits_equal_default=same)
 
 
+def bench_router(ts: list[int]) -> None:
+    """The MoE router at mini shapes (384 experts x 5120, bf16 x and gate, fp64 sums): the op
+    (one program per K slice while its workspace is small) against one program per slice group
+    (what large batches run, and close to the first kernel's launch); same bits, checked."""
+    e, d = 384, 5120
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(e, d, device="cuda", generator=g) / 64).to(torch.bfloat16)
+    bias = torch.randn(e, device="cuda", generator=g) * 0.01
+    for t in ts:
+        x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+        kw = dict(x=x, weight=w, bias=bias, k=6, route_scale=1.5)
+        ids, wt = tri_router.router(**kw)
+        saved = tri_router.SPLIT_BYTES
+        for name, limit in (("op", saved), ("grouped", -1)):
+            tri_router.SPLIT_BYTES = limit
+            try:
+                if name == "grouped":
+                    gi, gw = tri_router.router(**kw)
+                    same = torch.equal(ids, gi) and torch.equal(wt, gw)
+                ms = bench([lambda kw=kw: tri_router.router(**kw)])
+            finally:
+                tri_router.SPLIT_BYTES = saved
+            extra = {"same_bits": same} if name == "grouped" else {}
+            record(f"router ({name})", f"T{t}xE{e}xD{d}", ms, 2 * t * e * d,
+                   (e * d + t * d) * 2, BF16_PEAK, **extra)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -459,6 +487,8 @@ def main() -> None:
         bench_index([(64, 16384, 64), (2048, 8192, 1)])
     if "hc" in only:
         bench_hc([1, 16, 64, 256, 4096])
+    if "router" in only:
+        bench_router([1, 16, 64, 256, 2048])
     if "head" in only:
         bench_head([1, 16, 64, 256], sweep=not args.quick)
     try:

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: run `mini` (dummy weights) to pure decode at a batch size,
-then profile a few engine steps with torch.profiler and print the top ops by device time and by
-host time (host syncs show up as cudaStreamSynchronize / aten::item / aten::_local_scalar_dense).
+time a few steps unprofiled, run as many under cProfile (Python functions by cumulative time),
+then profile as many with torch.profiler and print the top ops by device time and by host time
+(host syncs show up as cudaStreamSynchronize / aten::item / aten::_local_scalar_dense).
 --graphs profiles CUDA-graph replays instead (CUPTI still reports each kernel): the step's wall
 time against the sum of its kernel times shows the launch gaps between kernels.
 
@@ -10,7 +11,10 @@ time against the sum of its kernel times shows the launch gaps between kernels.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -18,17 +22,17 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from shoal import LLM, SamplingParams
+from shoal.bench import random_prompt
 
 
 def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -> None:
     g = torch.Generator().manual_seed(batch)
-    vocab = llm.config.model_config.vocab_size
     budget = llm.config.scheduler.max_num_batched_tokens
     warm = -(-batch * prompt_len // budget) + 3
-    params = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=warm + 3 * steps + 2, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        llm.engine.add_request(None, params, prompt_token_ids=torch.randint(
-            3, vocab, (prompt_len,), generator=g).tolist())
+        llm.engine.add_request(None, params, prompt_token_ids=random_prompt(
+            llm.config.model_config, prompt_len, g))
     for _ in range(warm):
         llm.engine.step()
     torch.cuda.synchronize()
@@ -37,6 +41,14 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -
         llm.engine.step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    host = cProfile.Profile()  # where the host's share of a step goes (Python included)
+    host.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    host.disable()
+    buf = io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("cumulative").print_stats(45)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.engine.step()
@@ -49,7 +61,8 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -
     text = [f"==== batch {batch}, {steps} steps, {tag}: wall {wall_ms:.3f} ms per step "
             f"(unprofiled), kernels {kernels:.3f} ms per step ====",
             ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
-            ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
+            ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+            f"---- cProfile of {steps} steps (cumulative) ----", buf.getvalue()]
     print("\n".join(text), flush=True)
     if out:
         with open(os.path.join(out, f"profile_decode_b{batch}_{tag}.txt"), "w") as f:

@@ -1,9 +1,15 @@
 """Triton (sm_90) MoE router (`router`), two launches per call, no torch glue:
 
-1. `_logits_kernel`: gate logits with exact bf16 products summed in fp64, over a fixed number of
-   K slices (a function of D only, so a token's logits do not depend on the batch), partial sums
-   to an fp64 workspace;
-2. `_select_kernel`: one token per program: the slices summed in fixed order and rounded to
+1. `_logits_kernel`: gate logits with exact bf16 products summed in fp64 in one fixed order that
+   depends on D only, so a token's logits do not depend on the batch: K is cut into slices of
+   SLICE_K columns, and the slices into GROUPS groups of consecutive slices; a slice's partial
+   starts from zero and adds its 16-column chunks in order (fixed 16 x 32 x 16 tiles, 4 warps,
+   so the per-chunk reduction tree is fixed too), a group's partial adds its slices' partials in
+   order, and the logit adds the group partials in order. Small batches run one program per
+   slice (fp64 workspace [S, T, E]: enough programs to fill the GPU, loops of 8 steps); larger
+   ones one program per group (workspace [G, T, E], bounded). Both give the same bits:
+   0 + p = p exactly, and the selection kernel adds the workspace rows in the same nesting.
+2. `_select_kernel`: one token per program: the workspace rows summed in that nesting, rounded to
    fp32 (the reference's fp32(fp64 dot)), sqrt-softplus in fp64 then rounded to fp32 (as the
    reference), the biased top-k (ties to the lower expert id, as a stable descending sort) and
    the weights renormalised in fp64.
@@ -11,7 +17,9 @@
 So the routing matches the reference bit for bit except where an fp64 rounding (summation
 order, exp/log in the last fp64 bits) crosses an fp32 rounding boundary: about 2^-29 per value.
 An fp32-sum router (the earlier `gemm_nt` logits, fp32 softplus) flipped one near-tie expert of
-mini in situ on the H200 (2026-11-29).
+mini in situ on the H200 (2026-11-29). The first version of this kernel (8 slices of D/8, 16-row
+blocks at any T) took 94 us per call at batch 1 on mini (H200 profile, 2026-11-29): 96 programs,
+each a serial loop of 40 loads.
 """
 
 from __future__ import annotations
@@ -28,39 +36,50 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
     return on_device(x) and x.dim() == 2 and 1 <= k <= weight.shape[0]
 
 
-K_SLICES = 8  # K slices of the logit sum (fixed, so the fp64 summation order is too)
+SLICE_K = 128  # K columns of one slice partial
+GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
+SPLIT_BYTES = 32 << 20  # one program per slice while its fp64 workspace stays below this
+BT, BE, BK = 16, 32, 16  # fixed tiles and 4 warps: the reduction tree of a chunk is fixed
 
 
 @triton.jit
-def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we,
-                   BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
-    """ws[s, t, e] = sum over K slice s of fp64(x[t, k]) * fp64(w[e, k]) (exact products)."""
+def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we, SLICES, PER_PROG,
+                   BT: tl.constexpr, BE: tl.constexpr, SLICE: tl.constexpr,
+                   BK: tl.constexpr):
+    """ws[g, t, e] = sum over the PER_PROG slices s of program group g (in order) of the slice
+    partial p_s = sum over its BK chunks (in order) of sum_k fp64(x[t, k]) * fp64(w[e, k])
+    (exact products)."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     re = tl.program_id(1) * BE + tl.arange(0, BE)
-    sl = tl.program_id(2)
-    per = tl.cdiv(tl.cdiv(D, BK), S) * BK
-    k0 = sl * per
-    k1 = tl.minimum(k0 + per, D)
+    grp = tl.program_id(2)
     rk = tl.arange(0, BK)
     tmask = rt < T
     emask = re < E
+    xrow = x_ptr + rt[:, None].to(tl.int64) * stride_xt
+    wrow = w_ptr + re[:, None].to(tl.int64) * stride_we
     acc = tl.zeros((BT, BE), dtype=tl.float64)
-    for kk in range(k0, k1, BK):
-        kmask = kk + rk < k1
-        x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_xt + (kk + rk)[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float64)
-        w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_we + (kk + rk)[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float64)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out = ws_ptr + (sl * T + rt[:, None]).to(tl.int64) * E + re[None, :]
+    s0 = grp * PER_PROG
+    for s in range(s0, tl.minimum(s0 + PER_PROG, SLICES)):
+        part = tl.zeros((BT, BE), dtype=tl.float64)
+        for c in tl.static_range(0, SLICE, BK):
+            kk = s * SLICE + c + rk
+            kmask = kk < D
+            x = tl.load(xrow + kk[None, :], mask=tmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float64)
+            w = tl.load(wrow + kk[None, :], mask=emask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float64)
+            part += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc += part
+    out = ws_ptr + (grp * T + rt[:, None]).to(tl.int64) * E + re[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
 
 @triton.jit
 def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
-                   KTOP: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-                   S: tl.constexpr):
-    """One token: logit = fp32(sum of the S fp64 slices, in order); s = fp32(sqrt(softplus(
+                   ROWS, KTOP: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                   G: tl.constexpr, SUB: tl.constexpr):
+    """One token: logit = fp32(sum over G groups, in order, of the sum of the group's SUB
+    workspace rows, in order; rows from ROWS on are absent); s = fp32(sqrt(softplus(
     fp64(logit / temp)))) (torch's softplus: x above 20 passes through; log1p(t) as
     log(u) t / (u - 1) with u = 1 + t, in fp64), then KTOP rounds of "largest s + bias, lowest
     id among equals" (= a stable descending sort's first KTOP; NaN ranks above every number, as
@@ -69,8 +88,13 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     offs = tl.arange(0, E_P2)
     live = offs < E
     acc = tl.zeros((E_P2,), dtype=tl.float64)
-    for sl in tl.static_range(S):
-        acc += tl.load(ws_ptr + (sl * T + t) * E + offs, mask=live, other=0.0)
+    for g in tl.static_range(G):
+        grp = tl.zeros((E_P2,), dtype=tl.float64)
+        for j in tl.static_range(SUB):
+            if g * SUB + j < ROWS:
+                grp += tl.load(ws_ptr + ((g * SUB + j) * T + t) * E + offs, mask=live,
+                               other=0.0)
+        acc += grp
     x = tl.math.div_rn(acc.to(tl.float32), temp).to(tl.float64)  # IEEE, as torch's /
     ex = tl.exp(-tl.abs(x))
     u = 1.0 + ex
@@ -98,13 +122,34 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     tl.store(w_ptr + t * KTOP + slot, ws * route_scale, mask=mask)
 
 
+def logit_partials(x: torch.Tensor, weight: torch.Tensor,
+                   split: bool | None = None) -> tuple[torch.Tensor, int]:
+    """The logits kernel's fp64 workspace [rows, T, E] and the rows per group `sub`: the logit of
+    (t, e) is the sum over groups g, in order, of (the sum of rows g * sub .. g * sub + sub - 1,
+    in order). split: one program per slice (rows = slices, sub = slices per group) or per group
+    (rows = groups, sub = 1); None: split while the workspace stays under SPLIT_BYTES."""
+    t, d = x.shape
+    e = weight.shape[0]
+    slices = triton.cdiv(d, SLICE_K)
+    per_group = triton.cdiv(slices, GROUPS)
+    groups = triton.cdiv(slices, per_group)
+    if split is None:
+        split = slices * t * e * 8 <= SPLIT_BYTES
+    rows = slices if split else groups
+    ws = torch.empty(rows, t, e, dtype=torch.float64, device=x.device)
+    _logits_kernel[(triton.cdiv(t, BT), triton.cdiv(e, BE), rows)](
+        x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices,
+        1 if split else per_group, BT=BT, BE=BE, SLICE=SLICE_K, BK=BK, num_warps=4)
+    return ws, per_group if split else 1
+
+
 @REGISTRY.implement("triton", "router", supports=_supports_router)
 def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
            route_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the reference: fp32(fp64 logits), sqrt(softplus) in fp64, top-k of
     s + bias by a stable descending sort (ties to the lower id), unbiased renormalised weights
     x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32)."""
-    t, d = x.shape
+    t = x.shape[0]
     e = weight.shape[0]
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     w = torch.empty(t, k, dtype=torch.float32, device=x.device)
@@ -112,13 +157,10 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
         return ids, w
     xc = x if x.stride(1) == 1 else x.contiguous()
     wc = weight if weight.stride(1) == 1 else weight.contiguous()
-    ws = torch.empty(K_SLICES, t, e, dtype=torch.float64, device=x.device)
-    bt, be, bk = 16, 32, 16
-    _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), K_SLICES)](
-        xc, wc, ws, t, e, d, xc.stride(0), wc.stride(0), BT=bt, BE=be, BK=bk, S=K_SLICES,
-        num_warps=4)
+    ws, sub = logit_partials(xc, wc)
+    rows, groups = ws.shape[0], triton.cdiv(ws.shape[0], sub)
     _select_kernel[(t,)](ws, bias.float().contiguous(), ids, w, t, e, float(gate_temp),
-                         float(route_scale), KTOP=k, K_P2=triton.next_power_of_2(k),
-                         E_P2=triton.next_power_of_2(e), S=K_SLICES,
+                         float(route_scale), rows, KTOP=k, K_P2=triton.next_power_of_2(k),
+                         E_P2=triton.next_power_of_2(e), G=groups, SUB=sub,
                          num_warps=4 if e <= 1024 else 8)
     return ids, w
