@@ -25,16 +25,44 @@ from shoal import LLM, SamplingParams
 from shoal.bench import random_prompt
 
 
-def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -> None:
+def routing_stats(llm: LLM) -> list[str]:
+    """One eager decode step with the routed-experts op wrapped: per call, the tokens, distinct
+    experts, the largest rows per expert and the op's time (CUDA events)."""
+    fns = llm.engine.runner.ops.fns
+    inner = fns["moe_mxfp4"]
+    lines = []
+
+    def wrapped(**kw):
+        counts = torch.bincount(kw["ids"].flatten(), minlength=kw["w13"].shape[0])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y = inner(**kw)
+        end.record()
+        torch.cuda.synchronize()
+        lines.append(f"moe T={kw['ids'].shape[0]} experts={int((counts > 0).sum())} "
+                     f"max_rows={int(counts.max())} {start.elapsed_time(end) * 1e3:.1f} us")
+        return y
+
+    fns["moe_mxfp4"] = wrapped
+    try:
+        llm.engine.step()
+    finally:
+        fns["moe_mxfp4"] = inner
+    return lines
+
+
+def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str,
+        routing: bool = False) -> None:
     g = torch.Generator().manual_seed(batch)
     budget = llm.config.scheduler.max_num_batched_tokens
     warm = -(-batch * prompt_len // budget) + 3
-    params = SamplingParams(max_tokens=warm + 3 * steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=warm + 3 * steps + 3, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         llm.engine.add_request(None, params, prompt_token_ids=random_prompt(
             llm.config.model_config, prompt_len, g))
     for _ in range(warm):
         llm.engine.step()
+    moe_lines = routing_stats(llm) if routing else []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):  # unprofiled wall time per step (host included)
@@ -59,7 +87,7 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str) -
     kernels = sum(e.self_device_time_total for e in ka  # device events only, as the table's total
                   if e.device_type != DeviceType.CPU) / 1e3 / steps
     text = [f"==== batch {batch}, {steps} steps, {tag}: wall {wall_ms:.3f} ms per step "
-            f"(unprofiled), kernels {kernels:.3f} ms per step ====",
+            f"(unprofiled), kernels {kernels:.3f} ms per step ====", *moe_lines,
             ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
             ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
             f"---- cProfile of {steps} steps (cumulative) ----", buf.getvalue()]
@@ -77,6 +105,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="")
     ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays")
+    ap.add_argument("--routing", action="store_true",
+                    help="eager only: per routed-experts call, experts touched and its time")
     args = ap.parse_args()
     batches = args.batch or [1]
     llm = LLM(args.model, load_format="dummy", max_num_seqs=max(batches),
@@ -84,7 +114,8 @@ def main() -> None:
               cuda_graphs=args.graphs, cuda_graph_batch_sizes=tuple(sorted(set(batches))))
     print(dict(llm.engine.runner.ops.origin), flush=True)
     for b in batches:
-        run(llm, b, args.prompt_len, args.steps, args.out, "graphs" if args.graphs else "eager")
+        run(llm, b, args.prompt_len, args.steps, args.out, "graphs" if args.graphs else "eager",
+            routing=args.routing and not args.graphs)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,17 @@ def test_prmt_operands_pack_consecutive_k() -> None:
             assert got and all(got), f"{cfg} convert {convert}: prmt operand layout {got}"
     big = tmoe.default_configs(8192 * 6, 384)[0]
     assert not all(verdicts(big, True, 5120, 2)), "the refused combination should fail"
+
+
+def test_router_logits_build_on_fp64_tensor_cores() -> None:
+    """The router's fp64 logit slices build for sm_90 as FP64 tensor-core MMAs (DMMA). A plain
+    bf16 -> fp64 conversion of the dot operands aborts the sm_90 build ("fp64 don't support
+    largeK MMA"); the kernel's inline-asm conversion step avoids it."""
+    from shoal.ops.triton import router as tr
+
+    usage, sass = sm90_build(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                                                 "ws_ptr": "*fp64"},
+                             {"BT": tr.BT, "BE": tr.BE, "SLICE": tr.SLICE_K, "ASM": True}, 4, 3,
+                             ("D", "stride_xt", "stride_we"))
+    assert "DMMA" in sass, "router logits: no fp64 tensor-core MMA"
+    assert stack_bytes(usage) <= 32, f"router logits: {usage.strip()}"

@@ -3,12 +3,12 @@
 1. `_logits_kernel`: gate logits with exact bf16 products summed in fp64 in one fixed order that
    depends on D only, so a token's logits do not depend on the batch: K is cut into slices of
    SLICE_K columns, and the slices into GROUPS groups of consecutive slices; a slice's partial
-   starts from zero and adds its 16-column chunks in order (fixed 16 x 32 x 16 tiles, 4 warps,
-   so the per-chunk reduction tree is fixed too), a group's partial adds its slices' partials in
-   order, and the logit adds the group partials in order. Small batches run one program per
-   slice (fp64 workspace [S, T, E]: enough programs to fill the GPU, loops of 8 steps); larger
-   ones one program per group (workspace [G, T, E], bounded). Both give the same bits:
-   0 + p = p exactly, and the selection kernel adds the workspace rows in the same nesting.
+   is one fp64 `tl.dot` (FP64 tensor-core MMA, its K chain in ascending order, from zero), a
+   group's partial adds its slices' partials in order, and the logit adds the group partials
+   in order (fixed 16 x 32 tiles and 4 warps besides). Small batches run one program per slice
+   (fp64 workspace [S, T, E]: enough programs to fill the GPU); larger ones one program per
+   group (workspace [G, T, E], bounded). Both give the same bits: 0 + p = p exactly, and the
+   selection kernel adds the workspace rows in the same nesting.
 2. `_select_kernel`: one token per program: the workspace rows summed in that nesting, rounded to
    fp32 (the reference's fp32(fp64 dot)), sqrt-softplus in fp64 then rounded to fp32 (as the
    reference), the biased top-k (ties to the lower expert id, as a stable descending sort) and
@@ -17,9 +17,10 @@
 So the routing matches the reference bit for bit except where an fp64 rounding (summation
 order, exp/log in the last fp64 bits) crosses an fp32 rounding boundary: about 2^-29 per value.
 An fp32-sum router (the earlier `gemm_nt` logits, fp32 softplus) flipped one near-tie expert of
-mini in situ on the H200 (2026-11-29). The first version of this kernel (8 slices of D/8, 16-row
-blocks at any T) took 94 us per call at batch 1 on mini (H200 profile, 2026-11-29): 96 programs,
-each a serial loop of 40 loads.
+mini in situ on the H200 (2026-11-29). The first version of this kernel (8 slices of D/8, the
+products broadcast to a [16, 32, 16] fp64 tile and reduced with `tl.sum`) took 94 us per call at
+batch 1 on mini and 5.6 ms at T = 2048 (H200, 2026-11-29: 0.7 TFLOP/s of fp64); one program per
+128-column slice alone only brought batch 1 to 82 us.
 """
 
 from __future__ import annotations
@@ -33,43 +34,50 @@ from shoal.ops.triton.norm import on_device
 
 
 def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> bool:
-    return on_device(x) and x.dim() == 2 and 1 <= k <= weight.shape[0]
+    return (on_device(x) and x.dim() == 2 and 1 <= k <= weight.shape[0]
+            and x.dtype == weight.dtype == torch.bfloat16)
 
 
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
 SPLIT_BYTES = 32 << 20  # one program per slice while its fp64 workspace stays below this
-BT, BE, BK = 16, 32, 16  # fixed tiles and 4 warps: the reduction tree of a chunk is fixed
+BT, BE = 16, 32  # fixed tiles and 4 warps
+
+
+@triton.jit
+def _f64(v, ASM: tl.constexpr):
+    """bf16 -> fp64 (exact). ASM: through a non-pure inline-asm bf16 -> fp32 step, which keeps
+    Triton from moving the conversion behind the shared-memory load of the dot operand (sm_90
+    builds of a plain `.to(tl.float64)` abort: "fp64 don't support largeK MMA")."""
+    if ASM:
+        v = tl.inline_asm_elementwise("shl.b32 $0, $1, 16;", "=r,r",
+                                      [v.to(tl.int16, bitcast=True).to(tl.int32)],
+                                      dtype=tl.float32, is_pure=False, pack=1)
+    return v.to(tl.float64)
 
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we, SLICES, PER_PROG,
                    BT: tl.constexpr, BE: tl.constexpr, SLICE: tl.constexpr,
-                   BK: tl.constexpr):
+                   ASM: tl.constexpr):
     """ws[g, t, e] = sum over the PER_PROG slices s of program group g (in order) of the slice
-    partial p_s = sum over its BK chunks (in order) of sum_k fp64(x[t, k]) * fp64(w[e, k])
-    (exact products)."""
+    partial p_s = fp64 dot of x[t, slice] and w[e, slice] (exact products; x, w bf16)."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     re = tl.program_id(1) * BE + tl.arange(0, BE)
     grp = tl.program_id(2)
-    rk = tl.arange(0, BK)
+    rk = tl.arange(0, SLICE)
     tmask = rt < T
     emask = re < E
     xrow = x_ptr + rt[:, None].to(tl.int64) * stride_xt
-    wrow = w_ptr + re[:, None].to(tl.int64) * stride_we
+    wrow = w_ptr + re[None, :].to(tl.int64) * stride_we
     acc = tl.zeros((BT, BE), dtype=tl.float64)
     s0 = grp * PER_PROG
     for s in range(s0, tl.minimum(s0 + PER_PROG, SLICES)):
-        part = tl.zeros((BT, BE), dtype=tl.float64)
-        for c in tl.static_range(0, SLICE, BK):
-            kk = s * SLICE + c + rk
-            kmask = kk < D
-            x = tl.load(xrow + kk[None, :], mask=tmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float64)
-            w = tl.load(wrow + kk[None, :], mask=emask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float64)
-            part += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        acc += part
+        kk = s * SLICE + rk
+        kmask = kk < D
+        x = tl.load(xrow + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(wrow + kk[:, None], mask=emask[None, :] & kmask[:, None], other=0.0)
+        acc += tl.dot(_f64(x, ASM), _f64(w, ASM))
     out = ws_ptr + (grp * T + rt[:, None]).to(tl.int64) * E + re[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
@@ -139,7 +147,7 @@ def logit_partials(x: torch.Tensor, weight: torch.Tensor,
     ws = torch.empty(rows, t, e, dtype=torch.float64, device=x.device)
     _logits_kernel[(triton.cdiv(t, BT), triton.cdiv(e, BE), rows)](
         x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices,
-        1 if split else per_group, BT=BT, BE=BE, SLICE=SLICE_K, BK=BK, num_warps=4)
+        1 if split else per_group, BT=BT, BE=BE, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=4)
     return ws, per_group if split else 1
 
 
