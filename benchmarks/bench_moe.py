@@ -96,13 +96,16 @@ def routing(t: int, e: int, seed: int, dev: torch.device) -> dict:
             "weights": torch.rand(t, TOPK, generator=g, device=dev)}
 
 
-def realistic_weights(e: int, dev: torch.device) -> dict:
-    """MXFP4 of randn / sqrt(K) (the conformance grid's weights; outputs of order 1)."""
-    g = torch.Generator(device=dev).manual_seed(1)
+def realistic_weights(e: int, dev: torch.device, seed: int = 1) -> dict:
+    """MXFP4 of randn / sqrt(K) (the conformance grid's weights; outputs of order 1), made 16
+    experts at a time (the fp32 source of all 384 would take 36 GB)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
     out = {"limit": 10.0}
     for name, n, k in (("w13", 2 * INTER, D), ("w2", D, INTER)):
-        p, s = quant_mxfp4(torch.randn(e, n, k, generator=g, device=dev) / k**0.5, 32)
-        out[name], out[name + "_scale"] = p, s
+        parts = [quant_mxfp4(torch.randn(min(16, e - i), n, k, generator=g, device=dev)
+                             / k**0.5, 32) for i in range(0, e, 16)]
+        out[name] = torch.cat([p for p, _ in parts])
+        out[name + "_scale"] = torch.cat([s for _, s in parts])
     return out
 
 
@@ -327,6 +330,12 @@ def main() -> None:
     ap.add_argument("--cfgs", default="", help="comma-separated sweep candidates (default: all)")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T list (overrides --quick)")
+    ap.add_argument("--weights", default="random", choices=["random", "realistic"],
+                    help="timed experts: random nibbles and scales 2^-6..2^-3, or MXFP4 of "
+                         "randn / sqrt(K) (the engine's dummy weights are made that way)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="weight sets the timed calls rotate over (an engine step reads "
+                         "every layer's experts once)")
     ap.add_argument("--sass", action="store_true",
                     help="no GPU: sm_90 SASS statistics of the tiles (registers, spills, "
                          "main-loop instructions per weight element), then exit")
@@ -338,7 +347,10 @@ def main() -> None:
     results: dict = {"gpu": torch.cuda.get_device_name(), "shape": [D, INTER, E, TOPK]}
     keep = args.variants.split(",")
     results["correctness"] = correctness(dev, keep)
-    w = weights(E, dev)
+    wsets = [weights(E, dev) if args.weights == "random" else realistic_weights(E, dev, 1 + i)
+             for i in range(args.layers)]  # random: one content, separate copies
+    w = wsets[0]
+    log(f"timed weights: {args.weights}, {args.layers} set(s)")
     tokens = [8192, 1, 64] if args.quick else [8192, 1, 8, 16, 64, 256]
     if args.tokens:
         tokens = [int(v) for v in args.tokens.split(",")]
@@ -351,7 +363,8 @@ def main() -> None:
             kw = variant_kwargs(name, t * TOPK)
             if kw is None:
                 continue
-            calls = [(lambda s=s, kw=kw: tmoe.moe_experts(**s, **w, **kw)) for s in sets]
+            calls = [(lambda s=s, kw=kw, wi=wi: tmoe.moe_experts(**s, **wi, **kw))
+                     for s in sets for wi in wsets]
             ms = time_calls(calls)
             if ms is None:
                 continue

@@ -436,30 +436,17 @@ def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
 
 
 def bench_router(ts: list[int]) -> None:
-    """The MoE router at mini shapes (384 experts x 5120, bf16 x and gate, fp64 sums): the op
-    (one program per K slice while its workspace is small) against one program per slice group
-    (what large batches run, and close to the first kernel's launch); same bits, checked."""
+    """The MoE router at mini shapes (384 experts x 5120, bf16 x and gate, fp64 sums on FP64
+    tensor cores, then the top-6 selection): the whole op per T."""
     e, d = 384, 5120
     g = torch.Generator(device="cuda").manual_seed(7)
     w = (torch.randn(e, d, device="cuda", generator=g) / 64).to(torch.bfloat16)
     bias = torch.randn(e, device="cuda", generator=g) * 0.01
     for t in ts:
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-        kw = dict(x=x, weight=w, bias=bias, k=6, route_scale=1.5)
-        ids, wt = tri_router.router(**kw)
-        saved = tri_router.SPLIT_BYTES
-        for name, limit in (("op", saved), ("grouped", -1)):
-            tri_router.SPLIT_BYTES = limit
-            try:
-                if name == "grouped":
-                    gi, gw = tri_router.router(**kw)
-                    same = torch.equal(ids, gi) and torch.equal(wt, gw)
-                ms = bench([lambda kw=kw: tri_router.router(**kw)])
-            finally:
-                tri_router.SPLIT_BYTES = saved
-            extra = {"same_bits": same} if name == "grouped" else {}
-            record(f"router ({name})", f"T{t}xE{e}xD{d}", ms, 2 * t * e * d,
-                   (e * d + t * d) * 2, BF16_PEAK, **extra)
+        ms = bench([lambda x=x: tri_router.router(x=x, weight=w, bias=bias, k=6,
+                                                  route_scale=1.5)])
+        record("router", f"T{t}xE{e}xD{d}", ms, 2 * t * e * d, (e * d + t * d) * 2, BF16_PEAK)
 
 
 def main() -> None:

@@ -2,14 +2,11 @@
 
 1. `_logits_kernel`: gate logits with exact bf16 products summed in fp64 in one fixed order that
    depends on D only, so a token's logits do not depend on the batch: K is cut into slices of
-   SLICE_K columns, and the slices into GROUPS groups of consecutive slices; a slice's partial
-   is one fp64 `tl.dot` (FP64 tensor-core MMA, its K chain in ascending order, from zero), a
-   group's partial adds its slices' partials in order, and the logit adds the group partials
-   in order (fixed 16 x 32 tiles and 4 warps besides). Small batches run one program per slice
-   (fp64 workspace [S, T, E]: enough programs to fill the GPU); larger ones one program per
-   group (workspace [G, T, E], bounded). Both give the same bits: 0 + p = p exactly, and the
-   selection kernel adds the workspace rows in the same nesting.
-2. `_select_kernel`: one token per program: the workspace rows summed in that nesting, rounded to
+   SLICE_K columns and the slices into GROUPS groups of consecutive slices, one program per
+   (16 tokens, 32 experts, group). A slice's partial is one fp64 `tl.dot` (FP64 tensor-core
+   MMA, its K chain in ascending order), added in slice order to the group's sum, written to
+   an fp64 workspace [G, T, E] (fixed tiles and 4 warps).
+2. `_select_kernel`: one token per program: the G group sums added in order and rounded to
    fp32 (the reference's fp32(fp64 dot)), sqrt-softplus in fp64 then rounded to fp32 (as the
    reference), the biased top-k (ties to the lower expert id, as a stable descending sort) and
    the weights renormalised in fp64.
@@ -19,8 +16,10 @@ order, exp/log in the last fp64 bits) crosses an fp32 rounding boundary: about 2
 An fp32-sum router (the earlier `gemm_nt` logits, fp32 softplus) flipped one near-tie expert of
 mini in situ on the H200 (2026-11-29). The first version of this kernel (8 slices of D/8, the
 products broadcast to a [16, 32, 16] fp64 tile and reduced with `tl.sum`) took 94 us per call at
-batch 1 on mini and 5.6 ms at T = 2048 (H200, 2026-11-29: 0.7 TFLOP/s of fp64); one program per
-128-column slice alone only brought batch 1 to 82 us.
+batch 1 on mini and 5.6 ms at T = 2048 (H200, 2026-11-29: 0.7 TFLOP/s of fp64; SASS: 4 shuffles
+per fp64 FMA). On FP64 tensor cores: 19 / 33 / 92 / 653 us at T = 1 / 64 / 256 / 2048. A
+variant with one program per slice (more programs at small T) was slower at every T (26 / 44 /
+110 / 653 us): its 40-row workspace costs more than the parallelism gains.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
-SPLIT_BYTES = 32 << 20  # one program per slice while its fp64 workspace stays below this
 BT, BE = 16, 32  # fixed tiles and 4 warps
 
 
@@ -60,8 +58,8 @@ def _f64(v, ASM: tl.constexpr):
 def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we, SLICES, PER_PROG,
                    BT: tl.constexpr, BE: tl.constexpr, SLICE: tl.constexpr,
                    ASM: tl.constexpr):
-    """ws[g, t, e] = sum over the PER_PROG slices s of program group g (in order) of the slice
-    partial p_s = fp64 dot of x[t, slice] and w[e, slice] (exact products; x, w bf16)."""
+    """ws[g, t, e] = sum over the PER_PROG slices s of group g (in order) of the slice partial
+    p_s = fp64 dot of x[t, slice] and w[e, slice] (exact products; x, w bf16)."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     re = tl.program_id(1) * BE + tl.arange(0, BE)
     grp = tl.program_id(2)
@@ -84,10 +82,9 @@ def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we, SLICES, 
 
 @triton.jit
 def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
-                   ROWS, KTOP: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-                   G: tl.constexpr, SUB: tl.constexpr):
-    """One token: logit = fp32(sum over G groups, in order, of the sum of the group's SUB
-    workspace rows, in order; rows from ROWS on are absent); s = fp32(sqrt(softplus(
+                   KTOP: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                   G: tl.constexpr):
+    """One token: logit = fp32(sum of the G fp64 group sums, in order); s = fp32(sqrt(softplus(
     fp64(logit / temp)))) (torch's softplus: x above 20 passes through; log1p(t) as
     log(u) t / (u - 1) with u = 1 + t, in fp64), then KTOP rounds of "largest s + bias, lowest
     id among equals" (= a stable descending sort's first KTOP; NaN ranks above every number, as
@@ -97,12 +94,7 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     live = offs < E
     acc = tl.zeros((E_P2,), dtype=tl.float64)
     for g in tl.static_range(G):
-        grp = tl.zeros((E_P2,), dtype=tl.float64)
-        for j in tl.static_range(SUB):
-            if g * SUB + j < ROWS:
-                grp += tl.load(ws_ptr + ((g * SUB + j) * T + t) * E + offs, mask=live,
-                               other=0.0)
-        acc += grp
+        acc += tl.load(ws_ptr + (g * T + t) * E + offs, mask=live, other=0.0)
     x = tl.math.div_rn(acc.to(tl.float32), temp).to(tl.float64)  # IEEE, as torch's /
     ex = tl.exp(-tl.abs(x))
     u = 1.0 + ex
@@ -130,25 +122,19 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     tl.store(w_ptr + t * KTOP + slot, ws * route_scale, mask=mask)
 
 
-def logit_partials(x: torch.Tensor, weight: torch.Tensor,
-                   split: bool | None = None) -> tuple[torch.Tensor, int]:
-    """The logits kernel's fp64 workspace [rows, T, E] and the rows per group `sub`: the logit of
-    (t, e) is the sum over groups g, in order, of (the sum of rows g * sub .. g * sub + sub - 1,
-    in order). split: one program per slice (rows = slices, sub = slices per group) or per group
-    (rows = groups, sub = 1); None: split while the workspace stays under SPLIT_BYTES."""
+def logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The logits kernel's fp64 workspace [G, T, E]: the logit of (t, e) is the sum of the G
+    rows in order."""
     t, d = x.shape
     e = weight.shape[0]
     slices = triton.cdiv(d, SLICE_K)
     per_group = triton.cdiv(slices, GROUPS)
     groups = triton.cdiv(slices, per_group)
-    if split is None:
-        split = slices * t * e * 8 <= SPLIT_BYTES
-    rows = slices if split else groups
-    ws = torch.empty(rows, t, e, dtype=torch.float64, device=x.device)
-    _logits_kernel[(triton.cdiv(t, BT), triton.cdiv(e, BE), rows)](
-        x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices,
-        1 if split else per_group, BT=BT, BE=BE, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=4)
-    return ws, per_group if split else 1
+    ws = torch.empty(groups, t, e, dtype=torch.float64, device=x.device)
+    _logits_kernel[(triton.cdiv(t, BT), triton.cdiv(e, BE), groups)](
+        x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices, per_group,
+        BT=BT, BE=BE, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=4)
+    return ws
 
 
 @REGISTRY.implement("triton", "router", supports=_supports_router)
@@ -165,10 +151,9 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
         return ids, w
     xc = x if x.stride(1) == 1 else x.contiguous()
     wc = weight if weight.stride(1) == 1 else weight.contiguous()
-    ws, sub = logit_partials(xc, wc)
-    rows, groups = ws.shape[0], triton.cdiv(ws.shape[0], sub)
+    ws = logit_partials(xc, wc)
     _select_kernel[(t,)](ws, bias.float().contiguous(), ids, w, t, e, float(gate_temp),
-                         float(route_scale), rows, KTOP=k, K_P2=triton.next_power_of_2(k),
-                         E_P2=triton.next_power_of_2(e), G=groups, SUB=sub,
+                         float(route_scale), KTOP=k, K_P2=triton.next_power_of_2(k),
+                         E_P2=triton.next_power_of_2(e), G=ws.shape[0],
                          num_warps=4 if e <= 1024 else 8)
     return ids, w
