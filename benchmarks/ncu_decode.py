@@ -6,7 +6,8 @@ profiler range, for Nsight Compute (hardware counters; the H200 machines run it)
         python3 benchmarks/ncu_decode.py [--only moe,attn,gemm,grouped]
 
 Every kernel is compiled and run once before the range opens (so ncu sees no compilation);
-inside it: the routed MoE at T = 1 and 64 (mini layer, default tiles), sparse attention with the
+inside it: the routed MoE at T = 1 and 64 (mini layer, default tiles; `moe_real`: the same over
+MXFP4 of randn weights instead of random nibbles), sparse attention with the
 op's knobs at T = 1 and 64 (64 heads x 512, 128 SWA + 512 selected rows), the FP8 GEMM at M = 1
 on wq_b (1280 -> 32768) and wo_b (8192 -> 5120), the grouped W8A16 wo_a at T = 1. A range
 marker line before each call names it in the log (ncu's own lines follow in launch order).
@@ -36,6 +37,11 @@ def workloads(only: set[str]) -> list[tuple[str, object]]:
         for t in (1, 64):
             r = bench_moe.routing(t, bench_moe.E, 10, dev)
             out.append((f"moe T={t}", lambda r=r: tmoe.moe_experts(**r, **w)))
+    if "moe_real" in only:  # the same routings over MXFP4 of randn (bench_moe: ~1.4x slower)
+        wr = bench_moe.realistic_weights(bench_moe.E, dev)
+        for t in (1, 64):
+            r = bench_moe.routing(t, bench_moe.E, 10, dev)
+            out.append((f"moe realistic T={t}", lambda r=r: tmoe.moe_experts(**r, **wr)))
     if "attn" in only:
         gen = torch.Generator(device=dev).manual_seed(2)
         for t in (1, 64):
