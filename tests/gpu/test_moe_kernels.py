@@ -91,6 +91,19 @@ def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
     assert torch.equal(lut[8].view(torch.float8_e4m3fn).float(), exact)
 
 
+def test_closed_form_lut_words_equal_the_table() -> None:
+    """`w_e4m3` computes the LUT words of shifts up to LUT0_CLOSED / LUT1_CLOSED in closed form
+    and reads the table only beyond: both must agree bit for bit where the closed form is used,
+    and the closed form must stop where it would go wrong (one binade further)."""
+    lut = ftiles.lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
+    limits = (ftiles.LUT0_CLOSED.value, ftiles.LUT1_CLOSED.value)
+    for word in (0, 1):
+        for sh in range(limits[word] + 1):
+            assert ftiles.lut_words(sh)[word] == int(lut[sh, word]), (word, sh)
+        assert ftiles.lut_words(limits[word] + 1)[word] & 0xFFFFFFFF != int(
+            lut[limits[word] + 1, word]), word
+
+
 def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """PTX prmt.b32 (default mode) on int64 tensors holding uint32 values: output byte i is byte
     (sel & 7) of the 8-byte {b:a}, or its msb replicated (0xFF / 0x00) when sel & 8, with sel the
