@@ -1,10 +1,10 @@
 """MXFP4 weight tiles decoded in registers for the grouped MoE GEMMs (ops/triton/moe.py).
 
 - `w_e4m3`: e2m1 codes -> e4m3 bytes whose exponent is shifted by (block scale - row max scale),
-  through an 8-byte LUT per 32-block (`lut_words` in closed form for shifts up to 5 / 7 binades,
-  beyond them a row of `lut_table`, 256 shifts x 8 bytes): CONVERT 0 portable integer ops (what the Triton
-  interpreter runs), 1 `prmt` on duplicated bytes, 2 `prmt` on the 16-bit word of 4 codes
-  (inline PTX; all three give identical bits, checked on the device).
+  through an 8-byte LUT per 32-block (`lut_words` in closed form for shifts up to 5 / 7
+  binades, beyond them a row of `lut_table`, 256 shifts x 8 bytes): CONVERT 0 portable integer
+  ops (what the Triton interpreter runs), 1 `prmt` on duplicated bytes, 2 `prmt` on the 16-bit
+  word of 4 codes (inline PTX; all three give identical bits, checked on the device).
 - `w_bf16`: the exact bf16 dequantisation (the W4A16 baseline).
 - `row_max_exp` / `col_scale`: the per-row largest UE8M0 exponent and its fp32 scale.
 Invariant: the decoded tile times the row's column scale equals the reference dequantisation
