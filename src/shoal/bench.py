@@ -1,7 +1,9 @@
 """`shoal bench`: end-to-end engine benchmark on `mini` (real per-layer Flash shapes, 8 layers)
 with dummy weights on one GPU: decode TPOT per batch size against the step's HBM floor, prefill
-tokens/s of the decoder tail-only prefill against `full`, host overhead per step, KV bytes per
-token. (benchmarks/bench_e2e.py runs the same.)
+tokens/s of the decoder tail-only prefill against `full`, host overhead per step (input
+preparation as a share of the step, and on CUDA the share of the step with no device work
+queued: scheduling, preparation and output processing, which async scheduling would hide), KV
+bytes per token. (benchmarks/bench_e2e.py runs the same.)
 
     shoal bench [--batches 1 16 64 256] [--prefill-len 8192] [--modes full bounded]
 
@@ -85,7 +87,7 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
                             ignore_eos=True)
     groups = [llm.engine.add_request(None, params, prompt_token_ids=random_prompt(
         llm.config.model_config, prompt_len, g)) for _ in range(batch)]
-    times, prep, peak = [], [], 0
+    times, prep, dev, peak = [], [], [], 0
     sched = llm.engine.scheduler
     while llm.engine.has_unfinished():
         peak = max(peak, len(sched.running))
@@ -94,12 +96,14 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         sync()
         t0 = time.perf_counter()
         before = llm.engine.stats.prepare_time
+        dev_before = llm.engine.stats.device_time
         llm.engine.step()
         sync()
         dt = time.perf_counter() - t0
         if pure_decode:
             times.append(dt)
             prep.append(llm.engine.stats.prepare_time - before)
+            dev.append(llm.engine.stats.device_time - dev_before)
     errors = [e for e in (llm.engine.output(g_id).error for g_id in groups) if e]
     for g_id in groups:
         llm.engine.release(g_id)
@@ -116,7 +120,11 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     floor = decode_floor(llm, batch, prompt_len + steps // 2)
     return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3,
             "fraction_of_floor": floor / tpot,
-            "host_prepare_share": statistics.median(prep[1:] or prep) / tpot}
+            "host_prepare_share": statistics.median(prep[1:] or prep) / tpot,
+            # the share of the step with no device work queued (host: scheduling, input
+            # preparation, output processing); None off CUDA
+            "device_idle_share": (1 - statistics.median(dev[1:] or dev) / tpot
+                                  if any(dev) else None)}
 
 
 def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
@@ -205,15 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_bytes_per_token"] = llm.engine.runner.layout.bytes_per_context_token()
     result["op_table"] = dict(llm.engine.runner.ops.origin)
     decode = []
-    print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s}")
+    print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s} "
+          f"{'GPU idle':>9s}")
     for b in args.batches:
         d = bench_decode(llm, b, args.prompt_len, args.steps)
         decode.append(d)
         if "error" in d:
             print(f"{b:5d} {d['error']}", flush=True)
             continue
+        idle = d["device_idle_share"]
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
-              f"{d['host_prepare_share']:10.1%}", flush=True)
+              f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s}",
+              flush=True)
     result["decode"] = decode
     declined = dict(llm.engine.runner.ops.declined)
     result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference

@@ -3,6 +3,9 @@ every decode batch size and prefill mode asked for."""
 
 import json
 
+import pytest
+import torch
+
 from shoal.bench import main
 
 
@@ -14,6 +17,7 @@ def test_bench_tiny_json_line(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [d["batch"] for d in result["decode"]] == [1, 3]
     assert all(d["tpot_ms"] > 0 and 0 < d["fraction_of_floor"] for d in result["decode"])
+    assert all(d["device_idle_share"] is None for d in result["decode"])  # CUDA events only
     assert [p["mode"] for p in result["prefill"]] == ["full", "bounded"]
     assert result["prefill"][0]["speedup_vs_full"] == 1.0
     assert result["kv_bytes_per_token"] > 0
@@ -31,6 +35,20 @@ def test_bench_decode_reports_a_batch_that_never_runs_whole():
     d = bench_decode(llm, 3, 8, 2)
     assert "tpot_ms" not in d and "at most 2 ran at once" in d["error"], d
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events")
+def test_device_idle_share_on_cuda():
+    """On CUDA each step's device span (first device work to the end of sampling) is timed:
+    positive, below the step's wall time, so the idle share lies in [0, 1)."""
+    from shoal import LLM
+    from shoal.bench import bench_decode
+
+    llm = LLM("tiny", device="cuda", max_num_seqs=4, max_num_batched_tokens=64,
+              cuda_graphs=False)  # (the e2e bench covers graph steps)
+    d = bench_decode(llm, 2, 8, 4)
+    assert 0 <= d["device_idle_share"] < 1, d
+    assert llm.engine.stats.device_time > 0
 
 
 def test_random_prompts_never_hold_the_image_token():

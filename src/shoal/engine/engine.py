@@ -44,6 +44,7 @@ class EngineStats:
     steps: int = 0
     forward_time: float = 0.0
     prepare_time: float = 0.0
+    device_time: float = 0.0
     decoder_rows_skipped: int = 0
     decoder_rows_total: int = 0
     drafts_proposed: int = 0  # speculative decoding: draft tokens verified
@@ -236,6 +237,7 @@ class Engine:
         s.steps += 1
         s.forward_time += result.forward_time
         s.prepare_time += result.prepare_time
+        s.device_time += result.device_time
         s.decoder_rows_skipped += result.decoder_rows_skipped
         cfg = self.config.model_config
         s.decoder_rows_total += plan.num_scheduled_tokens * (cfg.num_layers - cfg.decoder_start)

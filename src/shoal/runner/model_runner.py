@@ -66,6 +66,9 @@ class RunnerOutput:
         field(default_factory=dict))
     forward_time: float = 0.0
     prepare_time: float = 0.0
+    # seconds from the step's first device work to the end of its sampling (CUDA events; 0 off
+    # CUDA): the rest of the step is host time during which the device has nothing queued
+    device_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
 
 
@@ -217,6 +220,10 @@ class ModelRunner:
             batch.num_tokens - (r.full.numel() if r.full is not None else batch.num_tokens)
             for r in batch.layer_rows.values())
         t1 = time.perf_counter()
+        span = None
+        if self.device.type == "cuda":
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record()
         with torch.inference_mode():
             if graphed:  # pure decode: static inputs, graph replay (speculative is eager)
                 assert self.graphs is not None
@@ -248,8 +255,14 @@ class ModelRunner:
         if draws:
             every = sample_rows == list(range(logits.shape[0]))  # (decode): no index upload
             self._sample(logits if every else
-                         logits[torch.tensor(sample_rows, device=logits.device)], draws, out)
+                         logits[torch.tensor(sample_rows, device=logits.device)], draws, out,
+                         span[1] if span else None)
             accept_drafts(plan, out)
+        if span:
+            if not draws:
+                span[1].record()
+            span[1].synchronize()
+            out.device_time = span[0].elapsed_time(span[1]) * 1e-3
         if self.speculative:
             with torch.inference_mode():
                 propose_drafts(self.model, self.caches, batch, result.captures, plan, rows,
@@ -257,7 +270,7 @@ class ModelRunner:
         return out
 
     def _sample(self, logits: torch.Tensor, draws: list[tuple[str, SampleRow, list[int]]],
-                out: RunnerOutput) -> None:
+                out: RunnerOutput, done: torch.cuda.Event | None = None) -> None:
         """Sample every row; a row verifying drafts sees them as already generated (positions,
         penalties), so the target's sample there is exactly what plain decoding would draw."""
         vocab = self.config.model_config.vocab_size
@@ -278,6 +291,8 @@ class ModelRunner:
             vocab_size=vocab, eos_token_ids=(self.config.model_config.eos_token_id,),
             allowed_mask=mask, device=logits.device)
         result = self.sampler.sample(logits, batch)
+        if done is not None:  # the step's device work ends here (before the host waits on it)
+            done.record()
         tokens = result.token_ids.tolist()
         valid = result.valid.tolist()
         lp = result.logprobs
