@@ -67,7 +67,8 @@ class RunnerOutput:
     forward_time: float = 0.0
     prepare_time: float = 0.0
     # seconds from the step's first device work to the end of its sampling (CUDA events; 0 off
-    # CUDA): the rest of the step is host time during which the device has nothing queued
+    # CUDA and in steps that sample nothing): the rest of a sampling step is host time during
+    # which the device has nothing queued
     device_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
 
@@ -258,9 +259,7 @@ class ModelRunner:
                          logits[torch.tensor(sample_rows, device=logits.device)], draws, out,
                          span[1] if span else None)
             accept_drafts(plan, out)
-        if span:
-            if not draws:
-                span[1].record()
+        if span and draws:  # (the host has waited for the sampled tokens: no extra sync)
             span[1].synchronize()
             out.device_time = span[0].elapsed_time(span[1]) * 1e-3
         if self.speculative:
