@@ -154,10 +154,13 @@ class PreparedCache:
 # same bits and speed. 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes (sm_90 build).
 # Promoted tiles all use BLOCK_K = 128, so the autotuner's (timing-dependent) choice never
 # changes the result: a 64-K promotion interval rounds differently, which made prefill logits
-# depend on which tile won in a given process.
+# depend on which tile won in a given process. (64, 64, 128, 4, 3) takes 48 KB of shared memory
+# against 64 KB with 4 stages, so 4 programs fit an SM instead of 3: one wave for the 512
+# programs of wq_b at decode M (ncu, 2026-11-29: 1.29 waves with 4 stages). Added for the
+# autotuner to weigh; not yet timed.
 _TILES = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
           (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
-          (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4)]
+          (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
 
 
 def _gemm_configs() -> list[triton.Config]:
