@@ -164,9 +164,12 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
         tables.append(list(ch.block_ids))
     num_req = len(starts)
     length_t = torch.tensor(lengths, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(num_req), length_t)  # [T]
+    t = sum(lengths)
+    # output_size spares repeat_interleave its own pass over the lengths. The H200 machine's
+    # host profile (16 cores, 2026-11-29) had aten::repeat_interleave at 1.3 ms of CPU per call
+    # at batch 64; a 2-core CPU shows 0.01 ms either way. Unexplained: recheck there.
+    req = torch.repeat_interleave(torch.arange(num_req), length_t, output_size=t)  # [T]
     first_row = torch.cumsum(length_t, 0) - length_t  # [R]
-    t = int(length_t.sum())
     start_t = torch.tensor(starts, dtype=torch.int64)
     positions = start_t[req] + torch.arange(t) - first_row[req]  # [T]
     known_t = torch.tensor(known, dtype=torch.int64)
