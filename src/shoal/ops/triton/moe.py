@@ -16,8 +16,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    256-entry table only beyond (`fp4_tiles.w_e4m3`; H200, 2026-11-29: gathering every block's
    words from the table made MXFP4-of-randn weights 1.3-1.46x slower than random-nibble ones,
    2.5x more shared-memory bank conflicts at equal instructions; with the closed form both run
-   at 0.112 / 2.95-2.97 ms at T = 1 / 64, against 0.129 / 3.74 ms and 0.098 / 2.57 ms before). Epilogue: row x column scales, g/u
-   rounded to bf16 (as the reference), clamped SwiGLU, routing weight, bf16 h.
+   at 0.112 / 2.95-2.97 ms at T = 1 / 64, against 0.129 / 3.74 ms and 0.098 / 2.57 ms
+   before). Epilogue: row x column scales, g/u rounded to bf16 (as the reference), clamped
+   SwiGLU, routing weight, bf16 h.
    Conversions (`w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
    `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
    1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
