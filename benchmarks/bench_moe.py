@@ -18,8 +18,8 @@ DECODE_CFGS / PLAIN_DECODE_CFGS / PREFILL_CFGS (a pair that fails to build is re
 skipped) and name the best; --cfgs NAME,NAME keeps only those candidates.
 --breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
 combine; each stage its own graph) with each GEMM's own HBM floor.
---sass (no GPU needed): AOT-compile the tiles for sm_90 and print registers, spills and the
-SASS instructions of the K loop per converted weight element, then exit.
+--sass (no GPU needed): benchmarks/sass_moe.py: AOT-compile the tiles for sm_90 and print
+registers, spills and the SASS instructions of each K loop per converted weight element.
 --weights realistic (default) | random: the experts timed (MXFP4 of randn / sqrt(K), like the
 engine's dummy weights, or random nibbles); --layers N: N weight sets the calls rotate over.
 Ends with one JSON line; --out keeps a dated copy.
@@ -265,64 +265,6 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
     return out
 
 
-def sass_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
-               k: int = D) -> str:
-    """AOT-compile one `_moe_gemm_kernel` specialisation for sm_90 (`shoal.ops.triton.aot`, no
-    GPU needed) -> registers, stack (spills), shared memory, and the SASS instructions of the
-    main loop per weight element a thread converts."""
-    import collections
-    import re
-
-    from shoal.ops.triton import aot
-
-    kern = aot.moe_gemm(cfg, swiglu, k, convert, w4a8=w4a8, experts=E)
-    usage, sass = aot.usage_and_sass(kern)
-    bk = cfg.block_k
-    while k % bk:
-        bk //= 2
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
-           if m]
-    where = {a: i for i, (a, _) in enumerate(ins)}
-    loop = 0
-    ops: collections.Counter = collections.Counter()
-    for i, (a, text) in enumerate(ins):  # the longest backward branch = the K loop
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < a and i + 1 - where.get(int(m.group(1), 16), i) > loop:
-            body = [t for _, t in ins[where[int(m.group(1), 16)]:i + 1]]
-            loop = len(body)
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                                      for t in body)
-    per_thread = cfg.block_n * bk * (2 if swiglu else 1) // (32 * cfg.num_warps)
-    top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(10))
-    return (f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} "
-            f"smem {kern.metadata.shared} loop {loop} instr / {per_thread} elem = "
-            f"{loop / max(per_thread, 1):.2f}  [{top}]")
-
-
-def sass_report() -> None:
-    """--sass: sm_90 SASS statistics of the default and sweep tiles (runs on a CPU machine)."""
-    rows = [("default decode", tmoe.default_configs(6, E)),
-            ("default mid (T=1024)", tmoe.default_configs(6 * 1024, E)),
-            ("default prefill", tmoe.default_configs(6 * 8192, E)),
-            ("swap decode", tmoe.SWAP_DECODE),
-            ("swap decode promoted", tuple(dataclasses.replace(c, promote=True)
-                                           for c in tmoe.SWAP_DECODE)),
-            ("prefill promoted", tuple(dataclasses.replace(c, promote=True)
-                                       for c in tmoe.default_configs(6 * 8192, E))),
-            *DECODE_CFGS.items(), *PLAIN_DECODE_CFGS.items(), *PREFILL_CFGS.items()]
-    for name, (c13, c2) in rows:
-        for conv in ((2, 1) if c13.swap_ab else (1, 2)):
-            for label, cfg, swiglu, k in (("w13", c13, True, D), ("w2", c2, False, INTER)):
-                try:
-                    stats = sass_stats(cfg, swiglu, conv, k=k)
-                except Exception as exc:  # report and go on
-                    stats = f"FAILED {type(exc).__name__}: {exc}"[:300]
-                log(f"sass {name:22s} asm v{conv} {label:3s} {stats}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -345,7 +287,8 @@ def main() -> None:
                          "main-loop instructions per weight element), then exit")
     args = ap.parse_args()
     if args.sass:
-        sass_report()
+        import sass_moe
+        sass_moe.report(log)
         return
     dev = torch.device("cuda")
     results: dict = {"gpu": torch.cuda.get_device_name(), "shape": [D, INTER, E, TOPK]}
