@@ -140,38 +140,51 @@ class SamplingBatch:
             else:
                 suppressed.append(())
 
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32)
-
-        host = {
-            "temperature": f32(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            ),
-            "greedy": torch.tensor(greedy, dtype=torch.bool),
-            "top_k": torch.tensor(
+        # one host tensor per dtype, so a step uploads 2 small tensors (plus the padded id
+        # lists when a row needs them) instead of one per field
+        floats = torch.tensor(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            ],
+            dtype=torch.float32,
+        ).reshape(6, num_rows).to(device, non_blocking=True)
+        ints = torch.tensor(
+            [
                 [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
-                dtype=torch.int64,
+                [seed_to_int64(s) for s in seeds],
+                list(positions),
+                [int(g) for g in greedy],
+            ],
+            dtype=torch.int64,
+        ).reshape(4, num_rows).to(device, non_blocking=True)
+
+        def ids(rows: list[Sequence[int]]) -> Tensor:
+            padded = _pad(rows, -1)
+            if padded.shape[1] == 0:  # nothing to upload
+                return torch.empty(padded.shape, dtype=torch.int64, device=device)
+            return padded.to(device, non_blocking=True)
+
+        on_device = {
+            "temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
+            "repetition_penalty": floats[3], "presence_penalty": floats[4],
+            "frequency_penalty": floats[5],
+            "top_k": ints[0], "seeds": ints[1], "positions": ints[2], "greedy": ints[3] != 0,
+            "output_token_ids": ids(
+                [o if pen else () for o, pen in zip(output_token_ids, penalised, strict=True)]
             ),
-            "top_p": f32([p.top_p for p in params]),
-            "min_p": f32([p.min_p for p in params]),
-            "repetition_penalty": f32([p.repetition_penalty for p in params]),
-            "presence_penalty": f32([p.presence_penalty for p in params]),
-            "frequency_penalty": f32([p.frequency_penalty for p in params]),
-            "seeds": torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64),
-            "positions": torch.tensor(list(positions), dtype=torch.int64),
-            "output_token_ids": _pad(
-                [o if pen else () for o, pen in zip(output_token_ids, penalised, strict=True)], -1
-            ),
-            "prompt_token_ids": _pad(
+            "prompt_token_ids": ids(
                 [
                     q if rep else ()
                     for q, rep in zip(prompt_token_ids or [()] * num_rows, repeated, strict=True)
-                ],
-                -1,
+                ]
             ),
-            "suppressed_token_ids": _pad(suppressed, -1),
+            "suppressed_token_ids": ids(suppressed),
         }
-        on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
         return cls(
             **on_device,
             allowed_mask=None if allowed_mask is None else allowed_mask.to(device),
