@@ -349,3 +349,22 @@ def test_cpu_and_cuda_sample_the_same_tokens() -> None:
     assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
     assert cpu.logprobs is not None and gpu.logprobs is not None
     torch.testing.assert_close(gpu.logprobs.logprobs.cpu(), cpu.logprobs.logprobs)
+
+
+def test_one_max_pass_gives_argmax_and_validity() -> None:
+    """The sampler's single `max(dim=1)` equals the definition it replaced: argmax (first
+    maximum) and valid = no NaN in the row and some token above -inf, on rows with NaNs, +inf,
+    all -inf, ties and ordinary values."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 50, generator=g).round()  # many ties
+    x[3, 7] = math.nan
+    x[5] = -math.inf
+    x[6, 2] = math.inf
+    x[7, [1, 9]] = math.inf
+    x[8, 4] = math.nan
+    x[8, 5] = math.inf
+    x[9, :49] = -math.inf
+    best, ids = x.max(dim=1)
+    want_valid = ~torch.isnan(x).any(dim=1) & (x > -math.inf).any(dim=1)
+    assert torch.equal(~torch.isnan(best) & (best > -math.inf), want_valid)
+    assert torch.equal(ids[want_valid], x.argmax(dim=1)[want_valid])

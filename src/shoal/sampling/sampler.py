@@ -335,12 +335,15 @@ class Sampler:
                 f"[B, vocab_size={batch.vocab_size}]"
             )
         masked, scaled = self.process(logits, batch)
-        token_ids = masked.argmax(dim=1)  # first maximum: ties go to the lowest id
+        # one reduction gives the greedy token (first maximum: ties go to the lowest id) and the
+        # row's validity (max is NaN when any logit is, -inf when every token is masked); it
+        # replaces argmax + two any() passes over [B, V] (H200 profile, batch 1: 37 + 2 x 16 us)
+        best, token_ids = masked.max(dim=1)
         if not batch.all_greedy:
             noise = gumbel_noise(batch.seeds, batch.positions, batch.vocab_size, STREAM_SAMPLE)
             random_ids = (scaled + noise).argmax(dim=1)
             token_ids = torch.where(batch.greedy, token_ids, random_ids)
-        valid = ~torch.isnan(masked).any(dim=1) & (masked > -math.inf).any(dim=1)
+        valid = ~torch.isnan(best) & (best > -math.inf)
         token_ids = torch.where(valid, token_ids, torch.zeros_like(token_ids))
         logprobs = None
         if batch.max_num_logprobs >= 0:
