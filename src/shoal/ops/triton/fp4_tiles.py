@@ -36,13 +36,15 @@ def lut_table(device: torch.device) -> torch.Tensor:
 # shifted down by sh binades they stay normal (exponent field >= 1) for sh <= 5 and sh <= 7.
 LUT0_BASE = tl.constexpr(0x3C383000)
 LUT1_BASE = tl.constexpr(0x4C484440)
+LUT0_STEP = tl.constexpr(0x08080800)  # one binade: exponent field - 1 in bytes 1-3 (byte 0 is 0)
+LUT1_STEP = tl.constexpr(0x08080808)
 LUT0_CLOSED = tl.constexpr(5)
 LUT1_CLOSED = tl.constexpr(7)
 
 
 def lut_words(sh: int) -> tuple[int, int]:
     """The closed form of `lut_table` row sh (sh <= 5 for word 0, <= 7 for word 1)."""
-    return LUT0_BASE.value - sh * 0x08080800, LUT1_BASE.value - sh * 0x08080808
+    return LUT0_BASE.value - sh * LUT0_STEP.value, LUT1_BASE.value - sh * LUT1_STEP.value
 
 
 @triton.jit
@@ -72,9 +74,9 @@ def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK:
     # every block cost 1.3-1.5x on MXFP4-of-randn weights, data-dependent bank conflicts).
     near0 = sh <= LUT0_CLOSED
     near1 = sh <= LUT1_CLOSED
-    lut0 = tl.where(near0, LUT0_BASE - sh * 0x08080800,
+    lut0 = tl.where(near0, LUT0_BASE - sh * LUT0_STEP,
                     tl.load(lut_ptr + sh * 2, mask=~near0, other=0))
-    lut1 = tl.where(near1, LUT1_BASE - sh * 0x08080808,
+    lut1 = tl.where(near1, LUT1_BASE - sh * LUT1_STEP,
                     tl.load(lut_ptr + sh * 2 + 1, mask=~near1, other=0))
     lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
