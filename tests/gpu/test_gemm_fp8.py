@@ -164,3 +164,31 @@ def test_promoted_tiles_agree_bitwise(m: int) -> None:
                                tile=t) for t in tiles]
     for t, o in zip(tiles[1:], outs[1:], strict=True):
         assert torch.equal(o, outs[0]), f"tile {t} differs from {tiles[0]} at M = {m}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 15])
+def test_padded_decode_rows_give_the_same_bits(monkeypatch, m: int) -> None:
+    """The op pads fewer than 16 activation rows to 16 (`rows=`): the padding (poisoned here with
+    NaN codes) changes no stored bit, and nothing is written beyond row m; each row equals the
+    same row computed inside a 16-row batch (one tile, same split)."""
+    from shoal.ops.triton import gemm as tg
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    n, k = 96, 256
+    xb, q, qs, wc, ws = _inputs(16, n, k, 40 + m, False)
+    fq, rs = _fold_act(q, qs)
+    prepared = tg.prepare_fp8_weight(wc.to(DEV), ws.to(DEV))
+    kw = dict(split=2, tile=(64, 64, 128, 4, 2))
+    whole = tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, tg.PROMOTED, **kw).cpu()
+    padded = fq.clone()
+    padded[m:] = torch.full((16 - m, k), float("nan")).to(torch.float8_e4m3fn)
+    got = tg.gemm_fp8_folded(padded.to(DEV), rs[:m].contiguous().to(DEV), prepared,
+                             tg.PROMOTED, rows=m, **kw).cpu()
+    alone = tg.gemm_fp8_folded(fq[:m].contiguous().to(DEV), rs[:m].contiguous().to(DEV),
+                               prepared, tg.PROMOTED, **kw).cpu()
+    assert got.shape == (m, n) and not got.isnan().any()
+    assert torch.equal(got, whole[:m]) and torch.equal(alone, whole[:m])
+    with pytest.raises(ValueError, match="rows"):
+        tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, rows=17, **kw)

@@ -6,7 +6,8 @@ Work-arounds for defects of the Triton interpreter (Triton 3.6), applied per tes
 pytest's monkeypatch so the kernels' own numerics are what gets checked:
 
 - fp32 -> bf16 casts truncate (the GPU rounds to nearest even): rounded through torch instead;
-- `tl.dot` on bf16 operands is wrong: the operands are widened to fp32 (exact) first;
+- `tl.dot` on bf16 operands is wrong: the operands are widened to fp32 (exact) first and
+  multiplied by an einsum (NumPy's matmul rounds a row differently by its place in the tile);
 - a scalar's `__index__` fails with NumPy 2 (runtime `range` bounds): read the value directly.
 """
 
@@ -46,7 +47,12 @@ def patch_interpreter(monkeypatch: pytest.MonkeyPatch, *, bf16: bool = True) -> 
                                .view(np.float32), tl.float32)
 
     def dot(self, a, b, d, precision, max_imprecise):
-        return orig_dot(self, up(a), up(b), d, precision, max_imprecise)
+        if a.dtype != tl.bfloat16 and b.dtype != tl.bfloat16:
+            return orig_dot(self, a, b, d, precision, max_imprecise)
+        # NumPy's fp32 matmul rounds a row's sums differently by its position in the tile
+        # (BLAS blocking: 1e-5 apart at K = 128), which no MMA does: a plain einsum instead
+        prod = np.einsum("...mk,...kn->...mn", up(a).data, up(b).data)
+        return ip.TensorHandle(prod.astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     def plt(tensor, scope):
         orig_plt(tensor, scope)

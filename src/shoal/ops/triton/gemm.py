@@ -96,9 +96,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk,
     tl.store(q_ptr + row * K + col, q, mask=mask)
 
 
-def _act_quant(x: torch.Tensor, block: int, fold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant(x: torch.Tensor, block: int, fold: bool,
+               min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes, scales). min_rows: the codes get at least that many rows, those
+    beyond T left unwritten (padding for `gemm_fp8_folded(rows=T)`)."""
     t, k = x.shape
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(max(t, min_rows), k, dtype=torch.float8_e4m3fn, device=x.device)
     s = (torch.empty(t, dtype=torch.float32, device=x.device) if fold else
          torch.empty(t, k // block, dtype=torch.uint8, device=x.device))
     if t:
@@ -122,6 +125,7 @@ def act_quant_fp8(*, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, to
 # --------------------------------------------------------------------------- FP8 GEMM
 
 CHAINED, PROMOTED = 0, 1  # `_gemm_fp8_kernel` PROMOTE modes (see there)
+DECODE_MIN_ROWS = 16  # the op pads fewer activation rows to this many (see gemm_fp8_folded)
 DEFAULT_PROMOTE = PROMOTED
 
 
@@ -207,17 +211,18 @@ def tile_offsets(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
-def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, N, K, M_BUCKET,
+def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, MA, N, K, M_BUCKET,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                    PROMOTE: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c = (a * rs) @ (b * cs)^T over this program's K range
     (SPLIT_K > 1: fp32 partial sums to ws[pid_k]). PROMOTE: CHAINED chains the accumulator
     through the MMA (reduced-precision adds on sm_90 FP8 wgmma); PROMOTED forms each BLOCK_K
-    step's product from zero and adds it in fp32. M_BUCKET: the autotuning key only."""
+    step's product from zero and adds it in fp32. M_BUCKET: the autotuning key only. MA: rows of
+    a (>= M; rows beyond M are padding, read but never stored)."""
     pid_k = tl.program_id(1)
     offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = (offs_m % M).to(tl.int64)
+    rm = (offs_m % MA).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k0 = pid_k * k_per
@@ -288,12 +293,18 @@ def split_k(m: int, n: int, k: int, sms: int) -> int:
 
 def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
                     promote: int = DEFAULT_PROMOTE, *, split: int | None = None,
-                    tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                    tile: tuple[int, int, int, int, int] | None = None,
+                    rows: int | None = None) -> torch.Tensor:
     """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
     promote: CHAINED or PROMOTED (see `_gemm_fp8_body`). split: K splits (default
     `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-    stages) instead of the autotuned choice (tests under the Triton interpreter)."""
-    m, k = q.shape
+    stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
+    q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
+    row 64 times ran 2.8x slower than one reading 16 distinct rows, H200 2026-12-01)."""
+    ma, k = q.shape
+    m = ma if rows is None else rows
+    if not 0 <= m <= ma:
+        raise ValueError(f"gemm_fp8_folded: rows={rows} must be in [0, {ma}]")
     n = w.codes.shape[0]
     if promote not in (CHAINED, PROMOTED):
         raise ValueError(f"gemm_fp8_folded: promote must be 0 or 1, got {promote!r}")
@@ -305,12 +316,15 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if split is None:
         split = split_k(m, n, k, sm_count(q.device))
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
-    m_bucket = min(triton.next_power_of_2(m), 4096)
+    # one autotuning bucket for every decode size (M <= 64 all run 64-row tiles): tuned
+    # separately, M = 1 kept a tile 1.7x slower than M = 16's (H200 bench_ops, 2026-11-29:
+    # wq_b 26.4 vs 15.8 us, wo_b 25.2 vs 17.8 us for the same weight bytes)
+    m_bucket = 64 if m <= 64 else min(triton.next_power_of_2(m), 4096)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
 
-    args = (q, w.codes, out, ws, row_scale, w.col_scale, m, n, k, m_bucket)
+    args = (q, w.codes, out, ws, row_scale, w.col_scale, m, ma, n, k, m_bucket)
     if tile is None:
         _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote)
     else:
@@ -343,8 +357,8 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         weight = weight.view(torch.float8_e4m3fn)
     prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None
                 else state.get(weight, weight_scale, block))
-    q, rs = _act_quant(x, block, fold=True)
-    return gemm_fp8_folded(q, rs, prepared)
+    q, rs = _act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
+    return gemm_fp8_folded(q, rs, prepared, rows=x.shape[0])
 
 
 def _supports_bf16(*, x: torch.Tensor, weight: torch.Tensor,

@@ -1,9 +1,13 @@
 """Triton (sm_90) mHC kernels (model.md §2.1, §2.2, §2.12): `hc_coeffs`, `hc_collapse`,
 `hc_collapse_norm`, `hc_post`, and the family's `embed` and `stream_mean`.
 
-- hc_coeffs: two launches. (1) grid (tokens / 16, SPLIT): the fp32 mix `fn . f` and sum(f^2)
-  over one fixed K chunk of the flattened [4*D] stream as an IEEE-fp32 `tl.dot` (no TF32), into
-  a partial buffer [T, SPLIT, 32]; at decode the 24 x 4D GEMV is spread over SPLIT programs.
+- hc_coeffs: two launches. (1) grid (tokens / 64, SPLIT): the mix `fn . f` and sum(f^2) over one
+  fixed K chunk of the flattened [4*D] stream, into a partial buffer [T, SPLIT, 32]. The mix
+  runs on the bf16 tensor cores with exact products: f is bf16 and each fp32 weight tile is
+  split into three bf16 terms (w = w1 + w2 + w3 exactly, "3xBF16" as gemm_nt.py), fp32
+  accumulation (w2, w3 terms in their own accumulator). H200 (2026-12-01): the IEEE-fp32
+  `tl.dot` it replaces (FMA on the CUDA cores, 16-token tiles) took 17 us at T = 1 and 2.9 ms
+  per call at T = 8192 (14% of a mini 8K prefill chunk) against a 79 us HBM floor.
   (2) one program per token adds the partials in a fixed order, applies rsqrt(mean(f^2) + eps),
   sigmoid pre/post, the row softmax and all Sinkhorn normalisations ([4, 4] in registers).
   SPLIT depends only on D, so results are batch-invariant (a token's sums never depend on T).
@@ -34,14 +38,14 @@ HC = 4
 # every token gives a partial [24 mix sums, sum of squares] that starts from zero; the partials
 # are added in the order s = 0, 1, ... in fp32. SPLIT, ITERS and BK depend only on D, never on
 # T, so a token's result is the same in every batch (batch invariance).
-COEFF_BT = 16  # tokens per partial program (fixed: the tl.dot tile shape never changes)
-COEFF_CHUNK = 256  # target K values per chunk
+COEFF_BT = 64  # tokens per partial program (fixed: the tl.dot tile shape never changes)
+COEFF_CHUNK = 512  # target K values per chunk (D = 5120: 40 chunks; partials 5 KB per token)
 
 
 def coeff_split(d: int) -> tuple[int, int, int]:
     """(BK, ITERS, SPLIT) for stream width D: BK divides D (a tile never straddles two streams);
     SPLIT chunks of ITERS * BK cover 4 * D (the last may be shorter)."""
-    bk = math.gcd(64, d)
+    bk = math.gcd(128, d)
     iters = max(1, COEFF_CHUNK // bk)
     steps = 4 * d // bk
     return bk, iters, triton.cdiv(steps, iters)
@@ -51,7 +55,8 @@ def coeff_split(d: int) -> tuple[int, int, int]:
 def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r, fn_c,
                            SPLIT: tl.constexpr, ITERS: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr):
-    """part[t, s, 0:24] = fn[:, chunk s] . f_t[chunk s]; part[t, s, 24] = sum of f^2 (fp32)."""
+    """part[t, s, 0:24] = fn[:, chunk s] . f_t[chunk s]; part[t, s, 24] = sum of f^2 (fp32).
+    Products exact (bf16 f times the three bf16 terms of fn), fp32 sums, K ascending."""
     toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     tmask = toks < T
@@ -59,6 +64,7 @@ def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r
     offs_r = tl.arange(0, 32)  # the 24 mix rows, padded; column 24 carries the sum of squares
     rmask = offs_r < 24
     acc = tl.zeros((BT, 32), dtype=tl.float32)
+    lo = tl.zeros((BT, 32), dtype=tl.float32)  # w2, w3 terms: ~2^-8 of acc, own accumulator
     sq = tl.zeros((BT,), dtype=tl.float32)
     k_lo = s * (ITERS * BK)
     k_hi = tl.minimum(k_lo + ITERS * BK, 4 * D)
@@ -66,12 +72,19 @@ def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r
         i = k0 // D
         dd = k0 - i * D + offs_k
         f = tl.load(s_ptr + toks[:, None] * st_t + i * st_i + dd[None, :] * st_d,
-                    mask=tmask[:, None], other=0.0).to(tl.float32)
-        sq += tl.sum(f * f, axis=1)
+                    mask=tmask[:, None], other=0.0)
+        f32 = f.to(tl.float32)
+        sq += tl.sum(f32 * f32, axis=1)
         w = tl.load(fn_ptr + offs_r[None, :] * fn_r + (k0 + offs_k[:, None]) * fn_c,
                     mask=rmask[None, :], other=0.0)
-        acc = tl.dot(f, w, acc, input_precision="ieee")
-    out = tl.where(offs_r[None, :] == 24, sq[:, None], acc)
+        w1 = w.to(tl.bfloat16)  # w = w1 + w2 + w3 exactly (each term the next 8 bits)
+        r1 = w - w1.to(tl.float32)
+        w2 = r1.to(tl.bfloat16)
+        w3 = (r1 - w2.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(f, w1, acc)
+        lo = tl.dot(f, w2, lo)
+        lo = tl.dot(f, w3, lo)
+    out = tl.where(offs_r[None, :] == 24, sq[:, None], acc + lo)
     tl.store(part_ptr + (toks[:, None] * SPLIT + s) * 32 + offs_r[None, :], out,
              mask=tmask[:, None])
 
@@ -117,6 +130,7 @@ def _coeffs_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb
 def _supports_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                      base: torch.Tensor, **_) -> bool:
     return (on_device(stream) and stream.dim() == 3 and stream.shape[1] == HC
+            and stream.dtype == torch.bfloat16
             and stream.shape[2] % 16 == 0 and fn.shape == (24, HC * stream.shape[2])
             and fn.dtype == torch.float32 and scale.dtype == torch.float32
             and base.dtype == torch.float32)
@@ -128,8 +142,8 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
               iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """stream [T, 4, D] bf16 -> pre [T, 4], post [T, 4], comb [T, 4, 4] fp32 (reference).
 
-    Two launches: partial sums over fixed K chunks (grid tokens/16 x SPLIT, so decode spreads
-    the 24 x 4D fp32 GEMV over SPLIT programs), then one program per token adds them in a fixed
+    Two launches: partial sums over fixed K chunks (grid tokens/64 x SPLIT, so decode spreads
+    the 24 x 4D GEMV over SPLIT programs; 3xBF16 tensor-core products, exact), then one program per token adds them in a fixed
     order and finishes. Batch-invariant: nothing depends on T.
     """
     t, _, d = stream.shape

@@ -1,0 +1,70 @@
+"""Where a prefill chunk's time goes: `mini` (dummy weights, eager: prefill never replays a
+graph) prefills prompts of --len tokens, one chunk of --len rows per step; after a warm-up
+prompt (which compiles the prefill kernels), one prompt is timed unprofiled and one under
+torch.profiler, whose top kernels by device time are printed with their share of the chunk.
+
+    PYTHONPATH=src python3 benchmarks/profile_prefill.py [--len 8192] [--mode full] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from shoal import LLM, SamplingParams
+from shoal.bench import random_prompt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--len", type=int, default=8192, dest="length")
+    ap.add_argument("--mode", default="full", choices=["full", "staircase", "bounded"])
+    ap.add_argument("--rows", type=int, default=40, help="kernels listed")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=4, prefill_mode=args.mode,
+              max_num_batched_tokens=args.length, max_model_len=args.length + 64,
+              cuda_graphs=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [random_prompt(llm.config.model_config, args.length, g) for _ in range(3)]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill(p: list[int]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    warm = prefill(prompts[0])
+    wall = prefill(prompts[1])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill(prompts[2])
+    ka = prof.key_averages()
+    kernels = [e for e in ka if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"==== {args.model} prefill of {args.length} tokens ({args.mode}): warm-up "
+             f"{warm:.2f} s, wall {wall * 1e3:.1f} ms unprofiled "
+             f"({args.length / wall:.0f} tok/s), kernels {total:.1f} ms ===="]
+    lines.append(f"{'kernel':70s} {'ms':>9s} {'share':>6s} {'calls':>6s} {'us/call':>9s}")
+    for e in kernels[:args.rows]:
+        ms = e.self_device_time_total / 1e3
+        lines.append(f"{e.key[:70]:70s} {ms:9.2f} {ms / total:6.1%} {e.count:6d} "
+                     f"{e.self_device_time_total / max(e.count, 1):9.1f}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, f"profile_prefill_{args.mode}_{args.length}.txt"),
+                  "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
