@@ -148,6 +148,29 @@ def test_index_scores_matches_reference(t, h, d, n_req, rows, rpb, tb, one) -> N
     torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
 
 
+@needs_kernels
+@pytest.mark.parametrize("tb", [None, 4, 16])
+def test_index_scores_causal_prefill_chunk(tb) -> None:
+    """A prefill chunk's staircase of visible rows (token i sees (i + 1) // 2 rows, as with a
+    ratio-2 source) spanning many 64-row tiles: the tiles above every token of a block are
+    stored as -inf without a product (the -inf pattern equals the reference's), the rest match;
+    each token alone gives the bits it has inside the chunk (batch invariance)."""
+    t, rows = 150, 75
+    kw = _scores_inputs(t, 32, 128, 1, rows, 16, seed=77, one_request=True)
+    kw["n_visible"] = (torch.arange(t) + 1) // 2
+    want = rindexer.index_scores(**kw)
+    dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    got = tindexer.index_scores_tuned(**dev_kw, tb=tb).cpu()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
+    for i in (0, 77, t - 1):
+        one = {**dev_kw, **{k: dev_kw[k][i:i + 1] for k in ("q", "weights", "req",
+                                                            "n_visible")}}
+        alone = tindexer.index_scores_tuned(**one).cpu()
+        assert torch.equal(alone[0], got[i]), f"token {i}"
+
+
 def test_index_scores_kernel_emits_no_vector_loads_of_records() -> None:
     """Compile the scores kernel for sm_90 (PTX only: no GPU needed) with the launcher's
     specialisation at the probe shape (pointers and multiples of 16 get tt.divisibility 16,
@@ -167,7 +190,7 @@ def test_index_scores_kernel_emits_no_vector_loads_of_records() -> None:
             "req_ptr": "*i64", "nv_ptr": "*i64", "o_ptr": "*fp32"}
     ints = {"T": 256, "H": 32, "N": 2048, "RPB": 256, "sq_t": 4096, "sq_h": 128, "sq_d": 3,
             "sw_t": 32, "sw_h": 3, "bt_r": 8, "bt_c": 3}
-    consts = {"HP": 32, "DI": 128, "BN": 64, "TB": 4}
+    consts = {"HP": 32, "DI": 128, "BN": 64, "TB": 8, "G": 4}
     skip = {names[i] if isinstance(i, int) else i for i in kern.do_not_specialize or ()}
     assert "RPB" in skip
     sig = {n: ptrs.get(n, "i32") if n not in consts else "constexpr" for n in names}
