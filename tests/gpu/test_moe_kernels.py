@@ -118,6 +118,23 @@ def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def test_f16_lut_words_are_exact_fp16_high_bytes() -> None:
+    """`w_f16`'s LUT words: byte m of the 8-byte pair, as the high byte of an fp16 (low byte 0),
+    is exactly e2m1 magnitude m times 2^-sh for every sh up to F16_CLOSED (13), and the closed
+    form stops where it would go wrong (word 0 at 14: 0.5 * 2^-14 is no longer a normal
+    high byte); beyond, both words are 0 (the block flushes)."""
+    def decode(word: int) -> list[float]:
+        hb = [(word >> (8 * i)) & 0xFF for i in range(4)]
+        return [torch.tensor([b << 8], dtype=torch.int16).view(torch.float16).item() for b in hb]
+
+    for sh in range(ftiles.F16_CLOSED.value + 1):
+        w0, w1 = ftiles.f16_lut_words(sh)
+        assert decode(w0) + decode(w1) == [v * 2.0 ** -sh for v in E2M1_VALUES], sh
+    w0 = ftiles.F16_LUT0_BASE.value - 14 * ftiles.F16_LUT0_STEP.value
+    assert decode(w0)[1] != 0.5 * 2.0 ** -14
+    assert ftiles.f16_lut_words(14) == (0, 0) == ftiles.f16_lut_words(255)
+
+
 def test_prmt_conversions_emulated_exhaustively() -> None:
     """The PTX of both asm conversions (`_w_e4m3` CONVERT 1 and 2), emulated instruction by
     instruction, gives the e4m3 bytes of the portable formula for all 65536 16-bit words (4
@@ -144,6 +161,31 @@ def test_prmt_conversions_emulated_exhaustively() -> None:
         v = _prmt(l0, l1, s1 & 0x7777)
         g = ((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080
         assert torch.equal(v | g, want), d
+
+
+def test_f16_prmt_conversion_emulated_exhaustively() -> None:
+    """`w_f16`'s asm, emulated instruction by instruction, gives for all 65536 16-bit words (4
+    codes) and several shifts the two fp16 pairs of the portable formula (sign | LUT high byte,
+    low byte 0), in K order: $0 = (code 0, code 1), $1 = (code 2, code 3)."""
+    word = torch.arange(1 << 16, dtype=torch.int64)
+    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
+    m32 = 0xFFFFFFFF
+    c80 = torch.full_like(word, 0x80808080)
+    zero = torch.zeros_like(word)
+    for sh in (0, 1, 5, 9, 13, 14):
+        w0, w1 = ftiles.f16_lut_words(sh)
+        l0, l1 = torch.full_like(word, w0), torch.full_like(word, w1)
+        mag = codes & 7
+        want_lut = torch.where(mag < 4, l0[:, None], l1[:, None])
+        hb = ((want_lut >> ((mag & 3) * 8)) & 0xFF) | ((codes & 8) << 4)
+        want0 = (hb[:, 0] << 8) | (hb[:, 1] << 24)
+        want1 = (hb[:, 2] << 8) | (hb[:, 3] << 24)
+        b0, b1 = word & 0xFF, word >> 8
+        r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)
+        s1 = _prmt(r, zero, torch.full_like(r, 0x0020))
+        v = _prmt(l0, l1, s1 & 0x7777) | (((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080)
+        assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x1404)), want0), sh
+        assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x3424)), want1), sh
 
 
 SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
@@ -212,6 +254,27 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
     b = tmoe.moe_experts(**kw, use_asm=False, configs=configs)
     assert torch.equal(a, b)
     _check(a, ref.moe_mxfp4(**_cpu(kw)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("use_asm", [False, True])
+def test_f16_tiles_give_the_e4m3_tiles_bits(use_asm: bool) -> None:
+    """The decode tiles' fp16 weight path (`TileConfig.f16`, the default) feeds the MMA the same
+    fp16 operand values as the e4m3 path wherever both are exact (every block within 8 binades
+    of its row's largest: spread 4 here), so the bits are equal; with blocks up to 12 binades
+    down (spread 12) the fp16 path stays exact where e4m3 rounds, and both pass the op's check."""
+    if use_asm and not ON_GPU:
+        pytest.skip("prmt inline asm needs the device")
+    f16 = tuple(dataclasses.replace(c, f16=True) for c in PLAIN)
+    e4m3 = tuple(dataclasses.replace(c, f16=False) for c in PLAIN)
+    kw = _case(13, 9, 256, 128, 8, 6, spread=4)
+    a = tmoe.moe_experts(**kw, use_asm=use_asm, configs=f16)
+    assert torch.equal(a, tmoe.moe_experts(**kw, use_asm=use_asm, configs=e4m3))
+    kw = _case(14, 9, 256, 128, 8, 6, spread=12)
+    want = ref.moe_mxfp4(**_cpu(kw))
+    _check(tmoe.moe_experts(**kw, use_asm=use_asm, configs=f16), want)
+    with pytest.raises(ValueError, match="f16 tiles"):
+        tmoe.moe_experts(**kw, configs=(dataclasses.replace(SWAP[0], f16=True),) * 2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a property of the device's mma.sync")

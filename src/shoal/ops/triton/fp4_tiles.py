@@ -5,6 +5,8 @@
   binades, beyond them a row of `lut_table`, 256 shifts x 8 bytes): CONVERT 0 portable integer
   ops (what the Triton interpreter runs), 1 `prmt` on duplicated bytes, 2 `prmt` on the 16-bit
   word of 4 codes (inline PTX; all three give identical bits, checked on the device).
+- `w_f16`: the same tile straight to fp16 (a per-block LUT of fp16 high bytes) for the 16-row
+  mma.sync tiles, which run FP8 operands as fp16 anyway.
 - `w_bf16`: the exact bf16 dequantisation (the W4A16 baseline).
 - `row_max_exp` / `col_scale`: the per-row largest UE8M0 exponent and its fp32 scale.
 Invariant: the decoded tile times the row's column scale equals the reference dequantisation
@@ -128,6 +130,73 @@ def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK:
             lut = tl.where(mag < 4, lut0, lut1)
             byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
     return byte.to(tl.float8e4nv, bitcast=True)
+
+
+# fp16 high bytes of e2m1 magnitudes 0, 0.5, 1, 1.5 (word 0) and 2, 3, 4, 6 (word 1), whose low
+# bytes are 0; shifted down by sh binades (exponent field - sh: bytes - 4 sh) they stay normal
+# for sh <= 13 (word 0) and 15 (word 1). `w_f16` flushes blocks beyond 13 to zero.
+F16_LUT0_BASE = tl.constexpr(0x3E3C3800)
+F16_LUT1_BASE = tl.constexpr(0x46444240)
+F16_LUT0_STEP = tl.constexpr(0x04040400)
+F16_LUT1_STEP = tl.constexpr(0x04040404)
+F16_CLOSED = tl.constexpr(13)
+
+
+def f16_lut_words(sh: int) -> tuple[int, int]:
+    """`w_f16`'s LUT words for a shift sh (0 <= sh <= 13; beyond, both 0)."""
+    if sh > F16_CLOSED.value:
+        return 0, 0
+    return (F16_LUT0_BASE.value - sh * F16_LUT0_STEP.value,
+            F16_LUT1_BASE.value - sh * F16_LUT1_STEP.value)
+
+
+@triton.jit
+def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
+          USE_ASM: tl.constexpr):
+    """Folded fp16 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]), for the
+    16-row mma.sync tiles, whose FP8 operands Triton widens to fp16 anyway (one F2FP per two
+    e4m3 bytes): the codes go straight to fp16 through a per-block LUT of fp16 high bytes
+    (`f16_lut_words`; `prmt` as w_e4m3's CONVERT 1 when USE_ASM, else portable integer ops,
+    the same bits). Exact for blocks up to 13 binades below their row's largest (e4m3: 8),
+    flushed to zero beyond; where both are exact the values equal w_e4m3's, so the MMA sees
+    the same fp16 operands and gives the same bits."""
+    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
+    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+    sh = wmax[:, None] - sc.to(tl.int32)
+    keep = sh <= F16_CLOSED
+    lut0 = tl.where(keep, F16_LUT0_BASE - sh * F16_LUT0_STEP, 0)
+    lut1 = tl.where(keep, F16_LUT1_BASE - sh * F16_LUT1_STEP, 0)
+    lut0 = tl.reshape(tl.broadcast_to(lut0[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+    if USE_ASM:
+        # as w_e4m3 CONVERT 1 up to v | g = the 4 high bytes [h0, h1, h2, h3]; then
+        # $0 = [0, h0, 0, h1], $1 = [0, h2, 0, h3] (two fp16 pairs)
+        h = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, m, v, g, c80, z;
+            mov.b32 z, 0;
+            mov.b32 c80, 0x80808080;
+            prmt.b32 s, $2, z, 0x0020;
+            and.b32 m, s, 0x7777;
+            prmt.b32 v, $3, $7, m;
+            prmt.b32 g, c80, c80, s;
+            shl.b32 g, g, 7;
+            and.b32 g, g, 0x80808080;
+            or.b32 v, v, g;
+            prmt.b32 $0, v, z, 0x1404;
+            prmt.b32 $1, v, z, 0x3424;
+            }""",
+            constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.float16,
+            is_pure=True, pack=4)
+    else:
+        par = (tl.arange(0, BK) % 2)[None, :]
+        code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
+        mag = code & 7
+        lut = tl.where(mag < 4, lut0, lut1)
+        hb = ((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)
+        h = (hb << 8).to(tl.int16).to(tl.float16, bitcast=True)
+    return h
 
 
 @triton.jit
