@@ -1,7 +1,8 @@
 """Routed-expert MoE benchmark (mini layer: D 5120, I 2304, 384 experts, top-6) on sm_90.
 
 Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
-`asm` (W4A8, prmt e2m1 -> e4m3 conversion and tiles as the op's defaults), `asm_v1` (default
+`asm` (W4A8, prmt conversion and tiles as the op's defaults: fp16 weights on the decode
+tiles), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before `fp4_tiles.w_f16`), `asm_v1` (default
 tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
 path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
 decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
@@ -181,6 +182,9 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
             return None
         return {"use_asm": True,
                 "configs": tuple(dataclasses.replace(c, promote=True) for c in base)}
+    if name == "asm_e4m3":  # the decode tiles' e4m3 weight path (the default before w_f16)
+        return {"use_asm": True, "configs": tuple(
+            dataclasses.replace(c, f16=False) for c in tmoe.default_configs(rows, E))}
     if name == "port":
         return {"use_asm": False}
     if name == "w4a16":
