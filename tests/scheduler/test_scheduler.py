@@ -242,7 +242,8 @@ def test_stop_checks() -> None:
     assert s.get_request("min").output_token_ids == [1]  # eos ignored below min_tokens
     assert s.finish_request("min", FINISH_STOP)  # e.g. a stop string seen by the engine
     plan = s.schedule()
-    assert plan.is_empty and plan.finished_ids == ("eos", "ign", "sid", "cap", "min")
+    # finishing order: max_tokens / max_model_len at advance(), then eos / stop ids at resolve()
+    assert plan.is_empty and plan.finished_ids == ("ign", "cap", "eos", "sid", "min")
 
 
 def test_whole_prompt_mode_admits_only_whole_prompts() -> None:
