@@ -193,6 +193,21 @@ class Engine:
         """True while a request waits, runs or is not yet reported, or a step is in flight."""
         return self._inflight is not None or self.scheduler.has_unfinished()
 
+    @property
+    def in_flight(self) -> bool:
+        """A launched step's results are not yet processed (async scheduling)."""
+        return self._inflight is not None
+
+    def flush(self) -> list[str]:
+        """Finish the step in flight, if any, without launching another; return the user
+        requests it completed (`LLM` calls it once all of its requests are done, so no device
+        work or unread result outlives a generate call)."""
+        newly: set[str] = set()
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._complete(step, newly)
+        return self._completed_groups(newly)
+
     def step(self) -> list[str]:
         """Run one step; return the ids of user requests that completed in it (with async
         scheduling: in the step finished here, the one launched by the previous call)."""
