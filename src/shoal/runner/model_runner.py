@@ -1,12 +1,17 @@
 """ModelRunner: owns the device side (weights, op table, KV caches, sampler) and executes one
-`StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
+`StepPlan` in two halves: `launch` (build the ForwardBatch, run the model, gather logits where
+needed, sample; the tokens stay on the device) and `finish` (read them back into a
+`RunnerOutput`). Between the two the host may launch the next step (async scheduling), whose
+decode rows then take their input ids from this step's tokens on the device.
 
 Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
-with `cuda_graphs=True`, the default); every other step runs eagerly. The caches hold one slot and one block beyond the memory plan, which the
-scheduler never sees: the padded rows of a graph step (and the warm-up) compute there.
+with `cuda_graphs=True`, the default); every other step runs eagerly. The caches hold one slot
+and one block beyond the memory plan, which the scheduler never sees: the padded rows of a
+graph step (and the warm-up) compute there.
 
 Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
-the plan); what it needs about a request's sampling arrives with each step (`SampleRow`).
+the plan); what it needs about a request's sampling arrives with each step (`SampleRow`), and
+what a launched step leaves for the host and for the next step is in its `LaunchedStep`.
 """
 
 from __future__ import annotations
