@@ -278,6 +278,8 @@ class ModelRunner:
         out.decoder_rows_skipped = sum(
             batch.num_tokens - (r.full.numel() if r.full is not None else batch.num_tokens)
             for r in batch.layer_rows.values())
+        if cuda and not graphed:  # built on the host: pinned, non-blocking uploads (no sync)
+            batch = batch_to_device(batch, self.device)
         t1 = time.perf_counter()
         span = None
         if cuda:
@@ -288,8 +290,6 @@ class ModelRunner:
                 assert self.graphs is not None
                 result = ForwardOutput(self.graphs.forward(batch, patch))
             else:
-                if cuda:  # built on the host: pinned, non-blocking uploads (no stream sync)
-                    batch = batch_to_device(batch, self.device)
                 if patch is not None:
                     patch.apply(batch.input_ids)
                 result = self.model.forward(batch, self.caches, capture=self.speculative)
@@ -394,7 +394,8 @@ class ModelRunner:
         assert step.readback is not None
         host = step.readback.wait()
         tokens, valid = host[0].tolist(), host[1].tolist()
-        lp_ids, lp_values, ranks = (host[2], host[3], host[4]) if len(host) > 2 else (None,) * 3
+        lp_ids, lp_values, ranks = ([t.tolist() for t in host[2:]] if len(host) > 2
+                                    else (None, None, None))
         out = step.out
         for i, (request_id, row, _) in enumerate(step.draws):
             if request_id in out.invalid:
@@ -406,10 +407,9 @@ class ModelRunner:
             out.sampled.setdefault(request_id, []).append(tokens[i])
             n = row.params.logprobs
             if n is not None and lp_ids is not None:
-                top = list(zip(lp_ids[i, 1:n + 1].tolist(), lp_values[i, 1:n + 1].tolist(),
-                               strict=True))
+                top = list(zip(lp_ids[i][1:n + 1], lp_values[i][1:n + 1], strict=True))
                 out.logprobs.setdefault(request_id, []).append(
-                    (float(lp_values[i, 0]), int(ranks[i]), top))
+                    (lp_values[i][0], ranks[i], top))
 
     def _prompt_logprobs(self, item, row: SampleRow, chunk: RequestChunk, logits: torch.Tensor,
                          out: RunnerOutput) -> None:

@@ -23,9 +23,9 @@ sampled row, and the stops that need no token value: max_tokens, max_model_len) 
 `update(plan, result)` is both at once (the synchronous loop). Async scheduling calls
 `schedule()` for step n+1 between `advance(n)` and `resolve(n)`: every count the plan needs
 (positions, lengths, blocks) is already right, and the only unknown is the input token of a
-decode row, which the runner takes from step n's sampled tokens on the device. Order:
-`schedule` -> `advance` of that plan (after the previous plan's `resolve`) -> at most one
-advanced plan is unresolved when `schedule` runs, so a plan's history ids are always known.
+decode row, which the runner takes from step n's sampled tokens on the device. The order is
+`schedule(n+1)`, `resolve(n)`, `advance(n+1)`: at most one advanced plan is unresolved when
+`schedule` runs, so a plan's history ids (the tokens before its inputs) are always known.
 
 A finish that happens while a plan's tokens are unresolved (max_tokens / max_model_len at
 `advance`, an abort, `kv_capacity` in the next `schedule`) frees the request's blocks and slot
