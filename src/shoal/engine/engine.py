@@ -210,7 +210,9 @@ class Engine:
 
     def step(self) -> list[str]:
         """Run one step; return the ids of user requests that completed in it (with async
-        scheduling: in the step finished here, the one launched by the previous call)."""
+        scheduling: in the step finished here, normally the one launched by the previous call;
+        when a request in that step needs its token on the host, it is finished before this
+        call schedules, and the step launched here stays in flight)."""
         newly: set[str] = set()
         previous, self._inflight = self._inflight, None
         if previous is not None and self._needs_tokens_on_host(previous.plan):
