@@ -2,7 +2,7 @@
 with dummy weights on one GPU: decode TPOT per batch size against the step's HBM floor, prefill
 tokens/s of the decoder tail-only prefill against `full`, host overhead per step (input
 preparation as a share of the step, and on CUDA the share of the step with no device work
-queued: scheduling, preparation and output processing, which async scheduling would hide), KV
+queued: scheduling, preparation and output processing that async scheduling does not hide), KV
 bytes per token. (benchmarks/bench_e2e.py runs the same.)
 
     shoal bench [--batches 1 16 64 256] [--prefill-len 8192] [--modes full bounded]
@@ -89,17 +89,23 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         llm.config.model_config, prompt_len, g)) for _ in range(batch)]
     times, prep, dev, peak = [], [], [], 0
     sched = llm.engine.scheduler
+    # No sync between steps: a step's time is the interval between two step() returns. With
+    # async scheduling one step is in flight while the host prepares the next and processes
+    # the previous (a sync per step would serialise them again); without it, step() returns
+    # once its tokens are read, so the interval is the whole step.
+    stats = llm.engine.stats
+    steps0, overlapped0 = stats.steps, stats.overlapped_steps
+    sync()
+    last = time.perf_counter()
     while llm.engine.has_unfinished():
         peak = max(peak, len(sched.running))
         pure_decode = len(sched.running) == batch and all(
             r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
-        sync()
-        t0 = time.perf_counter()
         before = llm.engine.stats.prepare_time
-        dev_before = llm.engine.stats.device_time
+        dev_before = llm.engine.stats.device_time  # (the step finished in this call)
         llm.engine.step()
-        sync()
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt, last = now - last, now
         if pure_decode:
             times.append(dt)
             prep.append(llm.engine.stats.prepare_time - before)
@@ -122,9 +128,13 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
             "fraction_of_floor": floor / tpot,
             "host_prepare_share": statistics.median(prep[1:] or prep) / tpot,
             # the share of the step with no device work queued (host: scheduling, input
-            # preparation, output processing); None off CUDA
-            "device_idle_share": (1 - statistics.median(dev[1:] or dev) / tpot
-                                  if any(dev) else None)}
+            # preparation, output processing not overlapped with the device); None off CUDA;
+            # floored at 0 (a device-bound step's span can exceed the median interval by jitter)
+            "device_idle_share": (max(0.0, 1 - statistics.median(dev[1:] or dev) / tpot)
+                                  if any(dev) else None),
+            # steps launched before the previous one was finished (async scheduling)
+            "overlapped_share": (stats.overlapped_steps - overlapped0)
+            / max(stats.steps - steps0, 1)}
 
 
 def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay pure-decode steps as CUDA graphs (RunnerConfig.cuda_graphs; "
                          "--no-cuda-graphs: eager)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="overlap each step's host work with the previous step's device work "
+                         "(RunnerConfig.async_scheduling; --no-async-scheduling: synchronous)")
     ap.add_argument("--all-graph-sizes", action="store_true",
                     help="capture the engine's default batch sizes, not only the measured ones "
                          "(start-up as a user sees it)")
@@ -176,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
-              "cuda_graphs": args.cuda_graphs}
+              "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling}
     t0 = time.perf_counter()
     longest = args.prompt_len + args.steps + 16
     if not args.skip_prefill:
         longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
+              async_scheduling=args.async_scheduling,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
@@ -196,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                            "graph_capture": graphs.capture_seconds if graphs else 0.0,
                            "graphs": graphs.num_graphs if graphs else 0}
     print(f"engine ready in {result['startup_s']['total']:.1f} s ({args.model}, {gpu}, "
+          f"async_scheduling={args.async_scheduling}, "
           f"cuda_graphs={args.cuda_graphs}: {result['startup_s']['graphs']} graphs captured in "
           f"{result['startup_s']['graph_capture']:.1f} s after a "
           f"{runner.warmup_seconds:.1f} s prefill warm-up; reference ops: {listed})", flush=True)
@@ -214,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     result["op_table"] = dict(llm.engine.runner.ops.origin)
     decode = []
     print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s} "
-          f"{'GPU idle':>9s}")
+          f"{'GPU idle':>9s} {'overlap':>8s}")
     for b in args.batches:
         d = bench_decode(llm, b, args.prompt_len, args.steps)
         decode.append(d)
@@ -223,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         idle = d["device_idle_share"]
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
-              f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s}",
-              flush=True)
+              f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s} "
+              f"{d['overlapped_share']:8.0%}", flush=True)
     result["decode"] = decode
     declined = dict(llm.engine.runner.ops.declined)
     result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference

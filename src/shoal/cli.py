@@ -39,6 +39,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="engine seed")
     p.add_argument("--speculative", action="store_true", default=None,
                    help="DSpark drafts with exact-match verification")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   default=None, help="run each step synchronously (no host/device overlap)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +57,8 @@ def _make_llm(args):
     opts = {k: getattr(args, k) for k in ("device", "prefill_mode", "replay_window",
                                            "max_num_seqs", "max_num_batched_tokens",
                                            "max_model_len", "kv_cache_memory_gb",
-                                           "load_format", "seed", "speculative")
+                                           "load_format", "seed", "speculative",
+                                           "async_scheduling")
             if getattr(args, k, None) is not None}
     return LLM(args.model, **opts)
 

@@ -58,7 +58,12 @@ class RunnerConfig:
     (110 s; eager engines pay it lazily during their first steps) and 18 graphs in 5 s.
     cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;
     a step with more requests than the largest runs eagerly); empty: the powers of two below
-    min(max_num_seqs, 256), then that bound. Fewer sizes capture faster."""
+    min(max_num_seqs, 256), then that bound. Fewer sizes capture faster.
+    async_scheduling: overlap the host work of a step (scheduling, input preparation, output
+    processing of the previous step: detokenising, stops) with the device work of the step
+    before it; outputs are identical to the synchronous loop. A step is launched ahead only
+    when no request whose token is in flight needs its value on the host (penalties,
+    structured output); speculative decoding always runs synchronously."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -69,6 +74,7 @@ class RunnerConfig:
     speculative: bool = False
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:

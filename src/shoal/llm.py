@@ -148,6 +148,8 @@ class LLM:
                 if use_tqdm and elapsed > 0:
                     rate = (self.engine.stats.output_tokens - tokens) / elapsed
                     bar.set_postfix(tok_s=f"{rate:.1f}")
+            # async scheduling: the step launched last only holds rows of finished requests
+            self.engine.flush()
         finally:
             bar.close()
 

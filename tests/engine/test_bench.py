@@ -18,6 +18,8 @@ def test_bench_tiny_json_line(tmp_path, capsys):
     assert [d["batch"] for d in result["decode"]] == [1, 3]
     assert all(d["tpot_ms"] > 0 and 0 < d["fraction_of_floor"] for d in result["decode"])
     assert all(d["device_idle_share"] is None for d in result["decode"])  # CUDA events only
+    assert result["async_scheduling"] is True
+    assert all(0.5 < d["overlapped_share"] < 1 for d in result["decode"])  # all but prefill
     assert [p["mode"] for p in result["prefill"]] == ["full", "bounded"]
     assert result["prefill"][0]["speedup_vs_full"] == 1.0
     assert result["kv_bytes_per_token"] > 0

@@ -35,7 +35,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path: Path) -> None:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     rc = main(["generate", "--model", "tiny", "--device", "cpu", "--input", str(src),
-               "--output", str(dst), *GREEDY_ARGS])
+               "--output", str(dst), "--no-async-scheduling", *GREEDY_ARGS])  # (sync loop)
     assert rc == 0
     records = _records(dst.read_text(encoding="utf-8"))
     assert len(records) == len(lines)

@@ -21,6 +21,7 @@ from shoal.scheduler import (
     StepPlan,
     StepResult,
 )
+from shoal.scheduler.request import UNRESOLVED
 
 
 def fake_token(request_id: str, position: int) -> int:
@@ -242,7 +243,8 @@ def test_stop_checks() -> None:
     assert s.get_request("min").output_token_ids == [1]  # eos ignored below min_tokens
     assert s.finish_request("min", FINISH_STOP)  # e.g. a stop string seen by the engine
     plan = s.schedule()
-    assert plan.is_empty and plan.finished_ids == ("eos", "ign", "sid", "cap", "min")
+    # finishing order: max_tokens / max_model_len at advance(), then eos / stop ids at resolve()
+    assert plan.is_empty and plan.finished_ids == ("ign", "cap", "eos", "sid", "min")
 
 
 def test_whole_prompt_mode_admits_only_whole_prompts() -> None:
@@ -278,3 +280,64 @@ def test_plans_and_results_pickle() -> None:
     result = StepResult({"a": [9]})
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert pickle.loads(pickle.dumps(result)) == result
+
+
+def test_advance_then_resolve_pipelined() -> None:
+    """Async protocol: step n+1 is scheduled between advance(n) and resolve(n). The in-flight
+    token is a placeholder (the decode chunk's input), length finishes at advance, and a stop
+    found at resolve wins over a finish that happened meanwhile."""
+    s = make(max_num_seqs=8, num_slots=8)
+    s.add_request(Request("len", [3, 4], max_tokens=2, eos_token_id=1))
+    s.add_request(Request("eos", [3, 4], max_tokens=2, eos_token_id=1))
+    s.add_request(Request("min", [3, 4], max_tokens=4, eos_token_id=1, min_tokens=2))
+    s.add_request(Request("abort", [3, 4], max_tokens=4, eos_token_id=1))
+    s.add_request(Request("bad", [3, 4], max_tokens=4))
+    plan0 = s.schedule()
+    s.advance(plan0)
+    plan1 = s.schedule()  # every request decodes its unknown first output
+    assert all(i.token_ids == (UNRESOLVED,) and i.history_token_ids == (3, 4)
+               and i.start_position == 2 for i in plan1.scheduled)
+    assert s.resolve(plan0, {"len": [7], "eos": [8], "min": [1], "abort": [9],
+                             "bad": [9]}) == []
+    assert s.get_request("min").output_token_ids == [1]  # eos below min_tokens
+    s.advance(plan1)  # len and eos reach max_tokens: finished now, reason still open
+    assert [r.request_id for r in s.running] == ["min", "abort", "bad"]
+    assert s.get_request("len").finish_reason == FINISH_LENGTH
+    plan2 = s.schedule()
+    assert [i.request_id for i in plan2.scheduled] == ["min", "abort", "bad"]
+    assert s.abort_request("abort")  # while its token is in flight
+    assert s.finish_request("bad", FINISH_ERROR)  # e.g. its row had no valid token
+    finished = s.resolve(plan1, {"len": [5], "eos": [1], "min": [1], "abort": [1]})
+    got = {r.request_id: (r.finish_reason, r.output_token_ids, r.stop_token_id)
+           for r in finished}
+    assert got == {"len": (FINISH_LENGTH, [7, 5], None), "eos": (FINISH_STOP, [8, 1], 1),
+                   "abort": (FINISH_STOP, [9, 1], 1), "bad": (FINISH_ERROR, [9], None),
+                   "min": (FINISH_STOP, [1, 1], 1)}
+    assert s.get_request("eos") is None and s.get_request("len") is None
+    s.advance(plan2)  # everything in it finished at resolve(plan1): its results are dropped
+    assert s.resolve(plan2, {"min": [4], "abort": [4], "bad": [4]}) == []
+    assert not s.has_unfinished() and s.usage().num_free_blocks == 16
+    s.check_invariants()
+
+
+def test_pipelined_protocol_errors() -> None:
+    s = make()
+    s.add_request(Request("a", [1, 2], max_tokens=5))
+    plan0 = s.schedule()
+    with pytest.raises(RuntimeError, match="not the advanced"):
+        s.resolve(plan0, {"a": [3]})
+    s.advance(plan0)
+    assert s.has_unfinished()
+    plan1 = s.schedule()
+    with pytest.raises(RuntimeError, match="before resolve"):
+        s.advance(plan1)  # at most one advanced plan is unresolved
+    with pytest.raises(RuntimeError, match="no sampled token"):
+        s.resolve(plan0, {})
+    t = make()
+    t.add_request(Request("b", [1, 2], max_tokens=5))
+    t.update(t.schedule(), StepResult({"b": [3]}))
+    t.get_request("b").spec_token_ids = [4, 5]
+    plan = t.schedule()  # verifies 2 drafts: its progress depends on how many are accepted
+    assert plan.scheduled[0].num_spec_tokens == 2
+    with pytest.raises(RuntimeError, match="verifies drafts"):
+        t.advance(plan)

@@ -23,6 +23,7 @@ from shoal.scheduler import (
     SchedulerConfig,
     StepResult,
 )
+from shoal.scheduler.request import UNRESOLVED
 
 EOS = 1
 
@@ -84,7 +85,9 @@ def random_request(rng: random.Random, index: int, max_model_len: int) -> Reques
 
 
 def check_plan(scheduler: Scheduler, plan, shadow: dict[str, list[int]],
-               computed: dict[str, int]) -> None:
+               computed: dict[str, int], in_flight: frozenset[str] = frozenset()) -> None:
+    """in_flight: requests whose last token is a placeholder (async): a one-token chunk of
+    theirs holds UNRESOLVED where the shadow knows the value."""
     config = scheduler.config
     assert plan.num_scheduled_tokens == sum(r.num_new_tokens for r in plan.scheduled)
     assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
@@ -99,7 +102,11 @@ def check_plan(scheduler: Scheduler, plan, shadow: dict[str, list[int]],
         tokens = shadow[item.request_id]
         assert item.num_new_tokens >= 1
         assert item.start_position == computed[item.request_id]
-        assert item.token_ids == tuple(tokens[item.start_position:item.end_position])
+        expected = tuple(tokens[item.start_position:item.end_position])
+        if item.token_ids != expected:
+            assert item.request_id in in_flight and item.num_new_tokens == 1, item
+            assert item.token_ids == (UNRESOLVED,)
+            assert item.end_position == len(tokens)  # the newest token, never history
         assert item.history_token_ids == \
             tuple(tokens[max(0, item.start_position - 3):item.start_position])
         assert item.sample == (item.end_position == len(tokens))
@@ -172,3 +179,75 @@ def test_random_simulation(seed: int) -> None:
                                            config.max_model_len)
         assert (request.finish_reason, request.output_token_ids) == (reason, outputs), rid
         assert request.output_token_ids == shadow[rid][request.num_prompt_tokens:]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_simulation_async(seed: int) -> None:
+    """The pipelined protocol: schedule(n+1) -> resolve(n) -> advance(n+1), with aborts between
+    steps (after advance, before resolve: the token in flight still counts). Every request ends
+    exactly as sequential generation (stops at the in-flight token win over max_tokens,
+    max_model_len and kv_capacity found meanwhile); an aborted one with a prefix of it."""
+    rng = random.Random(seed)
+    config, num_blocks, num_slots = random_setup(rng)
+    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots)
+    pending = [random_request(rng, i, config.max_model_len) for i in range(30)]
+    shadow: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    done: dict[str, Request] = {}
+    aborted: set[str] = set()
+    previous = None  # the advanced, unresolved plan
+    steps = 0
+    while pending or scheduler.has_unfinished():
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            if pending:
+                request = pending.pop(0)
+                shadow[request.request_id] = list(request.prompt_token_ids)
+                computed[request.request_id] = 0
+                scheduler.add_request(request)
+        plan = scheduler.schedule()
+        in_flight = frozenset(i.request_id for i in previous.scheduled if i.sample) \
+            if previous is not None else frozenset()
+        check_plan(scheduler, plan, shadow, computed, in_flight)
+        for item in plan.scheduled:
+            computed[item.request_id] = item.end_position
+        finished = []
+        if previous is not None:
+            finished = scheduler.resolve(previous, {
+                i.request_id: [fake_token(i.request_id, i.end_position)]
+                for i in previous.scheduled if i.sample})
+        if plan.is_empty:  # nothing to launch: applied at once (as the engine does)
+            finished += scheduler.update(plan, StepResult({}))
+        else:
+            scheduler.advance(plan)
+        for item in plan.scheduled:  # what advance() appended is what the model will sample
+            request = scheduler.get_request(item.request_id)
+            index = item.end_position - item.num_prompt_tokens
+            if item.sample and request is not None and len(request.output_token_ids) > index \
+                    and request.output_token_ids[index] == UNRESOLVED:
+                shadow[item.request_id].append(fake_token(item.request_id, item.end_position))
+        previous = None if plan.is_empty else plan
+        scheduler.check_invariants()
+        for request in finished:
+            assert request.slot is None and not request.block_ids
+            assert UNRESOLVED not in request.output_token_ids
+            assert request.request_id not in done
+            done[request.request_id] = request
+        if rng.random() < 0.03 and (scheduler.running or scheduler.waiting):
+            victim = rng.choice(list(scheduler.running) + list(scheduler.waiting)).request_id
+            assert scheduler.abort_request(victim)
+            aborted.add(victim)
+        steps += 1
+        assert steps < 5000
+    assert previous is None
+    usage = scheduler.usage()
+    assert usage.num_free_blocks == num_blocks and usage.num_free_slots == num_slots
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    assert len(done) == 30
+    for rid, request in done.items():
+        reason, outputs = expected_outcome(request, num_blocks, config.block_size,
+                                           config.max_model_len)
+        assert request.output_token_ids == shadow[rid][request.num_prompt_tokens:], rid
+        if rid in aborted and request.finish_reason == FINISH_ABORT:
+            assert request.output_token_ids == outputs[:len(request.output_token_ids)], rid
+            continue
+        assert (request.finish_reason, request.output_token_ids) == (reason, outputs), rid

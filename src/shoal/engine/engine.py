@@ -4,10 +4,26 @@ One step:
 1. `Scheduler.schedule() -> StepPlan`: every request's num_computed_tokens catches up with its
    known tokens under a token budget (chunked prefill, continuous batching, preemption by
    recompute, block and slot allocation).
-2. `ModelRunner.execute(plan, rows) -> RunnerOutput`: one ForwardBatch, the model through the op
-   table, logits only for sampled rows (and prompt-logprob rows), sampling.
-3. `Scheduler.update(plan, result)`: append tokens, eos / stop ids / max_tokens, free finished
-   requests. The engine then detokenises incrementally and checks stop strings.
+2. `ModelRunner.launch(plan, rows)`: one ForwardBatch, the model through the op table, logits
+   only for sampled rows (and prompt-logprob rows), sampling; the tokens stay on the device.
+   `ModelRunner.finish(launched) -> RunnerOutput` reads them back.
+3. `Scheduler.update(plan, result)` (= `advance` + `resolve`): append tokens, eos / stop ids /
+   max_tokens, free finished requests. The engine then detokenises incrementally and checks
+   stop strings.
+
+Async scheduling (`RunnerConfig.async_scheduling`, default on) keeps one step in flight: a call
+of `step()` schedules and launches step n+1, then finishes step n (waiting only for n's
+tokens while the device runs n+1) and processes its outputs, then advances n+1:
+`schedule(n+1) -> launch(n+1) -> finish(n), resolve(n), outputs of n -> advance(n+1)`. Step n+1
+was planned from `advance(n)`'s counts, with step n's tokens as placeholders; its decode rows
+read their input ids from step n's sampled tensor on the device. Results of step n+1 for a
+request that step n finished are dropped. Before scheduling, the step in flight is finished
+first when a request sampled in it needs that token's value on the host to be sampled again
+(penalties read the output ids, a structured-output matcher must accept the token first);
+speculative decoding never overlaps. Outputs (tokens, text, finish reasons, logprobs) equal
+the synchronous loop's: samples depend on (seed, position) and the forward is batch-invariant,
+so the plans may differ (a request stopping at step n still occupies step n+1's batch and
+blocks) without changing any output; only metrics such as preemption counts can differ.
 
 Invariant: a bad request never reaches the runner (it finishes with `error` set), and every
 request added ends with exactly one output.
@@ -24,7 +40,7 @@ from pathlib import Path
 from shoal.config import EngineConfig, ShoalError
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.engine.request import EngineRequest
-from shoal.runner.model_runner import ModelRunner, RunnerOutput, SampleRow
+from shoal.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput, SampleRow
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
@@ -49,6 +65,10 @@ class EngineStats:
     decoder_rows_total: int = 0
     drafts_proposed: int = 0  # speculative decoding: draft tokens verified
     drafts_accepted: int = 0
+    # async scheduling: steps launched while the previous step's results were still unread,
+    # and steps finished before the next was scheduled (a request needed its token on the host)
+    overlapped_steps: int = 0
+    resolved_first: int = 0
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
@@ -73,6 +93,8 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._structured = None
+        self.overlap = config.runner.async_scheduling and not self.runner.speculative
+        self._inflight: LaunchedStep | None = None  # launched and advanced, not yet finished
 
     # ---- requests ---------------------------------------------------------------------------
     def structured_backend(self):
@@ -168,27 +190,97 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request waits, runs or is not yet reported, or a step is in flight."""
+        return self._inflight is not None or self.scheduler.has_unfinished()
+
+    @property
+    def in_flight(self) -> bool:
+        """A launched step's results are not yet processed (async scheduling)."""
+        return self._inflight is not None
+
+    def flush(self) -> list[str]:
+        """Finish the step in flight, if any, without launching another; return the user
+        requests it completed (`LLM` calls it once all of its requests are done, so no device
+        work or unread result outlives a generate call)."""
+        newly: set[str] = set()
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._complete(step, newly)
+        return self._completed_groups(newly)
 
     def step(self) -> list[str]:
-        """Run one step; return the ids of user requests that completed in it."""
+        """Run one step; return the ids of user requests that completed in it (with async
+        scheduling: in the step finished here, normally the one launched by the previous call;
+        when a request in that step needs its token on the host, it is finished before this
+        call schedules, and the step launched here stays in flight)."""
+        newly: set[str] = set()
+        previous, self._inflight = self._inflight, None
+        if previous is not None and self._needs_tokens_on_host(previous.plan):
+            self.stats.resolved_first += 1
+            self._complete(previous, newly)
+            previous = None
         plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            if previous is not None:
+                self._complete(previous, newly)
+            self._report(self.scheduler.update(plan, StepResult()), newly)
+            return self._completed_groups(newly)
+        launched = self.runner.launch(plan, self._sample_rows(plan), previous)
+        if previous is not None:
+            self.stats.overlapped_steps += 1
+            self._complete(previous, newly)
+        if self.overlap:
+            self.scheduler.advance(plan)
+            self._inflight = launched
+        else:
+            self._complete(launched, newly, advanced=False)
+        return self._completed_groups(newly)
+
+    def _sample_rows(self, plan) -> dict[str, SampleRow]:
         rows = {}
         for item in plan.scheduled:
             req = self.requests[item.request_id]
             if item.sample or req.params.prompt_logprobs is not None:
+                sreq = self.scheduler.get_request(item.request_id)
+                assert sreq is not None, item.request_id
+                # the scheduler's outputs: they count the token in flight (positions, min_tokens)
                 rows[item.request_id] = SampleRow(req.params, req.seed, req.prompt_token_ids,
-                                                  req.output_token_ids, req.matcher)
-        result = self.runner.execute(plan, rows) if plan.scheduled else RunnerOutput()
+                                                  sreq.output_token_ids, req.matcher)
+        return rows
+
+    def _needs_tokens_on_host(self, plan) -> bool:
+        """A live request sampled in `plan` reads its outputs' values when it is sampled next
+        (penalties over the output ids; a matcher that must accept the token first)."""
+        for item in plan.scheduled:
+            req = self.requests.get(item.request_id)
+            if item.sample and req is not None and not req.finished and (
+                    req.params.has_penalties or req.matcher is not None):
+                return True
+        return False
+
+    def _complete(self, step: LaunchedStep, newly: set[str], advanced: bool = True) -> None:
+        """Read a launched step's results and process them: `resolve` them when the plan was
+        advanced at launch (async), `update` otherwise. Rows of requests that finished while
+        the step ran (they were scheduled before it was known) are dropped."""
+        plan = step.plan
+        result = self.runner.finish(step)
         self._account(plan, result)
-        newly = set(result.invalid)
         for rid in result.invalid:
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
             self.scheduler.finish_request(rid, "error")
-            self.requests[rid].finish("error", "the model produced no valid token (NaN logits "
-                                      "or every token masked)")
-        finished = self.scheduler.update(plan, StepResult(sampled_token_ids=result.sampled))
+            req.finish("error", "the model produced no valid token (NaN logits or every "
+                       "token masked)")
+            newly.add(rid)
+        if advanced:
+            finished = self.scheduler.resolve(plan, result.sampled)
+        else:
+            finished = self.scheduler.update(plan, StepResult(sampled_token_ids=result.sampled))
         for rid, tokens in result.sampled.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:  # finished and released while the step ran
+                continue
             for index, token in enumerate(tokens):
                 if req.finished:
                     break
@@ -204,13 +296,19 @@ class Engine:
             if sreq is not None and not sreq.is_finished and not self.requests[rid].finished:
                 sreq.spec_token_ids = list(drafts)
         for rid, entries in result.prompt_logprobs.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:
+                continue
             if req.prompt_logprobs is None:  # position 0 has none (nothing predicts it)
                 req.prompt_logprobs = [None] * len(req.prompt_token_ids)
             for position, target, logprob, rank, top in entries:  # by position: a recompute
                 d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}  # after preemption
                 d[target] = Logprob(logprob, rank)  # rewrites, never duplicates
                 req.prompt_logprobs[position] = d
+        self._report(finished, newly)
+
+    def _report(self, finished, newly: set[str]) -> None:
+        """Finish the engine side of requests the scheduler returned as finished."""
         for sreq in finished:
             req = self.requests.get(sreq.request_id)
             if req is None or req.finished:  # already reported (stop string, invalid row)
@@ -218,6 +316,8 @@ class Engine:
             req.metrics.num_preemptions = sreq.num_preemptions
             req.finish(sreq.finish_reason or "stop", sreq.error, sreq.stop_token_id)
             newly.add(sreq.request_id)
+
+    def _completed_groups(self, newly: set[str]) -> list[str]:
         groups = {self.requests[r].group_id for r in newly if r in self.requests}
         return sorted(g for g in groups if all(self.requests[c].finished
                                                 for c in self.groups[g]))

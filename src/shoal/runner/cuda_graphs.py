@@ -30,6 +30,7 @@ from shoal.model.batch import ForwardBatch, RequestChunk
 from shoal.model.config import ModelConfig
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.state import KVCaches
+from shoal.runner.inflight import TokenPatch
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +156,19 @@ class DecodeGraphs:
             self._uploaded.record()
 
     # ---- one step -----------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None) -> torch.Tensor:
         """Logits [R, V] fp32 of a pure-decode ForwardBatch built on the host (CPU tensors, one
         row per request, `layer_rows` empty), through the captured graph when there is one.
-        The result is a view of the graph's output: consume it before the next step."""
+        `patch` writes input ids still on the device (async scheduling) into the static ids
+        after the upload. The result is a view of the graph's output: consume it (in stream
+        order: work queued before the next step's replay) before the next step."""
         if batch.layer_rows or batch.num_tokens != batch.num_requests:
             raise ValueError("DecodeGraphs.forward: not a pure-decode batch")
         n = batch.num_requests
         size, bound = self.bucket(n, batch.max_position)
         self._fill(batch, size)
+        if patch is not None:
+            patch.apply(self._dev64[:n])  # field 0: the input ids
         key = (size, bound)
         if key in self._graphs:
             self._graphs[key].replay()

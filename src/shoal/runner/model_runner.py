@@ -1,12 +1,17 @@
 """ModelRunner: owns the device side (weights, op table, KV caches, sampler) and executes one
-`StepPlan`: build the ForwardBatch, run the model, gather logits where needed, sample.
+`StepPlan` in two halves: `launch` (build the ForwardBatch, run the model, gather logits where
+needed, sample; the tokens stay on the device) and `finish` (read them back into a
+`RunnerOutput`). Between the two the host may launch the next step (async scheduling), whose
+decode rows then take their input ids from this step's tokens on the device.
 
 Pure-decode steps replay CUDA graphs captured at start-up (`runner/cuda_graphs.py`, on CUDA
-with `cuda_graphs=True`, the default); every other step runs eagerly. The caches hold one slot and one block beyond the memory plan, which the
-scheduler never sees: the padded rows of a graph step (and the warm-up) compute there.
+with `cuda_graphs=True`, the default); every other step runs eagerly. The caches hold one slot
+and one block beyond the memory plan, which the scheduler never sees: the padded rows of a
+graph step (and the warm-up) compute there.
 
 Invariant: the runner keeps no per-request state beyond the caches (slots and blocks come from
-the plan); what it needs about a request's sampling arrives with each step (`SampleRow`).
+the plan); what it needs about a request's sampling arrives with each step (`SampleRow`), and
+what a launched step leaves for the host and for the next step is in its `LaunchedStep`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from shoal.checkpoint.reader import CheckpointReader
 from shoal.checkpoint.writer import generate_weights
 from shoal.config import EngineConfig, ShoalError
-from shoal.model.batch import RequestChunk, build_forward_batch
+from shoal.model.batch import ForwardBatch, RequestChunk, build_forward_batch
 from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ModelParams, WeightError
@@ -30,8 +35,10 @@ from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.cuda_graphs import DecodeGraphs, prefill_warmup_chunks
+from shoal.runner.inflight import HostReadback, TokenPatch, batch_to_device, upload
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
+from shoal.scheduler.request import UNRESOLVED
 from shoal.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -43,7 +50,11 @@ GPU_ACTIVATION_RESERVE_GB = 8.0
 @dataclass(frozen=True)
 class SampleRow:
     """Per-request sampling inputs for a step (built by the engine for requests with
-    sample=True, and for requests asking for prompt logprobs)."""
+    sample=True, and for requests asking for prompt logprobs).
+
+    output_token_ids: the scheduler's outputs so far; with async scheduling the last may be
+    `UNRESOLVED` (in flight). Its length gives the sampled position and the min_tokens count;
+    only rows with penalties read the values, and those are never launched unresolved."""
 
     params: SamplingParams
     seed: int
@@ -71,6 +82,30 @@ class RunnerOutput:
     # which the device has nothing queued
     device_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued (`ModelRunner.launch`) and whose results the host
+    has not read yet (`ModelRunner.finish`).
+
+    draws: (request, sampling row, drafts before it) per sampled logits row, in order.
+    token_ids: [len(draws)] int64 on the device, the sampled tokens (None: nothing sampled);
+    the next step's decode rows read their input id there (`TokenPatch`). draw_index: request
+    -> its draw, in steps without drafts. readback: the host copies of the sampler's output.
+    batch / captures: what `propose_drafts` needs (speculative decoding).
+    """
+
+    plan: StepPlan
+    rows: Mapping[str, SampleRow]
+    out: RunnerOutput  # timings, prompt logprobs and skipped rows already filled in
+    draws: list[tuple[str, SampleRow, list[int]]]
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    batch: ForwardBatch
+    captures: torch.Tensor | None
+    token_ids: torch.Tensor | None = None
+    draw_index: dict[str, int] = field(default_factory=dict)
+    readback: HostReadback | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -197,39 +232,66 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan, rows: Mapping[str, SampleRow]) -> RunnerOutput:
+        """Run one step to the end: `finish(launch(plan, rows))`."""
+        return self.finish(self.launch(plan, rows))
+
+    def launch(self, plan: StepPlan, rows: Mapping[str, SampleRow],
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's device work: inputs, forward, prompt logprobs, sampling; the sampled
+        tokens stay on the device (copies to the host are queued, not waited for).
+
+        A decode row whose input token is `UNRESOLVED` (sampled by `previous`, still in
+        flight) takes it from `previous.token_ids` on the device, after the upload of the
+        step's inputs and before its forward (into the graph's static ids when it replays).
+        Nothing else of the plan depends on that token: its Engram history holds earlier,
+        resolved ids. Prompt-logprob chunks still read their logprobs back here (a host sync).
+        """
         t0 = time.perf_counter()
         out = RunnerOutput()
-        chunks, prompt_lp = [], []
+        chunks, prompt_lp, unresolved = [], [], []
+        row = 0  # flat row of the next chunk's first token
         for item in plan.scheduled:
-            row = rows.get(item.request_id)
-            want_prompt = (row is not None and row.params.prompt_logprobs is not None
+            sample_row = rows.get(item.request_id)
+            want_prompt = (sample_row is not None
+                           and sample_row.params.prompt_logprobs is not None
                            and item.start_position < item.num_prompt_tokens)
             # verifying drafts needs every row's logits; prompt logprobs too
             logits = ("all" if want_prompt or item.num_spec_tokens else
                       "last" if item.sample else "none")
-            chunks.append(RequestChunk(item.token_ids, item.start_position, item.slot,
+            ids = item.token_ids
+            if ids[0] == UNRESOLVED:  # (only ever a one-token decode chunk)
+                unresolved.append((row, item.request_id))
+                ids = (0,)  # a valid id until the patch overwrites it on the device
+            chunks.append(RequestChunk(ids, item.start_position, item.slot,
                                        item.block_ids, item.prefill_len, logits,
                                        item.history_token_ids))
+            row += item.num_new_tokens
             if want_prompt:
                 prompt_lp.append((item, len(chunks) - 1))
+        patch = self._token_patch(unresolved, previous)
         graphed = self.graphs is not None and self.graphs.fits(chunks)
+        cuda = self.device.type == "cuda"
         batch = build_forward_batch(self.config.model_config, chunks,
-                                    device="cpu" if graphed else self.device,
+                                    device="cpu" if graphed or cuda else self.device,
                                     prefill_mode=self.config.runner.prefill_mode,
                                     replay_window=self.config.runner.replay_window)
         out.decoder_rows_skipped = sum(
             batch.num_tokens - (r.full.numel() if r.full is not None else batch.num_tokens)
             for r in batch.layer_rows.values())
+        if cuda and not graphed:  # built on the host: pinned, non-blocking uploads (no sync)
+            batch = batch_to_device(batch, self.device)
         t1 = time.perf_counter()
         span = None
-        if self.device.type == "cuda":
+        if cuda:
             span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             span[0].record()
         with torch.inference_mode():
             if graphed:  # pure decode: static inputs, graph replay (speculative is eager)
                 assert self.graphs is not None
-                result = ForwardOutput(self.graphs.forward(batch))
+                result = ForwardOutput(self.graphs.forward(batch, patch))
             else:
+                if patch is not None:
+                    patch.apply(batch.input_ids)
                 result = self.model.forward(batch, self.caches, capture=self.speculative)
         logits = result.logits
         out.forward_time = time.perf_counter() - t1
@@ -247,32 +309,55 @@ class ModelRunner:
         for i, (ch, item) in enumerate(zip(chunks, plan.scheduled, strict=True)):
             if not item.sample:
                 continue
-            row, k = rows[item.request_id], item.num_spec_tokens
+            sample_row, k = rows[item.request_id], item.num_spec_tokens
             drafts = list(item.token_ids[len(item.token_ids) - k:]) if k else []
             first = offsets[i] + (ch.num_new - 1 - k if ch.logits == "all" else 0)
             for j in range(k + 1):  # row j samples the token after anchor + drafts[:j]
                 sample_rows.append(first + j)
-                draws.append((item.request_id, row, drafts[:j]))
+                draws.append((item.request_id, sample_row, drafts[:j]))
+        step = LaunchedStep(plan=plan, rows=rows, out=out, draws=draws, span=span,
+                            batch=batch, captures=result.captures)
         if draws:
             every = sample_rows == list(range(logits.shape[0]))  # (decode): no index upload
-            self._sample(logits if every else
-                         logits[torch.tensor(sample_rows, device=logits.device)], draws, out,
-                         span[1] if span else None)
-            accept_drafts(plan, out)
-        if span and draws:  # (the host has waited for the sampled tokens: no extra sync)
-            span[1].synchronize()
-            out.device_time = span[0].elapsed_time(span[1]) * 1e-3
+            self._sample(logits if every else logits[upload([sample_rows], logits.device)[0]],
+                         step)
+        return step
+
+    def _token_patch(self, unresolved: list[tuple[int, str]],
+                     previous: LaunchedStep | None) -> TokenPatch | None:
+        """Rows whose input id is the previous step's sample, and where it is in its tokens."""
+        if not unresolved:
+            return None
+        missing = [rid for _, rid in unresolved
+                   if previous is None or rid not in previous.draw_index]
+        if missing or previous is None or previous.token_ids is None:
+            raise RuntimeError(f"requests {missing[:5]} have an unresolved input token that "
+                               "the previous launched step did not sample")
+        return TokenPatch(tuple(r for r, _ in unresolved),
+                          tuple(previous.draw_index[rid] for _, rid in unresolved),
+                          previous.token_ids)
+
+    def finish(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for the step's sampled tokens (only for them: work queued after the step keeps
+        running) and turn them into the RunnerOutput; then accept drafts and propose new ones
+        (speculative decoding, which therefore never overlaps steps)."""
+        out = step.out
+        if step.readback is not None:
+            self._read_samples(step)
+            accept_drafts(step.plan, out)
+            if step.span is not None:  # both events are complete once the readback is
+                out.device_time = step.span[0].elapsed_time(step.span[1]) * 1e-3
         if self.speculative:
             with torch.inference_mode():
-                propose_drafts(self.model, self.caches, batch, result.captures, plan, rows,
-                               out)
+                propose_drafts(self.model, self.caches, step.batch, step.captures, step.plan,
+                               step.rows, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, draws: list[tuple[str, SampleRow, list[int]]],
-                out: RunnerOutput, done: torch.cuda.Event | None = None) -> None:
-        """Sample every row; a row verifying drafts sees them as already generated (positions,
+    def _sample(self, logits: torch.Tensor, step: LaunchedStep) -> None:
+        """Sample every draw; a row verifying drafts sees them as already generated (positions,
         penalties), so the target's sample there is exactly what plain decoding would draw."""
         vocab = self.config.model_config.vocab_size
+        draws = step.draws
         rows = [r for _, r, _ in draws]
         mask = None
         if any(r.matcher is not None for r in rows):
@@ -280,8 +365,14 @@ class ModelRunner:
             for i, r in enumerate(rows):
                 if r.matcher is not None:
                     r.matcher.fill_mask(mask[i])
-            mask = mask.to(logits.device)
-        history = [list(r.output_token_ids) + d for _, r, d in draws]
+            mask = (mask.pin_memory().to(logits.device, non_blocking=True)
+                    if logits.device.type == "cuda" else mask.to(logits.device))
+        history = [list(r.output_token_ids) + d if d else r.output_token_ids
+                   for _, r, d in draws]
+        for r, h in zip(rows, history, strict=True):
+            if r.params.has_penalties and UNRESOLVED in h[-1:]:
+                raise RuntimeError("a row with penalties was launched before its previous "
+                                   "token was resolved")
         batch = SamplingBatch.from_params(
             [r.params for r in rows], seeds=[r.seed for r in rows],
             positions=[len(r.prompt_token_ids) + len(h) for r, h in zip(rows, history,
@@ -290,12 +381,23 @@ class ModelRunner:
             vocab_size=vocab, eos_token_ids=(self.config.model_config.eos_token_id,),
             allowed_mask=mask, device=logits.device)
         result = self.sampler.sample(logits, batch)
-        if done is not None:  # the step's device work ends here (before the host waits on it)
-            done.record()
-        tokens = result.token_ids.tolist()
-        valid = result.valid.tolist()
+        if step.span is not None:  # the step's device work ends here (before the host waits)
+            step.span[1].record()
+        step.token_ids = result.token_ids
+        if not any(item.num_spec_tokens for item in step.plan.scheduled):  # one draw each
+            step.draw_index = {rid: i for i, (rid, _, _) in enumerate(draws)}
         lp = result.logprobs
-        for i, (request_id, row, _) in enumerate(draws):
+        step.readback = HostReadback([result.token_ids, result.valid] + (
+            [lp.token_ids, lp.logprobs, lp.ranks] if lp is not None else []))
+
+    def _read_samples(self, step: LaunchedStep) -> None:
+        assert step.readback is not None
+        host = step.readback.wait()
+        tokens, valid = host[0].tolist(), host[1].tolist()
+        lp_ids, lp_values, ranks = ([t.tolist() for t in host[2:]] if len(host) > 2
+                                    else (None, None, None))
+        out = step.out
+        for i, (request_id, row, _) in enumerate(step.draws):
             if request_id in out.invalid:
                 continue
             if not valid[i]:
@@ -304,11 +406,10 @@ class ModelRunner:
                 continue
             out.sampled.setdefault(request_id, []).append(tokens[i])
             n = row.params.logprobs
-            if n is not None and lp is not None:
-                top = list(zip(lp.token_ids[i, 1:n + 1].tolist(), lp.logprobs[i, 1:n + 1].tolist(),
-                               strict=True))
+            if n is not None and lp_ids is not None:
+                top = list(zip(lp_ids[i][1:n + 1], lp_values[i][1:n + 1], strict=True))
                 out.logprobs.setdefault(request_id, []).append(
-                    (float(lp.logprobs[i, 0]), int(lp.ranks[i]), top))
+                    (lp_values[i][0], ranks[i], top))
 
     def _prompt_logprobs(self, item, row: SampleRow, chunk: RequestChunk, logits: torch.Tensor,
                          out: RunnerOutput) -> None:

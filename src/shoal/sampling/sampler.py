@@ -46,6 +46,14 @@ def _pad(rows: Sequence[Sequence[int]], fill: int) -> Tensor:
     return out
 
 
+def _upload(host: Tensor, device: torch.device | str) -> Tensor:
+    """`host` on `device` without waiting for the device: a CUDA copy from pageable memory may
+    synchronise with the stream (and a step queued before it), one from pinned memory never."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling state for one step; all tensors on the sampling device.
@@ -152,7 +160,7 @@ class SamplingBatch:
                 [p.frequency_penalty for p in params],
             ],
             dtype=torch.float32,
-        ).reshape(6, num_rows).to(device, non_blocking=True)
+        ).reshape(6, num_rows)
         ints = torch.tensor(
             [
                 [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
@@ -161,13 +169,15 @@ class SamplingBatch:
                 [int(g) for g in greedy],
             ],
             dtype=torch.int64,
-        ).reshape(4, num_rows).to(device, non_blocking=True)
+        ).reshape(4, num_rows)
 
         def ids(rows: list[Sequence[int]]) -> Tensor:
             padded = _pad(rows, -1)
             if padded.shape[1] == 0:  # nothing to upload
                 return torch.empty(padded.shape, dtype=torch.int64, device=device)
-            return padded.to(device, non_blocking=True)
+            return _upload(padded, device)
+
+        floats, ints = _upload(floats, device), _upload(ints, device)
 
         on_device = {
             "temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
@@ -285,7 +295,7 @@ def apply_min_p_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     largest value. top_p keeps the smallest descending prefix whose mass reaches top_p, plus every
     token tied with its last element.
     """
-    neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+    neg_inf = logits.new_full((), -math.inf)  # (a fill: torch.tensor(.., device) would sync)
     if batch.any_min_p:
         top = logits.max(dim=1, keepdim=True).values
         threshold = top + torch.log(batch.min_p).unsqueeze(1)  # log 0 = -inf: off

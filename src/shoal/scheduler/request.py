@@ -5,6 +5,10 @@ Invariant: `num_computed_tokens <= num_tokens`; while a request holds resources 
 cover at least `num_computed_tokens` positions and `slot` is not None; a finished request holds
 neither blocks nor a slot. Only the scheduler and its `KVCacheManager` mutate these fields.
 
+With async scheduling, `output_token_ids` may end with one `UNRESOLVED` entry: the token of the
+step in flight, counted in `num_tokens` (positions, lengths and limits are right) but not yet
+known; nothing reads its value before `Scheduler.resolve` patches it.
+
 Stop *strings* are not checked here (they need the detokenizer); the engine calls
 `Scheduler.finish_request(request_id, FINISH_STOP)` when it sees one.
 """
@@ -20,6 +24,10 @@ FINISH_LENGTH = "length"  # max_tokens reached, or max_model_len reached
 FINISH_ABORT = "abort"  # abort_request()
 FINISH_ERROR = "error"  # rejected at add_request (invalid input); see Request.error
 FINISH_KV_CAPACITY = "kv_capacity"  # needs more KV blocks than the whole pool holds
+
+# An output token that a step sampled on the device and the host has not read yet (async
+# scheduling): `Scheduler.advance` appends it, `Scheduler.resolve` replaces it by the real id.
+UNRESOLVED = -1
 
 
 class RequestStatus(enum.Enum):

@@ -13,14 +13,31 @@ with `num_tokens`):
    never skipped) while budget, `max_num_seqs`, slots and blocks allow. Admission never preempts.
 
 Invariants: every step's tokens <= max_num_batched_tokens; running <= min(max_num_seqs, slots);
-a plan never schedules a request twice; `schedule()` and `update()` alternate. A request that
-cannot fit in the whole pool finishes with `kv_capacity` instead of spinning; invalid input
-finishes with `error` at `add_request` (the engine reports it per request; nothing raises).
+a plan never schedules a request twice. A request that cannot fit in the whole pool finishes
+with `kv_capacity` instead of spinning; invalid input finishes with `error` at `add_request`
+(the engine reports it per request; nothing raises).
+
+Applying a step is two halves: `advance(plan)` (progress, one `UNRESOLVED` placeholder per
+sampled row, and the stops that need no token value: max_tokens, max_model_len) and
+`resolve(plan, tokens)` (the placeholders replaced by the sampled ids, then eos / stop ids).
+`update(plan, result)` is both at once (the synchronous loop). Async scheduling calls
+`schedule()` for step n+1 between `advance(n)` and `resolve(n)`: every count the plan needs
+(positions, lengths, blocks) is already right, and the only unknown is the input token of a
+decode row, which the runner takes from step n's sampled tokens on the device. The order is
+`schedule(n+1)`, `resolve(n)`, `advance(n+1)`: at most one advanced plan is unresolved when
+`schedule` runs, so a plan's history ids (the tokens before its inputs) are always known.
+
+A finish that happens while a plan's tokens are unresolved (max_tokens / max_model_len at
+`advance`, an abort, `kv_capacity` in the next `schedule`) frees the request's blocks and slot
+at once (the device writes of the steps already queued land before those of any later owner,
+on the same stream), and `resolve` still records that plan's token: if it is eos or a stop id,
+the reason becomes `stop`, as it would have been had the step been resolved first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
@@ -30,6 +47,7 @@ from shoal.scheduler.request import (
     FINISH_KV_CAPACITY,
     FINISH_LENGTH,
     FINISH_STOP,
+    UNRESOLVED,
     Request,
     RequestStatus,
     status_for_reason,
@@ -92,7 +110,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self._finished_for_plan: list[str] = []  # ids for the next plan's finished_ids
         self._finished_for_update: list[Request] = []  # returned by the next update()
-        self._outstanding: StepPlan | None = None
+        self._outstanding: StepPlan | None = None  # scheduled, not yet advanced
+        self._unresolved: StepPlan | None = None  # advanced, its tokens not yet resolved
         self._next_arrival = 0
         self._next_admission = 0
         self._next_step = 0
@@ -131,8 +150,10 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        """True while a request waits, runs, or finished without being returned by update()."""
-        return bool(self.waiting or self.running or self._finished_for_update)
+        """True while a request waits, runs, or finished without being returned by update() /
+        resolve(), or while an advanced plan awaits resolve()."""
+        return bool(self.waiting or self.running or self._finished_for_update
+                    or self._unresolved is not None)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -144,7 +165,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step (see the module docstring for the policy)."""
         if self._outstanding is not None:
-            raise RuntimeError("schedule() called again before update() of the previous plan")
+            raise RuntimeError("schedule() called again before update() / advance() of the "
+                               "previous plan")
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -190,41 +212,112 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply the runner's result: advance progress, append sampled tokens, stop checks.
+        """Apply the runner's result: `advance(plan)` then `resolve(plan, tokens)` in one go.
 
-        Returns every request finished since the previous update() (stopped here, or
-        aborted / rejected / out of KV capacity in between), in finishing order; the scheduler
-        forgets them afterwards.
+        A row verifying drafts advances by as many tokens as it produced (the anchor's sample
+        and the accepted drafts). Returns what `resolve` returns.
         """
+        counts = {item.request_id: len(result.sampled_token_ids.get(item.request_id) or ())
+                  for item in plan.scheduled if item.sample}
+        self._advance(plan, counts)
+        return self.resolve(plan, result.sampled_token_ids)
+
+    def advance(self, plan: StepPlan) -> None:
+        """Count the step as computed before its tokens are known (async scheduling).
+
+        Every live scheduled request's `num_computed_tokens` moves on by its chunk; a sampled
+        row appends one `UNRESOLVED` placeholder, and a request that has thereby reached
+        max_tokens or max_model_len finishes with `length` now (blocks and slot freed; `resolve`
+        turns it into `stop` when the token is eos / a stop id). Requests finished after
+        `schedule()` (aborted, or stopped by the previous `resolve`) are skipped: their result
+        in this step is dropped. A plan verifying drafts must go through `update` (it advances
+        by the number of accepted tokens, known only from the result).
+        """
+        if any(item.num_spec_tokens for item in plan.scheduled):
+            raise RuntimeError(f"advance() of plan {plan.step_id}, which verifies drafts: use "
+                               "update() with the result")
+        self._advance(plan, None)
+
+    def _advance(self, plan: StepPlan, counts: dict[str, int] | None) -> None:
+        """counts: tokens per sampled row (update: from the result, 0 = none, which resolve
+        reports; advance: None = one each)."""
         if plan is not self._outstanding:
-            raise RuntimeError(f"update() for plan {plan.step_id}, which is not the outstanding "
-                               "plan of the last schedule()")
+            raise RuntimeError(f"update() / advance() for plan {plan.step_id}, which is not "
+                               "the outstanding plan of the last schedule()")
+        if self._unresolved is not None:
+            raise RuntimeError(f"advance() of plan {plan.step_id} before resolve() of plan "
+                               f"{self._unresolved.step_id}")
         self._outstanding = None
+        self._unresolved = plan
+        max_len = self.config.max_model_len
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted or finished from outside after schedule()
             assert request.num_computed_tokens == item.start_position, item.request_id
-            tokens = result.sampled_token_ids.get(item.request_id)
+            num_tokens = 0 if not item.sample else 1 if counts is None else \
+                counts.get(item.request_id, 0)
             if item.num_spec_tokens:
-                if not tokens or len(tokens) > item.num_spec_tokens + 1:
+                if not 1 <= num_tokens <= item.num_spec_tokens + 1:
                     raise RuntimeError(f"StepResult for {item.request_id!r} verifying "
-                                       f"{item.num_spec_tokens} drafts has tokens {tokens}")
+                                       f"{item.num_spec_tokens} drafts has {num_tokens} tokens")
                 # the anchor and the accepted drafts are computed; rejected rows are not (their
                 # cache rows are overwritten when those positions are computed again)
-                request.num_computed_tokens += len(tokens)
+                request.num_computed_tokens += num_tokens
             else:
                 request.num_computed_tokens += item.num_new_tokens
-            if not item.sample:
+                if item.sample and counts is not None and not num_tokens:
+                    raise RuntimeError(f"StepResult has no sampled token for "
+                                       f"{item.request_id!r}, which was scheduled with "
+                                       "sample=True")
+            for _ in range(num_tokens):
+                request.output_token_ids.append(UNRESOLVED)
+                if ((request.max_tokens is not None
+                     and request.num_output_tokens >= request.max_tokens)
+                        or request.num_tokens >= max_len):
+                    self._finish(request, FINISH_LENGTH)
+                    break
+
+    def resolve(self, plan: StepPlan, sampled_token_ids: Mapping[str, Sequence[int]]
+                ) -> list[Request]:
+        """Replace the placeholders of the advanced `plan` by its sampled tokens, then check eos
+        and stop ids (not below min_tokens; a stop ends the request at that token, and replaces
+        any reason it finished with since `advance`).
+
+        A request whose row has no tokens must have been finished meanwhile (the engine ends a
+        row without a valid token with `error`): its placeholders are dropped. Returns every
+        request finished since the previous update() / resolve() (stopped here, at advance,
+        or aborted / rejected / out of KV capacity in between), in finishing order; the
+        scheduler forgets them afterwards.
+        """
+        if plan is not self._unresolved:
+            raise RuntimeError(f"resolve() for plan {plan.step_id}, which is not the advanced, "
+                               "unresolved plan")
+        self._unresolved = None
+        for item in plan.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or not item.sample:
                 continue
+            out = request.output_token_ids
+            first = item.end_position - item.num_spec_tokens - item.num_prompt_tokens
+            if first >= len(out) or out[first] != UNRESOLVED:
+                continue  # not advanced in this plan: finished before advance()
+            tokens = sampled_token_ids.get(item.request_id)
             if not tokens:
+                if request.is_finished:  # e.g. no valid token: the engine ended it
+                    del out[first:]
+                    continue
                 raise RuntimeError(f"StepResult has no sampled token for {item.request_id!r}, "
                                    "which was scheduled with sample=True")
-            for token in tokens:
-                request.output_token_ids.append(int(token))
-                reason = self._stop_reason(request, int(token))
-                if reason is not None:
-                    self._finish(request, reason)
+            if len(tokens) < len(out) - first:
+                raise RuntimeError(f"StepResult for {item.request_id!r} has {len(tokens)} "
+                                   f"tokens for {len(out) - first} advanced positions")
+            for index in range(first, len(out)):
+                token = int(tokens[index - first])
+                out[index] = token
+                if self._is_stop_token(request, token, index + 1):
+                    del out[index + 1:]
+                    self._stop(request, token)
                     break
         finished, self._finished_for_update = self._finished_for_update, []
         for request in finished:
@@ -298,14 +391,18 @@ class Scheduler:
         num_spec = max(0, end - request.num_tokens)  # drafts beyond the known tokens
         history_start = max(0, start - self.config.num_history_tokens)
         assert request.slot is not None
+        known = request.token_ids(start, end - num_spec)
+        # the token of the step in flight is only ever the input of a one-token decode chunk
+        history = tuple(request.token_ids(history_start, start))
+        assert UNRESOLVED not in known[:-1] and (num_new == 1 or UNRESOLVED not in known) \
+            and UNRESOLVED not in history, request.request_id
         item = ScheduledRequest(
             request_id=request.request_id, slot=request.slot,
-            token_ids=tuple(request.token_ids(start, end - num_spec)
-                            + request.spec_token_ids[:num_spec]),
+            token_ids=tuple(known + request.spec_token_ids[:num_spec]),
             start_position=start, num_new_tokens=num_new, block_ids=tuple(request.block_ids),
             prefill_len=request.prefill_len, num_prompt_tokens=request.num_prompt_tokens,
             sample=end - num_spec == request.num_tokens, is_new_in_slot=request.needs_slot_reset,
-            history_token_ids=tuple(request.token_ids(history_start, start)),
+            history_token_ids=history,
             num_spec_tokens=num_spec,
         )
         request.needs_slot_reset = False
@@ -321,19 +418,26 @@ class Scheduler:
         request.needs_slot_reset = False
         self.waiting.appendleft(request)
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Checks after appending `token`; eos / stop ids win over length when both hold."""
-        if request.num_output_tokens >= request.min_tokens:
-            is_eos = (not request.ignore_eos and request.eos_token_id is not None
-                      and token == request.eos_token_id)
-            if is_eos or token in request.stop_token_ids:
-                request.stop_token_id = token
-                return FINISH_STOP
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
-            return FINISH_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FINISH_LENGTH
-        return None
+    @staticmethod
+    def _is_stop_token(request: Request, token: int, num_outputs: int) -> bool:
+        """eos (unless ignore_eos) or a stop id as output number `num_outputs`, once at least
+        min_tokens outputs exist; these win over length when both hold."""
+        if num_outputs < request.min_tokens:
+            return False
+        is_eos = (not request.ignore_eos and request.eos_token_id is not None
+                  and token == request.eos_token_id)
+        return is_eos or token in request.stop_token_ids
+
+    def _stop(self, request: Request, token: int) -> None:
+        """Finish with `stop` at `token`; a request that finished since its token was advanced
+        (length, abort, kv_capacity) would have stopped first had it been resolved first."""
+        request.stop_token_id = token
+        if not request.is_finished:
+            self._finish(request, FINISH_STOP)
+            return
+        request.status = status_for_reason(FINISH_STOP)
+        request.finish_reason = FINISH_STOP
+        request.error = None
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         status = status_for_reason(reason)

@@ -7,7 +7,9 @@ other ranks.
 Invariant (per scheduled request r): `r.token_ids` are the tokens at positions
 `[r.start_position, r.start_position + r.num_new_tokens)`; `r.block_ids` cover at least
 `r.start_position + r.num_new_tokens` positions; `r.sample` is True iff that end equals the
-number of tokens known for the request, i.e. this chunk produces the next token.
+number of tokens known for the request, i.e. this chunk produces the next token. With async
+scheduling a token may be known by position only (`request.UNRESOLVED`, sampled by the step
+still in flight): it is then the single token of a decode chunk, never a history id.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class ScheduledRequest:
 
     - `slot`: the request slot holding its fixed state (SWA rings, compressor pending groups).
     - `token_ids`: the new tokens of this step (prompt tokens while prefilling; on a decode step,
-      the last sampled token).
+      the last sampled token, or `UNRESOLVED` when the previous step is still in flight: the
+      runner then takes it from that step's sampled tokens on the device).
     - `start_position`: absolute position of `token_ids[0]` (== num_computed_tokens before it).
     - `block_ids`: the request's full block table after this step's allocation; block i holds
       positions [i * block_size, (i + 1) * block_size) in every kv-source layer.
