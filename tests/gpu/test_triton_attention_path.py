@@ -149,8 +149,9 @@ def test_index_scores_matches_reference(t, h, d, n_req, rows, rpb, tb, one) -> N
 
 
 @needs_kernels
-@pytest.mark.parametrize("tb", [None, 4, 16])
-def test_index_scores_causal_prefill_chunk(tb) -> None:
+@pytest.mark.parametrize("tb,bn,warps", [(None, 64, 8), (4, 64, 8), (16, 64, 8), (None, 32, 8),
+                                         (None, 16, 4)])
+def test_index_scores_causal_prefill_chunk(tb, bn, warps) -> None:
     """A prefill chunk's staircase of visible rows (token i sees (i + 1) // 2 rows, as with a
     ratio-2 source) spanning many 64-row tiles: the tiles above every token of a block are
     stored as -inf without a product (the -inf pattern equals the reference's), the rest match;
@@ -160,14 +161,14 @@ def test_index_scores_causal_prefill_chunk(tb) -> None:
     kw["n_visible"] = (torch.arange(t) + 1) // 2
     want = rindexer.index_scores(**kw)
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    got = tindexer.index_scores_tuned(**dev_kw, tb=tb).cpu()
+    got = tindexer.index_scores_tuned(**dev_kw, tb=tb, bn=bn, num_warps=warps).cpu()
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
     for i in (0, 77, t - 1):
         one = {**dev_kw, **{k: dev_kw[k][i:i + 1] for k in ("q", "weights", "req",
                                                             "n_visible")}}
-        alone = tindexer.index_scores_tuned(**one).cpu()
+        alone = tindexer.index_scores_tuned(**one, bn=bn, num_warps=warps).cpu()
         assert torch.equal(alone[0], got[i]), f"token {i}"
 
 
