@@ -312,7 +312,7 @@ def bench_index(cases: list[tuple[int, int, int]]) -> None:
         kw = index_inputs(t, n, n_req, rpb, gen=gen)
         small = index_inputs(min(t, 64), min(n, 1024), min(n_req, 64), rpb, gen=gen)
         ref = ref_ix.index_scores(**small)
-        tilings = [(2, 64), (2, 128)] if n_req > 1 else [(2, 64), (8, 64), (16, 64), (32, 64)]
+        tilings = [(1, 64), (1, 128)] if n_req > 1 else [(1, 64), (8, 64), (32, 64), (8, 128)]
         for tb, bn in tilings:
             got = tri_ix.index_scores_tuned(**small, tb=tb, bn=bn)
             err = float((got - ref).abs().max() / ref.abs().max())

@@ -62,9 +62,10 @@ def test_async_equals_sync_on_cuda(model: str, graphs: bool) -> None:
         llm = _llm(model, graphs, overlap)
         results.append(_workload(llm))
         stats = llm.engine.stats
-        if overlap:
-            assert stats.overlapped_steps >= stats.steps // 2, stats
-            assert stats.resolved_first > 0, stats  # the penalty request's steps
+        if overlap:  # every step after the first overlaps, or resolves first while the
+            # penalty request lives (H200, tiny: 5 overlapped + 6 resolved first of 12)
+            assert stats.overlapped_steps > 0 and stats.resolved_first > 0, stats
+            assert stats.overlapped_steps + stats.resolved_first >= stats.steps - 1, stats
         else:
             assert stats.overlapped_steps == 0
         del llm

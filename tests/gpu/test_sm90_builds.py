@@ -70,7 +70,7 @@ def _packs_consecutive_k(ttgir: str) -> list[bool]:
     for line in ttgir.splitlines():
         if "elementwise_inline_asm" not in line:
             continue
-        lay = re.search(r"-> tensor<\d+x\d+xi8, (.*)>", line).group(1)
+        lay = re.search(r"-> tensor<\d+x\d+x(?:i8|f16), (.*)>", line).group(1)
         lay = layouts.get(lay, lay)
         if lay.startswith("#ttg.linear"):
             regs = re.search(r"register = \[(.*?)\], lane", lay).group(1)
@@ -85,7 +85,7 @@ def _packs_consecutive_k(ttgir: str) -> list[bool]:
 
 
 def test_prmt_operands_pack_consecutive_k() -> None:
-    """The prmt conversions (fp4_tiles.w_e4m3 CONVERT 1 / 2) treat 4 packed elements as 4
+    """The prmt conversions (fp4_tiles.w_e4m3 CONVERT 1 / 2, w_f16) treat 4 packed elements as 4
     consecutive K of one row (one 32-block, one LUT). Triton picks the register layout, so this
     checks it in the sm_90 IR of every default MoE tile (decode and prefill) and the swap-AB
     decode tiles, for each conversion `_launch` allows there; and that the combination

@@ -5,14 +5,14 @@ over paged MXFP4 index-key records, and the exact selections `topk_rows` and `ca
 - index_scores: one program per (block of TB tokens, 64-row tile): records are gathered
   through the block table as int32 words (a 68-B record is 17 words; record offsets are only
   4-byte aligned, so every load is one scalar word) and dequantised to bf16 in registers
-  (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request, G = 64 / HP
-  at a time as the 64 rows (tokens x heads) of one q . k^T product on the matrix unit (fp32
-  accumulation), then relu, the head-weighted sum and the visibility mask; tiles the block's
-  tokens cannot see (the causal triangle of a prefill chunk) are stored as -inf unread. TB = G
-  for decode-sized batches, 16 G for prefill (H200, T 2048 x N 8192 of one request: 2.73 /
-  2.09 / 1.81 ms at TB = 4 G / 8 G / 16 G; in a mini 8K prefill chunk 5.5 ms per call at
-  4 G, against 12.2 ms for the kernel before, which took one token at a time: an M = 32
-  product per token).
+  (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request in turn
+  (prefill: TB tokens per dequantised tile): q . k on the matrix unit (fp32 accumulation),
+  relu, the head-weighted sum and the visibility mask. TB = 1 for decode-sized batches, 32 for
+  prefill (was 8; H200 bench T 2048 x N 8192 at TB 8: 3.05 ms); tiles above every token of a
+  block (the causal triangle of a prefill chunk) are stored as -inf unread. (Tried on the H200,
+  2026-12-01, and not kept: 64 / HP tokens x heads as the rows of one wgmma product. Prefill
+  1.69x faster at TB = 32, but decode 1.1-1.85x slower, 1.05 ms against 0.57 ms at 64
+  requests x 16K rows: 8 warps at 255 registers hold one program per SM.)
 - Selection: one program per query row finds the k-th largest value exactly by a 32-step
   bisection on order-preserving integer keys (counting passes over the row), then one ordered
   pass selects every value above it plus the lowest-index ties (the reference's stable order)
@@ -94,72 +94,59 @@ def _index_k_tile(kw_ptr, bt_ptr, r, j, valid, RPB, bt_r, bt_c, DI: tl.constexpr
     return tl.reshape(kv, (BN, DI)).to(tl.bfloat16)
 
 
+@triton.jit
+def _score_token(q_ptr, w_ptr, o_ptr, k, t, nv, j, H, N, sq_t, sq_h, sq_d, sw_t, sw_h,
+                 HP: tl.constexpr, DI: tl.constexpr):
+    """Logits of token t against the key tile k [BN, DI] (rows j), stored to o[t, j]."""
+    hh = tl.arange(0, HP)
+    hmask = hh < H
+    q = tl.load(q_ptr + t * sq_t + hh[:, None] * sq_h + tl.arange(0, DI)[None, :] * sq_d,
+                mask=hmask[:, None], other=0.0)
+    s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0)  # [HP, BN] fp32
+    w = tl.load(w_ptr + t * sw_t + hh * sw_h, mask=hmask, other=0.0).to(tl.float32)
+    logit = tl.sum(s * w[:, None], axis=0)
+    logit = tl.where(j < nv, logit, float("-inf"))
+    tl.store(o_ptr + t * N + j, logit, mask=j < N)
+
+
 @triton.jit(do_not_specialize=["RPB"])
 def _scores_kernel(q_ptr, w_ptr, kw_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, T, H, N, RPB, sq_t,
                    sq_h, sq_d, sw_t, sw_h, bt_r, bt_c, HP: tl.constexpr, DI: tl.constexpr,
-                   BN: tl.constexpr, TB: tl.constexpr, G: tl.constexpr):
-    """One program per (block of TB tokens, tile of BN rows), the tokens taken G at a time:
-    G tokens x HP heads are the M = G * HP rows of one q . k^T product on the matrix unit
-    (fp32 sums of exact bf16 products), then relu, the head-weighted sum per token and the
-    visibility mask. A tile no token of the block sees is stored as -inf without a product (a
-    prefill chunk's causal upper triangle). The key tile is dequantised once per request met
-    in the block (a prefill chunk: once) and covers the rows visible to any of that request's
-    tokens in the block (the block table is allocated that far); a group whose G tokens span
-    several requests takes one product per request, each storing its own tokens' rows. Every
-    token goes through the same [G * HP, DI] x [DI, BN] product whatever TB and the batch, so
-    its logits do not depend on the batch (TB only sets how many tokens share a key tile).
+                   BN: tl.constexpr, TB: tl.constexpr):
+    """One program per (block of TB tokens, tile of BN rows). The key tile is dequantised
+    once per request met in the token block (a prefill chunk: once) and feeds the tokens in
+    turn; it covers the rows visible to any token of that request in the block (the block
+    table is allocated that far), each token masks its own. A tile no token of the block sees
+    (a prefill chunk's causal upper triangle) is stored as -inf without being read. TB only
+    groups tokens: each token's product is the same [HP, DI] x [DI, BN] one whatever TB and
+    the batch (batch invariance).
 
     RPB must not be specialised: Triton's axis analysis gives blk * RPB + j % RPB the
     divisibility of RPB when RPB % 16 == 0 (although the sum is not a multiple of 16), then
     emits 16-byte vector loads at 68-byte record offsets: the "misaligned address" fault."""
     t0 = tl.program_id(0).to(tl.int64) * TB
     j = tl.program_id(1) * BN + tl.arange(0, BN)
-    jmask = j < N
     tt = t0 + tl.arange(0, TB)
     req_v = tl.load(req_ptr + tt, mask=tt < T, other=-1).to(tl.int64)
     nv_v = tl.load(nv_ptr + tt, mask=tt < T, other=0)
-    hh = tl.arange(0, HP)
-    hmask = hh < H
-    dd = tl.arange(0, DI)
     if tl.program_id(1) * BN >= tl.max(nv_v, axis=0):  # no token of the block sees the tile
         ninf = tl.full((TB, BN), float("-inf"), tl.float32)
         tl.store(o_ptr + tt[:, None] * N + j[None, :], ninf,
-                 mask=(tt < T)[:, None] & jmask[None, :])
+                 mask=(tt < T)[:, None] & (j < N)[None, :])
     else:
         r_cur = tl.full((), -1, tl.int64)
         k = tl.zeros((BN, DI), dtype=tl.bfloat16)
-        gi = tl.arange(0, G)
-        q_off = gi[:, None, None] * sq_t + hh[None, :, None] * sq_h + dd[None, None, :] * sq_d
-        for g in range(TB // G):
-            tg0 = t0 + g * G  # int64 bases, int32 offsets within the group (registers)
-            tg = tg0 + gi
-            gmask = tg < T
-            rg = tl.load(req_ptr + tg, mask=gmask, other=-1).to(tl.int64)
-            nvg = tl.load(nv_ptr + tg, mask=gmask, other=0)
-            pending = gmask
-            while tl.max(pending.to(tl.int32), axis=0) > 0:
-                r = tl.max(tl.where(pending, rg, -1), axis=0)
+        for i in range(TB):
+            t = t0 + i
+            if t < T:
+                r = tl.load(req_ptr + t).to(tl.int64)
                 if r != r_cur:
                     nv_r = tl.max(tl.where(req_v == r, nv_v, 0), axis=0)
-                    k = _index_k_tile(kw_ptr, bt_ptr, r, j, (j < nv_r) & jmask, RPB, bt_r,
+                    k = _index_k_tile(kw_ptr, bt_ptr, r, j, (j < nv_r) & (j < N), RPB, bt_r,
                                       bt_c, DI, BN)
                     r_cur = r
-                sel = pending & (rg == r)
-                q = tl.load(q_ptr + tg0 * sq_t + q_off,
-                            mask=sel[:, None, None] & hmask[None, :, None], other=0.0)
-                sc = tl.dot(tl.reshape(q, (G * HP, DI)), tl.trans(k))  # [G * HP, BN] fp32
-                w = tl.load(w_ptr + tg0 * sw_t + gi[:, None] * sw_t + hh[None, :] * sw_h,
-                            mask=sel[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-                sc = tl.reshape(tl.maximum(sc, 0.0), (G, HP, BN)) * w[:, :, None]
-                logit = tl.sum(sc, axis=1)  # [G, BN]
-                logit = tl.where(j[None, :] < nvg[:, None], logit, float("-inf"))
-                tl.store(o_ptr + tg0 * N + gi[:, None] * N + j[None, :], logit,
-                         mask=sel[:, None] & jmask[None, :])
-                pending = pending & (rg != r)
-
-
-SCORE_ROWS = 64  # tokens x heads per q . k^T product (G = SCORE_ROWS / HP tokens; sm_90 build
-# at HP = 32, BN = 64, 8 warps: no spills, where 128 rows spill 200-600 B per thread)
+                _score_token(q_ptr, w_ptr, o_ptr, k, t, tl.load(nv_ptr + t), j, H, N, sq_t,
+                             sq_h, sq_d, sw_t, sw_h, HP, DI)
 
 
 def _supports_scores(*, q: torch.Tensor, k_cache: torch.Tensor, **_) -> bool:
@@ -174,25 +161,22 @@ def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
                        block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
                        num_rows: int, rows_per_block: int, *, tb: int | None = None,
                        bn: int = 64, num_warps: int | None = None) -> torch.Tensor:
-    """The op with its tiling exposed: tb tokens per program (rounded up to a multiple of the
-    group size G = SCORE_ROWS / HP tokens; each key tile is reused by the block's tokens of its
-    request; None = G for decode-sized T, else 16 G), bn rows per tile."""
+    """The op with its tiling exposed (tb: tokens per program, each key tile is reused by the
+    block's tokens of its request; None = 1 for decode-sized T, else 32)."""
     t, h, d = q.shape
     out = torch.empty(t, num_rows, dtype=torch.float32, device=q.device)
     if t == 0 or num_rows == 0:
         return out.fill_(float("-inf"))
     hp = max(16, triton.next_power_of_2(h))
-    grp = max(1, SCORE_ROWS // hp)
     if tb is None:
-        tb = grp if t <= 64 else 16 * grp
-    tb = triton.cdiv(tb, grp) * grp
-    if num_warps is None:
-        num_warps = 8
+        tb = 1 if t <= 64 else 32
+    if num_warps is None:  # sm_90 static counts: no spills at (1, 64, 4) and (8, 64, 8)
+        num_warps = 4 if tb == 1 else 8
     kw = k_cache.view(torch.int32)  # [rows, record / 4]; records are 4-byte aligned
     _scores_kernel[(triton.cdiv(t, tb), triton.cdiv(num_rows, bn))](
         q, weights, kw, block_table, req, n_visible, out, t, h, num_rows, rows_per_block,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-        block_table.stride(0), block_table.stride(1), HP=hp, DI=d, BN=bn, TB=tb, G=grp,
+        block_table.stride(0), block_table.stride(1), HP=hp, DI=d, BN=bn, TB=tb,
         num_warps=num_warps)
     return out
 
