@@ -52,8 +52,8 @@ class RunnerConfig:
     plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
     speculative). On by default: replay equals eager bitwise and nothing compiles after
-    warm-up (H200 tests); mini batch-1 TPOT 4.63 ms against 29.8 ms per eager step (H200,
-    2026-11-29). Start-up cost on
+    warm-up (H200 tests); mini batch-1 TPOT 3.75 ms (3.20 with async_scheduling) against
+    29.8 ms per eager step (H200, 2026-12-01 / 2026-11-29). Start-up cost on
     the H200 (mini, 2026-11-29): a prefill warm-up that compiles the prefill kernels up front
     (110 s; eager engines pay it lazily during their first steps) and 18 graphs in 5 s.
     cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;
