@@ -49,6 +49,33 @@ def lut_words(sh: int) -> tuple[int, int]:
     return LUT0_BASE.value - sh * LUT0_STEP.value, LUT1_BASE.value - sh * LUT1_STEP.value
 
 
+def _lut_asm(r: str, lut0: str, lut1: str, tail: str) -> str:
+    """PTX of the prmt conversion from duplicated bytes: operand r = [b0, b0, b1, b1] (4
+    consecutive K), lut0 / lut1 the element's 8-byte LUT; s = the 4 nibble codes, v = their
+    LUT bytes, g = 0xFF / 0x80 per sign nibble (prmt sign-replicate mode on 0x80 bytes), whose
+    bit 0 shifted to bit 7 is the sign; `tail` combines v and g into the outputs."""
+    return f"""{{
+            .reg .b32 s, m, v, g, c80, z;
+            mov.b32 z, 0;
+            mov.b32 c80, 0x80808080;
+            prmt.b32 s, {r}, z, 0x0020;
+            and.b32 m, s, 0x7777;
+            prmt.b32 v, {lut0}, {lut1}, m;
+            prmt.b32 g, c80, c80, s;
+            shl.b32 g, g, 7;
+            and.b32 g, g, 0x80808080;
+            {tail}
+            }}"""
+
+
+# w_e4m3 CONVERT 1: the 4 e4m3 bytes; w_f16: [h0, h1, h2, h3] high bytes -> two fp16 pairs
+# $0 = [0, h0, 0, h1], $1 = [0, h2, 0, h3]
+E4M3_ASM = tl.constexpr(_lut_asm("$1", "$2", "$6", "or.b32 $0, v, g;"))
+F16_ASM = tl.constexpr(_lut_asm("$2", "$3", "$7", "or.b32 v, v, g;\n"
+                                "            prmt.b32 $0, v, z, 0x1404;\n"
+                                "            prmt.b32 $1, v, z, 0x3424;"))
+
+
 @triton.jit
 def dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
     """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
@@ -109,18 +136,7 @@ def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK:
         if CONVERT == 1:
             # r = [b0, b0, b1, b1] (4 consecutive K); s = nibble codes of K 0..3; then as above.
             byte = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 s, m, v, g, c80, z;
-                mov.b32 z, 0;
-                mov.b32 c80, 0x80808080;
-                prmt.b32 s, $1, z, 0x0020;
-                and.b32 m, s, 0x7777;
-                prmt.b32 v, $2, $6, m;
-                prmt.b32 g, c80, c80, s;
-                shl.b32 g, g, 7;
-                and.b32 g, g, 0x80808080;
-                or.b32 $0, v, g;
-                }""",
+                asm=E4M3_ASM,
                 constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
                 is_pure=True, pack=4)
         else:
@@ -170,23 +186,9 @@ def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.conste
     lut1 = tl.reshape(tl.broadcast_to(lut1[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
     if USE_ASM:
-        # as w_e4m3 CONVERT 1 up to v | g = the 4 high bytes [h0, h1, h2, h3]; then
-        # $0 = [0, h0, 0, h1], $1 = [0, h2, 0, h3] (two fp16 pairs)
+        # as w_e4m3 CONVERT 1 up to v | g = the 4 high bytes, then two fp16 pairs
         h = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 s, m, v, g, c80, z;
-            mov.b32 z, 0;
-            mov.b32 c80, 0x80808080;
-            prmt.b32 s, $2, z, 0x0020;
-            and.b32 m, s, 0x7777;
-            prmt.b32 v, $3, $7, m;
-            prmt.b32 g, c80, c80, s;
-            shl.b32 g, g, 7;
-            and.b32 g, g, 0x80808080;
-            or.b32 v, v, g;
-            prmt.b32 $0, v, z, 0x1404;
-            prmt.b32 $1, v, z, 0x3424;
-            }""",
+            asm=F16_ASM,
             constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.float16,
             is_pure=True, pack=4)
     else:

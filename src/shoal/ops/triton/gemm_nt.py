@@ -62,6 +62,18 @@ def nt_config(n: int, k: int) -> NTConfig:
 
 
 @triton.jit
+def split_bf16x3(x):
+    """fp32 x -> bf16 (x1, x2, x3) with x = x1 + x2 + x3 exactly (each the next 8 significant
+    bits; the residuals are exact in fp32): products of the terms with a bf16 operand are exact
+    on the tensor cores ("3xBF16")."""
+    x1 = x.to(tl.bfloat16)
+    r1 = x - x1.to(tl.float32)
+    x2 = r1.to(tl.bfloat16)
+    x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+    return x1, x2, x3
+
+
+@triton.jit
 def _nt_chunk(x_ptr, w_ptr, rm, rn, k_lo, k_hi, M, N, x_m, x_k, w_n, w_k,
               X_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """fp32 partial [BM, BN] of x[rm, k_lo:k_hi] . W[rn, k_lo:k_hi]^T, from zero, K ascending."""
@@ -76,10 +88,7 @@ def _nt_chunk(x_ptr, w_ptr, rm, rn, k_lo, k_hi, M, N, x_m, x_k, w_n, w_k,
         w = tl.load(w_ptr + rn[None, :] * w_n + rk[:, None] * w_k,
                     mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
         if X_F32:  # x = x1 + x2 + x3 exactly (bf16 terms), products exact on the tensor cores
-            x1 = x.to(tl.bfloat16)
-            r1 = x - x1.to(tl.float32)
-            x2 = r1.to(tl.bfloat16)
-            x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+            x1, x2, x3 = split_bf16x3(x)
             acc = tl.dot(x1, w, acc)
             lo = tl.dot(x2, w, lo)
             lo = tl.dot(x3, w, lo)

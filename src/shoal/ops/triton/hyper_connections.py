@@ -29,6 +29,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.engram import bf16_rne
+from shoal.ops.triton.gemm_nt import split_bf16x3
 from shoal.ops.triton.norm import MAX_K, on_device
 
 HC = 4
@@ -77,10 +78,7 @@ def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r
         sq += tl.sum(f32 * f32, axis=1)
         w = tl.load(fn_ptr + offs_r[None, :] * fn_r + (k0 + offs_k[:, None]) * fn_c,
                     mask=rmask[None, :], other=0.0)
-        w1 = w.to(tl.bfloat16)  # w = w1 + w2 + w3 exactly (each term the next 8 bits)
-        r1 = w - w1.to(tl.float32)
-        w2 = r1.to(tl.bfloat16)
-        w3 = (r1 - w2.to(tl.float32)).to(tl.bfloat16)
+        w1, w2, w3 = split_bf16x3(w)  # w = w1 + w2 + w3 exactly
         acc = tl.dot(f, w1, acc)
         lo = tl.dot(f, w2, lo)
         lo = tl.dot(f, w3, lo)
