@@ -16,6 +16,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -139,24 +140,45 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
 
 def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
     """Prefill `prompts` x `length` tokens with the given tail-only mode (one engine, the mode
-    swapped in its runner config between runs so the weights are built once)."""
+    swapped in its runner config between runs so the weights are built once). The warm-up is
+    one prompt of the same length in the same mode: the decoder layers' row counts differ by
+    mode and length, and a kernel shape first met inside the timed run would be compiled there
+    (the engine's prefill warm-up runs one mode). Triton compilations inside the timed run are
+    counted (`compiled_in_run`, 0 when the number is clean; None without Triton)."""
     runner = llm.engine.runner
     runner.config = dataclasses.replace(
         runner.config, runner=dataclasses.replace(runner.config.runner, prefill_mode=mode))
     g = torch.Generator().manual_seed(0)
-    batch = [random_prompt(llm.config.model_config, length, g) for _ in range(prompts)]
+    batch = [random_prompt(llm.config.model_config, length, g) for _ in range(prompts + 1)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate([{"prompt_token_ids": batch[0][:256]}], params, use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": batch[-1]}], params, use_tqdm=False)  # warm-up
     s = llm.engine.stats
     skipped0, total0 = s.decoder_rows_skipped, s.decoder_rows_total
     sync()
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": b} for b in batch], params, use_tqdm=False)
-    sync()
-    dt = time.perf_counter() - t0
+    with compile_counter() as compiled:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": b} for b in batch[:prompts]], params,
+                     use_tqdm=False)
+        sync()
+        dt = time.perf_counter() - t0
     skipped = (s.decoder_rows_skipped - skipped0) / max(s.decoder_rows_total - total0, 1)
     return {"mode": mode, "seconds": dt, "tokens_per_s": prompts * length / dt,
-            "decoder_row_layers_skipped": skipped}
+            "decoder_row_layers_skipped": skipped,
+            "compiled_in_run": None if compiled is None else len(compiled)}
+
+
+@contextlib.contextmanager
+def compile_counter():
+    """count_triton_compilations() where Triton is importable, else a None placeholder."""
+    try:
+        from triton import knobs  # noqa: F401
+    except ImportError:
+        yield None
+        return
+    from shoal.runner.cuda_graphs import count_triton_compilations
+
+    with count_triton_compilations() as names:
+        yield names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             prefill.append(bench_prefill(llm, args.prefill_prompts, args.prefill_len, mode))
             print(f"prefill {mode:9s} {prefill[-1]['tokens_per_s']:10.0f} tok/s "
                   f"({prefill[-1]['decoder_row_layers_skipped']:.1%} decoder row-layers "
-                  "skipped)", flush=True)
+                  f"skipped; {prefill[-1]['compiled_in_run']} kernels compiled in the run)",
+                  flush=True)
         base = prefill[0]["tokens_per_s"]
         for p in prefill:
             p["speedup_vs_full"] = p["tokens_per_s"] / base
