@@ -104,3 +104,37 @@ def test_spec_rows_are_recomputed_not_rolled_back(plain):
     got, _ = _run(spec, prompts, params)
     assert got == expected
     assert torch.tensor(got).numel() == 24
+
+
+@pytest.mark.parametrize("cut", ["max_tokens", "stop_id"])
+def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
+    """Drafts that are right beyond the request's end (an oracle reading a longer plain run) get
+    accepted by the verification, but the output stops where plain decoding stops: at
+    max_tokens, or at a stop token id met among the accepted drafts."""
+    prompts = _prompts(7)
+    long_params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    long, _ = _run(plain, prompts, long_params)
+    if cut == "max_tokens":
+        params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
+    else:  # each request stops at its own 4th token (first occurrence)
+        params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
+                                 stop_token_ids=[seq[3]]) for seq in long]
+    expected, _ = _run(plain, prompts, params)
+    k = TINY.dspark_block_size
+
+    def oracle(model, caches, batch, captures, plan, rows, out):
+        for item in plan.scheduled:
+            tokens = out.sampled.get(item.request_id)
+            if item.sample and tokens:
+                done = len(rows[item.request_id].output_token_ids) + len(tokens)
+                future = long[int(item.request_id)][done: done + k]
+                if future:
+                    out.spec_tokens[item.request_id] = future
+
+    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    got, outs = _run(spec, prompts, params)
+    assert got == expected
+    assert spec.engine.stats.drafts_accepted > 0
+    if cut == "stop_id":
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs)

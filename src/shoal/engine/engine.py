@@ -277,10 +277,17 @@ class Engine:
             finished = self.scheduler.resolve(plan, result.sampled)
         else:
             finished = self.scheduler.update(plan, StepResult(sampled_token_ids=result.sampled))
+        kept = {r.request_id: r for r in finished}
         for rid, tokens in result.sampled.items():
             req = self.requests.get(rid)
             if req is None:  # finished and released while the step ran
                 continue
+            sreq = kept.get(rid) or self.scheduler.get_request(rid)
+            if len(tokens) > 1 and sreq is not None:
+                # verified drafts: the scheduler keeps them up to a stop token id or the
+                # length limit; what it dropped is past the request's end
+                tokens = tokens[:max(0, len(sreq.output_token_ids)
+                                     - len(req.output_token_ids))]
             for index, token in enumerate(tokens):
                 if req.finished:
                     break
