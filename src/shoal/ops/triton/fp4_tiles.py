@@ -85,6 +85,18 @@ def dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def lut_bytes(wd, lut0, lut1, BK: tl.constexpr):
+    """The portable conversion: duplicated bytes wd [BN, BK] (element k holds byte k // 2) ->
+    int32 [BN, BK], byte m of the element's 8-byte LUT (m its code's magnitude) with the code's
+    sign in bit 7. What the prmt asm computes, in integer ops (the Triton interpreter runs it)."""
+    par = (tl.arange(0, BK) % 2)[None, :]
+    code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
+    mag = code & 7
+    lut = tl.where(mag < 4, lut0, lut1)
+    return ((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)
+
+
+@triton.jit
 def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
             CONVERT: tl.constexpr):
     """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
@@ -140,11 +152,7 @@ def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK:
                 constraints="=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.uint8,
                 is_pure=True, pack=4)
         else:
-            par = (tl.arange(0, BK) % 2)[None, :]
-            code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
-            mag = code & 7
-            lut = tl.where(mag < 4, lut0, lut1)
-            byte = (((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)).to(tl.uint8)
+            byte = lut_bytes(wd, lut0, lut1, BK).to(tl.uint8)
     return byte.to(tl.float8e4nv, bitcast=True)
 
 
@@ -192,12 +200,7 @@ def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.conste
             constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[wd, lut0, lut1], dtype=tl.float16,
             is_pure=True, pack=4)
     else:
-        par = (tl.arange(0, BK) % 2)[None, :]
-        code = tl.where(par == 0, wd & 0xF, wd >> 4).to(tl.int32)
-        mag = code & 7
-        lut = tl.where(mag < 4, lut0, lut1)
-        hb = ((lut >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)
-        h = (hb << 8).to(tl.int16).to(tl.float16, bitcast=True)
+        h = (lut_bytes(wd, lut0, lut1, BK) << 8).to(tl.int16).to(tl.float16, bitcast=True)
     return h
 
 
