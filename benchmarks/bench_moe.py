@@ -2,9 +2,9 @@
 
 Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
 `asm` (W4A8, prmt conversion and tiles as the op's defaults: fp16 weights on the decode
-tiles), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before `fp4_tiles.w_f16`), `asm_v1` (default
-tiles, the first prmt conversion on duplicated bytes everywhere), `asm_v0` (the previous decode
-path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
+tiles), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before
+`fp4_tiles.w_f16`), `asm_v1` (default tiles, the first prmt conversion on duplicated bytes
+everywhere), `asm_v0` (the previous decode path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
 decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:

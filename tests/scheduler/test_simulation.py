@@ -84,6 +84,27 @@ def random_request(rng: random.Random, index: int, max_model_len: int) -> Reques
     )
 
 
+def simulation_setup(seed: int) -> tuple[random.Random, SchedulerConfig, Scheduler,
+                                         list[Request]]:
+    """The seeded random configuration, its scheduler and 30 requests still to arrive."""
+    rng = random.Random(seed)
+    config, num_blocks, num_slots = random_setup(rng)
+    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots)
+    return rng, config, scheduler, [random_request(rng, i, config.max_model_len)
+                                    for i in range(30)]
+
+
+def admit_some(rng: random.Random, pending: list[Request], scheduler: Scheduler,
+               shadow: dict[str, list[int]], computed: dict[str, int]) -> None:
+    """0, 1 or 3 of the pending requests arrive (and enter the shadow bookkeeping)."""
+    for _ in range(rng.choice([0, 0, 1, 3])):
+        if pending:
+            request = pending.pop(0)
+            shadow[request.request_id] = list(request.prompt_token_ids)
+            computed[request.request_id] = 0
+            scheduler.add_request(request)
+
+
 def check_plan(scheduler: Scheduler, plan, shadow: dict[str, list[int]],
                computed: dict[str, int], in_flight: frozenset[str] = frozenset()) -> None:
     """in_flight: requests whose last token is a placeholder (async): a one-token chunk of
@@ -122,22 +143,15 @@ def check_plan(scheduler: Scheduler, plan, shadow: dict[str, list[int]],
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_simulation(seed: int) -> None:
-    rng = random.Random(seed)
-    config, num_blocks, num_slots = random_setup(rng)
-    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots)
-    pending = [random_request(rng, i, config.max_model_len) for i in range(30)]
+    rng, config, scheduler, pending = simulation_setup(seed)
+    num_blocks, num_slots = scheduler.kv.num_blocks, scheduler.kv.num_slots
     shadow: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     done: dict[str, Request] = {}
     externally_finished: set[str] = set()
     steps = 0
     while pending or scheduler.has_unfinished():
-        for _ in range(rng.choice([0, 0, 1, 3])):
-            if pending:
-                request = pending.pop(0)
-                shadow[request.request_id] = list(request.prompt_token_ids)
-                computed[request.request_id] = 0
-                scheduler.add_request(request)
+        admit_some(rng, pending, scheduler, shadow, computed)
         plan = scheduler.schedule()
         check_plan(scheduler, plan, shadow, computed)
         if rng.random() < 0.02 and scheduler.running:  # abort between schedule and update
@@ -187,10 +201,8 @@ def test_random_simulation_async(seed: int) -> None:
     steps (after advance, before resolve: the token in flight still counts). Every request ends
     exactly as sequential generation (stops at the in-flight token win over max_tokens,
     max_model_len and kv_capacity found meanwhile); an aborted one with a prefix of it."""
-    rng = random.Random(seed)
-    config, num_blocks, num_slots = random_setup(rng)
-    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots)
-    pending = [random_request(rng, i, config.max_model_len) for i in range(30)]
+    rng, config, scheduler, pending = simulation_setup(seed)
+    num_blocks, num_slots = scheduler.kv.num_blocks, scheduler.kv.num_slots
     shadow: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     done: dict[str, Request] = {}
@@ -198,12 +210,7 @@ def test_random_simulation_async(seed: int) -> None:
     previous = None  # the advanced, unresolved plan
     steps = 0
     while pending or scheduler.has_unfinished():
-        for _ in range(rng.choice([0, 0, 1, 3])):
-            if pending:
-                request = pending.pop(0)
-                shadow[request.request_id] = list(request.prompt_token_ids)
-                computed[request.request_id] = 0
-                scheduler.add_request(request)
+        admit_some(rng, pending, scheduler, shadow, computed)
         plan = scheduler.schedule()
         in_flight = frozenset(i.request_id for i in previous.scheduled if i.sample) \
             if previous is not None else frozenset()

@@ -22,13 +22,17 @@ import torch
 from shoal.model.batch import ForwardBatch, LayerRows
 
 
-def upload(values: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[len(values), len(values[0])] int64 on `device`, through pinned memory on CUDA (a
-    non-blocking copy: the host does not wait for the work queued on the stream)."""
-    host = torch.tensor(values, dtype=torch.int64)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA through pinned memory and a non-blocking copy (the
+    host does not wait for the work queued on the stream), elsewhere a plain copy."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload(values: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[len(values), len(values[0])] int64 on `device` (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def batch_to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -41,7 +45,7 @@ def batch_to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
         if t is None:
             return None
         if id(t) not in moved:  # (LayerRows may share one tensor between fields)
-            moved[id(t)] = t.pin_memory().to(device, non_blocking=True)
+            moved[id(t)] = to_device(t, device)
         return moved[id(t)]
 
     tensors = {f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)

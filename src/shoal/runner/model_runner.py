@@ -35,7 +35,7 @@ from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.cuda_graphs import DecodeGraphs, prefill_warmup_chunks
-from shoal.runner.inflight import HostReadback, TokenPatch, batch_to_device, upload
+from shoal.runner.inflight import HostReadback, TokenPatch, batch_to_device, to_device, upload
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.request import UNRESOLVED
@@ -365,8 +365,7 @@ class ModelRunner:
             for i, r in enumerate(rows):
                 if r.matcher is not None:
                     r.matcher.fill_mask(mask[i])
-            mask = (mask.pin_memory().to(logits.device, non_blocking=True)
-                    if logits.device.type == "cuda" else mask.to(logits.device))
+            mask = to_device(mask, logits.device)
         history = [list(r.output_token_ids) + d if d else r.output_token_ids
                    for _, r, d in draws]
         for r, h in zip(rows, history, strict=True):

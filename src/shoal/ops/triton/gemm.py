@@ -300,7 +300,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
-    row 64 times ran 2.8x slower than one reading 16 distinct rows, H200 2026-12-01)."""
+    row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01)."""
     ma, k = q.shape
     m = ma if rows is None else rows
     if not 0 <= m <= ma:
@@ -316,9 +316,8 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if split is None:
         split = split_k(m, n, k, sm_count(q.device))
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
-    # one autotuning bucket for every decode size (M <= 64 all run 64-row tiles): tuned
-    # separately, M = 1 kept a tile 1.7x slower than M = 16's (H200 bench_ops, 2026-11-29:
-    # wq_b 26.4 vs 15.8 us, wo_b 25.2 vs 17.8 us for the same weight bytes)
+    # one autotuning bucket for every decode size: M <= 64 all run 64-row tiles and, padded
+    # to >= 16 rows by the op, read the same way (one tuning instead of seven)
     m_bucket = 64 if m <= 64 else min(triton.next_power_of_2(m), 4096)
 
     def grid(meta):

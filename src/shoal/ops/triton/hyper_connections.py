@@ -141,7 +141,8 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     """stream [T, 4, D] bf16 -> pre [T, 4], post [T, 4], comb [T, 4, 4] fp32 (reference).
 
     Two launches: partial sums over fixed K chunks (grid tokens/64 x SPLIT, so decode spreads
-    the 24 x 4D GEMV over SPLIT programs; 3xBF16 tensor-core products, exact), then one program per token adds them in a fixed
+    the 24 x 4D GEMV over SPLIT programs; 3xBF16 tensor-core products, exact), then one
+    program per token adds them in a fixed
     order and finishes. Batch-invariant: nothing depends on T.
     """
     t, _, d = stream.shape
