@@ -17,8 +17,8 @@ correctness line per variant (vs the reference on the CPU, T = 16 on 8 experts) 
 --sweep decode|decode-plain|prefill|all: also time `asm` with each candidate tile pair of
 DECODE_CFGS / PLAIN_DECODE_CFGS / PREFILL_CFGS (a pair that fails to build is reported and
 skipped) and name the best; --cfgs NAME,NAME keeps only those candidates.
---breakdown: per-stage times of `asm` at the decode T (route, x quant, w13 GEMM, h quant, w2 GEMM,
-combine; each stage its own graph) with each GEMM's own HBM floor.
+--breakdown: per-stage times of `asm` at each T (route, x quant, w13 GEMM, h quant, w2 GEMM,
+combine; each stage its own graph) with each GEMM's own floor (HBM bytes or FP8 FLOPs).
 --sass (no GPU needed): benchmarks/sass_moe.py: AOT-compile the tiles for sm_90 and print
 registers, spills and the SASS instructions of each K loop per converted weight element.
 --weights realistic (default) | random: the experts timed (MXFP4 of randn / sqrt(K), like the
@@ -128,41 +128,40 @@ DECODE_CFGS = {
     "swap32x64k256s4": (_swap(32, 64, 256, 4, 4),) * 2,
     "v0_plain": V0_DECODE,
 }
-# plain (exact fp32 mma.sync) decode tiles around the default, `--sweep decode-plain`
-_P = tmoe.TileConfig
+# plain (exact fp32 mma.sync) decode tiles with fp16 weights around the default, `--sweep
+# decode-plain` (the e4m3-weight candidates of 2026-11-29 chose the 2-warp 16 x 32 x 128 tile)
+
+
+def _f16(bn: int, bk: int, warps: int, stages: int) -> tmoe.TileConfig:
+    return tmoe.TileConfig(16, bn, bk, warps, stages, f16=True)
+
+
 PLAIN_DECODE_CFGS = {
-    "v0_plain": V0_DECODE,
-    "plain_n64": (_P(16, 64, 256, 4, 4), _P(16, 64, 256, 4, 4)),
-    "plain_w2n32": (_P(16, 32, 256, 4, 4), _P(16, 32, 256, 4, 4)),
-    "plain_s3": (_P(16, 32, 256, 4, 3), _P(16, 64, 256, 4, 3)),
-    "plain_k128s6": (_P(16, 32, 128, 4, 6), _P(16, 64, 128, 4, 6)),
-    "plain_k512s3": (_P(16, 32, 512, 4, 3), _P(16, 64, 512, 4, 3)),
-    "plain_w2warps": (_P(16, 32, 256, 2, 4), _P(16, 64, 256, 2, 4)),  # default until 2026-11-29f
-    "plain_w8": (_P(16, 64, 256, 8, 4), _P(16, 128, 256, 8, 4)),
-    "plain_k128w2": (_P(16, 32, 128, 2, 6), _P(16, 32, 128, 2, 6)),
-    # around the 2-warp default (plain_w2warps, measured best on 2026-11-29)
-    "plain_w2_s3": (_P(16, 32, 256, 2, 3), _P(16, 64, 256, 2, 3)),
-    "plain_w2_s6": (_P(16, 32, 256, 2, 6), _P(16, 64, 256, 2, 6)),
-    "plain_w2_k128s8": (_P(16, 32, 128, 2, 8), _P(16, 64, 128, 2, 8)),
-    "plain_w2_n16": (_P(16, 16, 256, 2, 4), _P(16, 32, 256, 2, 4)),
-    "plain_w1": (_P(16, 16, 256, 1, 4), _P(16, 32, 256, 1, 4)),
-    # fewer registers per thread (sm_90 builds: w13 16x16x128 127, 16x32x64 116, default 232;
-    # ncu 2026-11-29: the default is register-limited to 8 warps per SM, 0.4 issued per cycle)
-    "occ_n16k128": (_P(16, 16, 128, 2, 4), _P(16, 32, 128, 2, 4)),
-    "occ_n16k128s8": (_P(16, 16, 128, 2, 8), _P(16, 32, 128, 2, 4)),
-    "occ_n32k64s8": (_P(16, 32, 64, 2, 8), _P(16, 32, 128, 2, 4)),
-    "occ_n16k128_w2n64": (_P(16, 16, 128, 2, 4), _P(16, 64, 128, 2, 4)),
-    "occ_n16k128_w2n16": (_P(16, 16, 128, 2, 4), _P(16, 16, 128, 2, 4)),
-    "occ_n32k128": (_P(16, 32, 128, 2, 4), _P(16, 32, 128, 2, 4)),
+    "f16_default": (_f16(32, 128, 2, 4),) * 2,
+    "f16_s3": (_f16(32, 128, 2, 3),) * 2,
+    "f16_s6": (_f16(32, 128, 2, 6),) * 2,
+    "f16_k256": (_f16(32, 256, 2, 4),) * 2,
+    "f16_k64s8": (_f16(32, 64, 2, 8),) * 2,
+    "f16_n64": (_f16(64, 128, 2, 4),) * 2,
+    "f16_w4n64": (_f16(64, 128, 4, 4),) * 2,
+    "f16_n16": (_f16(16, 128, 2, 4),) * 2,
+    "f16_w1n16": (_f16(16, 128, 1, 4),) * 2,
+    "f16_w2n64": (_f16(32, 128, 2, 4), _f16(64, 128, 2, 4)),
+    "f16_n64s3": (_f16(64, 128, 2, 3),) * 2,
+    "f16_n64s6": (_f16(64, 128, 2, 6),) * 2,
+    "f16_n128w4": (_f16(128, 128, 4, 4),) * 2,
+    "f16_n64w2n128": (_f16(64, 128, 2, 4), _f16(128, 128, 4, 4)),
+    "f16_n64k64": (_f16(64, 64, 2, 6),) * 2,
 }
+# promoted wgmma prefill tiles around the default (`--sweep prefill`; sm_90 builds without
+# spills: 128 x 64 / 128 x 128 at 3 or 4 stages; 128 x 128 w13, 256-row and 4-warp tiles spill)
+_PP = tmoe.TileConfig
 PREFILL_CFGS = {
-    "plain128x64|128x128": (tmoe.TileConfig(128, 64, 128, 8, 3),
-                            tmoe.TileConfig(128, 128, 128, 8, 3)),
-    "plain128x128": (tmoe.TileConfig(128, 128, 128, 8, 3),) * 2,
-    "plain256x64w8": (tmoe.TileConfig(256, 64, 128, 8, 3),) * 2,
-    "swap128x128w8": (_swap(128, 128, 128, 8, 3),) * 2,
-    "swap128x64w4": (_swap(128, 64, 128, 4, 3),) * 2,
-    "swap256x64w8": (_swap(256, 64, 128, 8, 3),) * 2,
+    "p_default": (_PP(128, 64, 128, 8, 3, promote=True), _PP(128, 128, 128, 8, 3, promote=True)),
+    "p_s4": (_PP(128, 64, 128, 8, 4, promote=True), _PP(128, 128, 128, 8, 4, promote=True)),
+    "p_w2n64": (_PP(128, 64, 128, 8, 3, promote=True), _PP(128, 64, 128, 8, 3, promote=True)),
+    "p_w2n64s4": (_PP(128, 64, 128, 8, 4, promote=True), _PP(128, 64, 128, 8, 4, promote=True)),
+    "p_s2": (_PP(128, 64, 128, 8, 2, promote=True), _PP(128, 128, 128, 8, 2, promote=True)),
 }
 
 
@@ -252,8 +251,9 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
         "combine": lambda: tmoe._combine(y, t, k, D),
     }
     touched = int(torch.unique(s["ids"]).numel())
-    floors = {"w13_gemm": gemm_floor_ms(touched, 2 * INTER, D),
-              "w2_gemm": gemm_floor_ms(touched, D, INTER)}
+    flop_ms = 2 * t * k * 2 * INTER * D / FP8_PEAK * 1e3  # per GEMM: w13 has 2x, w2 1x
+    floors = {"w13_gemm": max(gemm_floor_ms(touched, 2 * INTER, D), flop_ms),
+              "w2_gemm": max(gemm_floor_ms(touched, D, INTER), flop_ms / 2)}
     out = {}
     for name, fn in stages.items():
         ms = time_calls([fn])
@@ -355,7 +355,7 @@ def main() -> None:
             res["sweep"] = sweep
         rows.append({"T": t, "floor_ms": fl, "hbm_floor_ms": hbm_ms, **res})
     if args.breakdown:
-        results["breakdown"] = {t: breakdown(t, w, dev) for t in tokens if t < 1024}
+        results["breakdown"] = {t: breakdown(t, w, dev) for t in tokens}
     results["rows"] = rows
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],

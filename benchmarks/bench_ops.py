@@ -312,20 +312,22 @@ def bench_index(cases: list[tuple[int, int, int]]) -> None:
         kw = index_inputs(t, n, n_req, rpb, gen=gen)
         small = index_inputs(min(t, 64), min(n, 1024), min(n_req, 64), rpb, gen=gen)
         ref = ref_ix.index_scores(**small)
-        tilings = [(1, 64), (1, 128)] if n_req > 1 else [(1, 64), (8, 64), (32, 64), (8, 128)]
-        for tb, bn in tilings:
-            got = tri_ix.index_scores_tuned(**small, tb=tb, bn=bn)
+        # (tb, bn, warps); the op's default is bn 64 and 8 warps for every tb (batch invariance)
+        tilings = ([(1, 64, 8), (1, 64, 4), (1, 128, 4)] if n_req > 1 else
+                   [(32, 64, 8), (8, 64, 8)])
+        for tb, bn, warps in tilings:
+            got = tri_ix.index_scores_tuned(**small, tb=tb, bn=bn, num_warps=warps)
             err = float((got - ref).abs().max() / ref.abs().max())
-            log(f"check index_scores tb={tb} bn={bn} T{min(t, 64)} N{min(n, 1024)}: rel max "
-                f"err {err:.2e}")
+            log(f"check index_scores tb={tb} bn={bn} w={warps} T{min(t, 64)} N{min(n, 1024)}: "
+                f"rel max err {err:.2e}")
             nbytes = (t if n_req > 1 else 1) * n * 68 + t * n * 4 + t * 32 * 128 * 2
             flops = 2.0 * t * 32 * n * 128
             sets = [index_inputs(t, n, n_req, rpb, gen=gen) for _ in range(copies(nbytes))] \
                 if n_req > 1 else [kw]
-            ms = bench([lambda s=s, b=tb, c=bn: tri_ix.index_scores_tuned(**s, tb=b, bn=c)
-                        for s in sets])
-            record(f"index_scores[tb{tb},bn{bn}]", f"T{t}xN{n}x{n_req}req", ms, flops, nbytes,
-                   BF16_PEAK)
+            ms = bench([lambda s=s, b=tb, c=bn, w=warps: tri_ix.index_scores_tuned(
+                **s, tb=b, bn=c, num_warps=w) for s in sets])
+            record(f"index_scores[tb{tb},bn{bn},w{warps}]", f"T{t}xN{n}x{n_req}req", ms, flops,
+                   nbytes, BF16_PEAK)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

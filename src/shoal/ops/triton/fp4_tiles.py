@@ -77,6 +77,17 @@ F16_ASM = tl.constexpr(_lut_asm("$2", "$3", "$7", "or.b32 v, v, g;\n"
 
 
 @triton.jit
+def block_scales(ws_ptr, wrow, k0, KB, BN: tl.constexpr, BK: tl.constexpr):
+    """The UE8M0 bytes [BN, BK / 32] of weight rows `wrow` for the K step at k0. The tile
+    functions below take this tile as `sc`, so a K loop can load the next step's scales while
+    it converts this step's weights (loaded inside the conversion, each K step of the sm_90
+    decode tile waited on two synchronous global loads: Triton pipelines only the loads that
+    feed the dot operands)."""
+    offs = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+
+
+@triton.jit
 def dup_bytes(w_ptr, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
     """Packed bytes [BN, BK/2] at K offset k0 -> [BN, BK] uint8 with byte i at 2i and 2i + 1."""
     offs = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)  # (hint: 16-byte loads)
@@ -97,7 +108,7 @@ def lut_bytes(wd, lut0, lut1, BK: tl.constexpr):
 
 
 @triton.jit
-def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
+def w_e4m3(w_ptr, sc, lut_ptr, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
             CONVERT: tl.constexpr):
     """Folded e4m3 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]).
 
@@ -105,9 +116,7 @@ def w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK:
     duplicated bytes; 2: `prmt` on the 16-bit word of each 4 K elements (fewest instructions).
     1 and 2 need every 4 packed elements of the asm to be 4 consecutive K of one row (true for
     the wgmma / mma operand layouts Triton picks; test_w4a8_asm_equals_portable_conversion
-    checks all three give identical bits on the device)."""
-    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+    checks all three give identical bits on the device). sc: `block_scales` of the step."""
     sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
     # The LUT words in closed form while every byte stays an e4m3 normal (or the 0 of code 0):
     # lowering the exponent field by sh is subtracting sh * 8 from each byte (`lut_words`);
@@ -175,7 +184,7 @@ def f16_lut_words(sh: int) -> tuple[int, int]:
 
 
 @triton.jit
-def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr,
+def w_f16(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
           USE_ASM: tl.constexpr):
     """Folded fp16 weight tile [BN, BK]: e2m1 * 2^(block exp - row max exp wmax [BN]), for the
     16-row mma.sync tiles, whose FP8 operands Triton widens to fp16 anyway (one F2FP per two
@@ -183,9 +192,7 @@ def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.conste
     (`f16_lut_words`; `prmt` as w_e4m3's CONVERT 1 when USE_ASM, else portable integer ops,
     the same bits). Exact for blocks up to 13 binades below their row's largest (e4m3: 8),
     flushed to zero beyond; where both are exact the values equal w_e4m3's, so the MMA sees
-    the same fp16 operands and gives the same bits."""
-    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+    the same fp16 operands and gives the same bits. sc: `block_scales` of the step."""
     sh = wmax[:, None] - sc.to(tl.int32)
     keep = sh <= F16_CLOSED
     lut0 = tl.where(keep, F16_LUT0_BASE - sh * F16_LUT0_STEP, 0)
@@ -205,10 +212,9 @@ def w_f16(w_ptr, ws_ptr, wrow, wmax, k0, K2, KB, BN: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def w_bf16(w_ptr, ws_ptr, wrow, k0, K2, KB, BN: tl.constexpr, BK: tl.constexpr):
-    """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale."""
-    offs = tl.multiple_of(k0 // 32, BK // 32) + tl.arange(0, BK // 32)
-    sc = tl.load(ws_ptr + wrow[:, None] * KB + offs[None, :])
+def w_bf16(w_ptr, sc, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
+    """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale
+    (sc: `block_scales` of the step)."""
     f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     f = tl.where(sc == 255, float("nan"), f)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))

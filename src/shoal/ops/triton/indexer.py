@@ -170,8 +170,12 @@ def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     hp = max(16, triton.next_power_of_2(h))
     if tb is None:
         tb = 1 if t <= 64 else 32
-    if num_warps is None:  # sm_90 static counts: no spills at (1, 64, 4) and (8, 64, 8)
-        num_warps = 4 if tb == 1 else 8
+    if num_warps is None:
+        # one count for every T: the head sum's order follows the [HP, BN] layout, which
+        # depends on the warps (H200 2026-12-01: 4 warps for decode and 8 for prefill gave a
+        # token different bits alone and inside a chunk); sm_90 builds without spills at
+        # (TB, BN) = (1, 64) and (32, 64) with 8 warps
+        num_warps = 8
     kw = k_cache.view(torch.int32)  # [rows, record / 4]; records are 4-byte aligned
     _scores_kernel[(triton.cdiv(t, tb), triton.cdiv(num_rows, bn))](
         q, weights, kw, block_table, req, n_visible, out, t, h, num_rows, rows_per_block,

@@ -67,7 +67,15 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.fp4_tiles import col_scale, lut_table, row_max_exp, w_bf16, w_e4m3, w_f16
+from shoal.ops.triton.fp4_tiles import (
+    block_scales,
+    col_scale,
+    lut_table,
+    row_max_exp,
+    w_bf16,
+    w_e4m3,
+    w_f16,
+)
 from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import route
 from shoal.quant.fp8 import quant_fp8_act
@@ -122,9 +130,18 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     decode-size and prefill-size batches use different MMA instructions, so a token's MoE
     output is not bitwise batch-invariant across the 40-rows-per-expert boundary."""
     if rows / max(experts, 1) <= 40:
-        return TileConfig(16, 32, 128, 2, 4, f16=True), TileConfig(16, 32, 128, 2, 4, f16=True)
+        return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
     return (TileConfig(128, 64, 128, 8, 3, promote=True),
-            TileConfig(128, 128, 128, 8, 3, promote=True))
+            TileConfig(128, 64, 128, 8, 3, promote=True))
+
+
+def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (its best of the decode
+    sweeps; the W4A8 16 x 64 tiles made it 1.5x slower at T = 1), 128-row bf16 wgmma tiles
+    above, unpromoted (bf16 wgmma accumulates in fp32)."""
+    if rows / max(experts, 1) <= 40:
+        return TileConfig(16, 32, 128, 2, 4), TileConfig(16, 32, 128, 2, 4)
+    return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
 
 
 # Swap-AB decode tiles (faster, less accurate; see default_configs): pass as `configs=`.
@@ -225,32 +242,48 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         offs_k = tl.arange(0, BK)
+        # the block scales of step k0 + BK load while step k0 converts (see block_scales)
+        sc_g = block_scales(ws_ptr, wrow_g, 0, KB, BN, BK)
+        if SWIGLU:
+            sc_u = block_scales(ws_ptr, wrow_u, 0, KB, BN, BK)
         for k0 in range(0, K, BK):
+            if SWAP_AB:  # prefetched scales gave wrong outputs on these tiles (H200, cause open)
+                k_next = k0
+            else:
+                k_next = tl.minimum(k0 + BK, K - BK)  # the last step re-reads its own
+            sc_g_next = block_scales(ws_ptr, wrow_g, k_next, KB, BN, BK)
+            if SWIGLU:
+                sc_u_next = block_scales(ws_ptr, wrow_u, k_next, KB, BN, BK)
+            if SWAP_AB:
+                sc_g = sc_g_next
+                if SWIGLU:
+                    sc_u = sc_u_next
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
             if F16:
                 a = a.to(tl.float16)  # e4m3 -> fp16: exact
-                bg = w_f16(w_ptr, ws_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT == 1)
+                bg = w_f16(w_ptr, sc_g, wrow_g, wmax_g, k0, K2, BN, BK, CONVERT == 1)
             elif W4A8:
-                bg = w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_g, wmax_g, k0, K2, KB, BN, BK, CONVERT)
+                bg = w_e4m3(w_ptr, sc_g, lut_ptr, wrow_g, wmax_g, k0, K2, BN, BK, CONVERT)
             else:
-                bg = w_bf16(w_ptr, ws_ptr, wrow_g, k0, K2, KB, BN, BK)
+                bg = w_bf16(w_ptr, sc_g, wrow_g, k0, K2, BN, BK)
             if SWAP_AB:
                 acc_g = _mma(bg, tl.trans(a), acc_g, PROMOTE)
             else:
                 acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
             if SWIGLU:
                 if F16:
-                    bu = w_f16(w_ptr, ws_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK, CONVERT == 1)
+                    bu = w_f16(w_ptr, sc_u, wrow_u, wmax_u, k0, K2, BN, BK, CONVERT == 1)
                 elif W4A8:
-                    bu = w_e4m3(w_ptr, ws_ptr, lut_ptr, wrow_u, wmax_u, k0, K2, KB, BN, BK,
-                                CONVERT)
+                    bu = w_e4m3(w_ptr, sc_u, lut_ptr, wrow_u, wmax_u, k0, K2, BN, BK, CONVERT)
                 else:
-                    bu = w_bf16(w_ptr, ws_ptr, wrow_u, k0, K2, KB, BN, BK)
+                    bu = w_bf16(w_ptr, sc_u, wrow_u, k0, K2, BN, BK)
                 if SWAP_AB:
                     acc_u = _mma(bu, tl.trans(a), acc_u, PROMOTE)
                 else:
                     acc_u = _mma(a, tl.trans(bu), acc_u, PROMOTE)
+                sc_u = sc_u_next
+            sc_g = sc_g_next
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -350,7 +383,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     False (and
     always under the Triton interpreter, where inline asm cannot run): the portable integer
     conversion. All give identical bits. configs: (w13, w2) tiles, default
-    `default_configs(T * k, E)`."""
+    `default_configs(T * k, E)` (W4A16: `w4a16_configs`)."""
     t, d = x.shape
     k = ids.shape[1]
     e, two_i, _ = w13.shape
@@ -362,7 +395,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     if asm_variant not in (None, 1, 2):
         raise ValueError(f"asm_variant must be None, 1 or 2, got {asm_variant}")
     convert = asm_variant if use_asm else 0
-    cfg1, cfg2 = configs or default_configs(t * k, e)
+    cfg1, cfg2 = configs or (default_configs if w4a8 else w4a16_configs)(t * k, e)
     tok, orow, rw, counts = route(ids, weights, e)
     h = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(t * k, d, dtype=torch.bfloat16, device=x.device)
