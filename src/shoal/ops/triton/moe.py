@@ -28,7 +28,8 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    Tiles (`default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
    operands go through mma.sync as fp16, so their weights decode straight to fp16,
    `fp4_tiles.w_f16`, same values as the e4m3 path: exact products, fp32 accumulation; H200
-   2026-12-01: 0.094 / 2.38 ms at T = 1 / 64 against 0.114 / 2.96 for e4m3); above, plain
+   2026-12-01: 0.094 / 2.38 ms at T = 1 / 64 against 0.114 / 2.96 for e4m3; with 64-column
+   tiles and the block scales loaded a step ahead 0.089 / 2.22 ms); above, plain
    128-row wgmma tiles with promoted accumulation. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
    are 1.08-1.17x faster at decode on the H200 but FP8 wgmma adds in reduced precision:
    relative error 9.4e-3 against 1.7e-4 for the 16-row tiles (bench_moe correctness, realistic
@@ -112,15 +113,15 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
 
     Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
-    16-row tiles on mma.sync (exact fp32 accumulation), 16 x 32 x 128 with 2 warps per program
-    for both GEMMs (H200, 2026-11-29, bench_moe --sweep decode-plain: 0.098 / 2.57 / 3.98 ms
-    at T = 1 / 64 / 256 against 0.098 / 2.66 / 4.11 ms for 16x32x256 + 16x64x256 and
-    0.112 / 3.08 ms with 4 warps; ncu: the 256-K tile needs 232 registers, 8 warps per SM,
-    0.4 instructions issued per cycle; BLOCK_N 16 is 25-35% slower). Warps, BLOCK_N and
+    16-row tiles on mma.sync (exact fp32 accumulation), 16 x 64 x 128 fp16-weight tiles with
+    2 warps per program for both GEMMs (H200, 2026-12-01, bench_moe --sweep decode-plain:
+    0.089 / 2.20 ms at T = 1 / 64 against 0.091 / 2.40 ms for 16 x 32 x 128; BLOCK_K 256 1.3x
+    and BLOCK_N 16 2x slower, 4 warps or BLOCK_N 128 no better). Warps, BLOCK_N and
     BLOCK_K move rows, columns and loop steps between programs, not the K order of a sum, so
     the bits are those of any other 16-row tile (GPU test); above, plain 128-row wgmma tiles (one
-    weight conversion per 128 rows) with promoted accumulation: FP8 wgmma adds into a chained
-    accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
+    weight conversion per 128 rows; BLOCK_N 64 for both GEMMs: 14.35 against 14.69 ms with a
+    128-column w2 tile at T = 8192, --sweep prefill) with promoted accumulation: FP8 wgmma
+    adds into a chained accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
     fp32. Unpromoted, those tiles put up to 189 of 46,976 outputs of one tiny-model call over
     the op's tolerance in situ on the H200 (2026-11-29), and benchmarks/fold_loss.py's CPU
     model of the accumulator reproduces that (24,186 of 4.9M at mini shapes). Promotion cost
@@ -136,8 +137,8 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
 
 
 def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
-    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (its best of the decode
-    sweeps; the W4A8 16 x 64 tiles made it 1.5x slower at T = 1), 128-row bf16 wgmma tiles
+    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (the W4A8 16 x 64 tiles made
+    it 1.5x slower at T = 1 on the H200: 0.243 against 0.161 ms), 128-row bf16 wgmma tiles
     above, unpromoted (bf16 wgmma accumulates in fp32)."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 32, 128, 2, 4), TileConfig(16, 32, 128, 2, 4)
