@@ -192,3 +192,33 @@ def test_padded_decode_rows_give_the_same_bits(monkeypatch, m: int) -> None:
     assert torch.equal(got, whole[:m]) and torch.equal(alone, whole[:m])
     with pytest.raises(ValueError, match="rows"):
         tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, rows=17, **kw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,n,k", [(200, 136, 320), (130, 64, 256), (600, 520, 1152)])
+@pytest.mark.parametrize("promote", [0, 1])
+def test_persistent_kernel_gives_the_pointer_kernels_bits(monkeypatch, m, n, k,
+                                                          promote) -> None:
+    """The persistent TMA kernel (large M) adds the same 128-K partials in the same order as the
+    pointer kernel, so both give the same bits, with tails in M, N and K (TMA zero-fills the
+    loads and clips the store); the default choice at M >= PERSISTENT_MIN_ROWS is it."""
+    from shoal.ops.triton import gemm as tg
+
+    if INTERP:
+        if m > 256:
+            pytest.skip("interpreter: the small shapes cover the tails")
+        patch_interpreter(monkeypatch)
+    xb, q, qs, wc, ws = _inputs(m, n, k, 5 * m + k, promote == 1)
+    fq, rs = _fold_act(q, qs)
+    prepared = tg.prepare_fp8_weight(wc.to(DEV), ws.to(DEV))
+    tile = (128, 128, 128, 8, 4) if INTERP else None
+    ptr = tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, promote, split=1,
+                             tile=tile, persistent=False)
+    got = tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, promote, tile=tile,
+                             persistent=True)
+    assert got.shape == (m, n) and torch.isfinite(got.float()).all()
+    assert torch.equal(got, ptr)
+    if m >= tg.PERSISTENT_MIN_ROWS:
+        assert torch.equal(tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, promote), got)
+    with pytest.raises(ValueError, match="persistent"):
+        tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, promote, split=2, persistent=True)

@@ -207,6 +207,30 @@ def test_w4a8_matches_reference(t: int, d: int, inter: int, e: int, k: int, spre
     _check(got, want)
 
 
+@pytest.mark.parametrize("t", [0, 1, 19])
+def test_w4a8_with_shared_addend_rounds_once(t: int) -> None:
+    """`shared` (the shared expert's bf16 output) is added to the fp32 routed sum in the combine
+    and the total rounded once to bf16: equal to bf16(moe_experts(...) + shared) bit for bit,
+    and within tolerance of the reference op called the same way."""
+    kw = _case(3000 + t, t, 128, 64, 8, 3) if t else {
+        **_case(3000, 1, 128, 64, 8, 3), "x": torch.zeros(0, 128, dtype=torch.bfloat16,
+                                                          device=DEV),
+        "ids": torch.zeros(0, 3, dtype=torch.long, device=DEV),
+        "weights": torch.zeros(0, 3, device=DEV)}
+    shared = (torch.randn(t, 128, generator=torch.Generator().manual_seed(t)) * 3).to(
+        torch.bfloat16).to(DEV)
+    got = tmoe.moe_experts(**kw, shared=shared)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, 128)
+    routed = tmoe.moe_experts(**kw)
+    assert torch.equal(got, (routed + shared.float()).to(torch.bfloat16))
+    want = ref.moe_mxfp4(**_cpu(kw), shared=shared.cpu())
+    assert want.dtype == torch.bfloat16
+    if t:
+        _check(got.float(), want.float())
+    with pytest.raises(ValueError, match="shared"):
+        tmoe.moe_experts(**kw, shared=shared[:, :64])
+
+
 @pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
                                           ("big_swap", BIG_SWAP), ("swap_promoted", SWAP_PROMOTED),
                                           ("big_promoted", BIG_PROMOTED)])

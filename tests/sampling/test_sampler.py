@@ -368,3 +368,24 @@ def test_one_max_pass_gives_argmax_and_validity() -> None:
     want_valid = ~torch.isnan(x).any(dim=1) & (x > -math.inf).any(dim=1)
     assert torch.equal(~torch.isnan(best) & (best > -math.inf), want_valid)
     assert torch.equal(ids[want_valid], x.argmax(dim=1)[want_valid])
+
+
+@pytest.mark.parametrize("v", [129280, 4096, 1000, 97, 5])
+def test_row_max_equals_one_pass_max(v: int) -> None:
+    """The two-pass row max gives `max(dim=1)`'s values and first-maximum indices: ties across
+    chunk boundaries go to the lowest id, a NaN anywhere gives NaN, all -inf stays -inf."""
+    from shoal.sampling.sampler import row_max
+
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(7, v, generator=g)
+    x[1] = 3.0  # every entry tied
+    x[2, v // 3] = x[2, v - 1] = 50.0  # a tie in two chunks
+    x[3, v // 2] = float("nan")
+    x[4] = -math.inf
+    x[5, 0] = x[5, v - 1] = 99.0
+    best, ids = row_max(x)
+    want_best, want_ids = x.max(dim=1)
+    assert torch.equal(best.isnan(), want_best.isnan())
+    ok = ~want_best.isnan()
+    assert torch.equal(best[ok], want_best[ok]) and torch.equal(ids[ok], want_ids[ok])
+    assert ids[1] == 0 and ids[2] == v // 3 and ids[5] == 0

@@ -49,6 +49,9 @@ class StepContext:
     # index tensors that depend only on the step (not on the layer), computed once per step and
     # shared by the layers: key -> (the row-set tensor the key's id() refers to, the result)
     _memo: dict[tuple, tuple[torch.Tensor | None, object]] = field(default_factory=dict)
+    # SWA commits deferred to the end of the forward: row-set id -> (row set, layer ids)
+    _commits: dict[int | None, tuple[torch.Tensor | None, list[int]]] = field(
+        default_factory=dict)
 
     def _once(self, key: tuple, rows: torch.Tensor | None, make):
         """make() once per (key, row set) in this step. Row sets are identified by object (the
@@ -107,8 +110,39 @@ class StepContext:
         return self._once(("compressed", topk_source, kv_source), rows, make)
 
     def commit_swa(self, layer: int, rows: torch.Tensor | None) -> None:
-        """Copy the step's scratch keys of `rows` into the rings (the last ring_size positions
-        of each request only, so every ring slot is written at most once)."""
+        """Mark layer's scratch keys of `rows` for the rings; `flush_swa` copies them. A layer
+        reads only its own plane and only before its commit, so deferring every commit to the
+        end of the forward changes nothing but the number of copies."""
+        key = None if rows is None else id(rows)
+        self._commits.setdefault(key, (rows, []))[1].append(layer)
+
+    def flush_swa(self) -> None:
+        """Copy the step's scratch keys into the rings (the last ring_size positions of each
+        request only, so every ring slot is written at most once): one gather and one scatter
+        per run of consecutive layers that committed the same rows when the planes are one
+        stacked tensor, else one per layer."""
+        commits, self._commits = self._commits, {}
+        stack = self.caches.swa_stack
+        for rows, layers in commits.values():
+            dst, src = self._commit_rows(rows)
+            layers = sorted(layers)
+            runs: list[list[int]] = []
+            for lay in layers:
+                if runs and lay == runs[-1][-1] + 1:
+                    runs[-1].append(lay)
+                else:
+                    runs.append([lay])
+            for run in runs:
+                if stack is not None:
+                    planes = stack[run[0]:run[-1] + 1]
+                    planes[:, dst] = planes[:, src]
+                else:
+                    for lay in run:
+                        plane = self.caches.swa[lay]
+                        plane[dst] = plane[src]
+
+    def _commit_rows(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ring or scratch destination rows, scratch source rows) of the step's rows."""
         def make() -> tuple[torch.Tensor, torch.Tensor]:
             b = self.batch
             r = torch.arange(b.num_tokens, device=b.positions.device) if rows is None else rows
@@ -120,6 +154,4 @@ class StepContext:
             ring = self.token_slot[r] * self.caches.ring_size + pos % self.caches.ring_size
             # rows not kept copy onto themselves: no boolean indexing, so no host sync
             return torch.where(keep, ring, scratch), scratch
-        dst, src = self._once(("commit",), rows, make)
-        plane = self.caches.swa[layer]
-        plane[dst] = plane[src]
+        return self._once(("commit",), rows, make)

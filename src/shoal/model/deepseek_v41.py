@@ -104,6 +104,7 @@ class DeepseekV41:
             else:
                 stream = stream.index_copy(0, full, r_full)
                 pre_prev = pre_prev.index_copy(0, full, pre_f)
+        ctx.flush_swa()
         rows = batch.logits_rows
         h = ops.hc_collapse_norm(stream=stream[rows], pre=pre_prev[rows], weight=p["norm.weight"],
                                  eps=cfg.norm_eps)

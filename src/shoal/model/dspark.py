@@ -102,6 +102,7 @@ def dspark_context(model, batch: ForwardBatch, caches: KVCaches, captures: torch
     for s, spec in enumerate(cfg.draft_layers):
         swa_kv(ctx, _draft_prefix(s), spec, main_x, rows)
         ctx.commit_swa(spec.layer_id, rows)
+    ctx.flush_swa()
 
 
 def draft_key_rows(positions: torch.Tensor, slots: torch.Tensor, *, window: int,

@@ -36,13 +36,17 @@ def run_indexer(ctx: StepContext, spec: LayerSpec, x: torch.Tensor, qr: torch.Te
         mask = ops.candidate_mask(logits=logits, n_visible=n_vis,
                                   block_size=cfg.candidate_block_size,
                                   topk_blocks=cfg.candidate_topk_blocks)
-        full = torch.zeros(b.num_tokens, width, dtype=torch.bool, device=mask.device)
-        full[slice(None) if rows is None else rows] = mask
-        ctx.candidates = full
+        if rows is None:  # every row (decode): the op's output is the full-size tensor
+            ctx.candidates = mask
+        else:
+            ctx.candidates = torch.zeros(b.num_tokens, width, dtype=torch.bool,
+                                         device=mask.device).index_put_((rows,), mask)
     elif spec.uses_candidates:
         assert ctx.candidates is not None, "candidate source must run before reindex layers"
         logits = ops.mask_logits(logits=logits, mask=select(ctx.candidates, rows)[:, :width])
     top = ops.topk_rows(logits=logits, n_visible=n_vis, k=cfg.index_topk)
-    out = torch.full((b.num_tokens, cfg.index_topk), -1, dtype=torch.int32, device=top.device)
-    out[slice(None) if rows is None else rows] = top
-    ctx.topk[layer] = out
+    if rows is None:
+        ctx.topk[layer] = top
+    else:
+        ctx.topk[layer] = torch.full((b.num_tokens, cfg.index_topk), -1, dtype=torch.int32,
+                                     device=top.device).index_put_((rows,), top)

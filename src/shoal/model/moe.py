@@ -15,8 +15,6 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
     ids, weights = ops.router(x=x, weight=p[ffn + "gate.weight"], bias=p[ffn + "gate.bias"],
                               k=num_experts_per_tok, route_scale=cfg.routed_scaling_factor,
                               gate_temp=cfg.gate_temp)
-    routed = ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit,
-                           **p.experts(prefix))
     se = ffn + "shared_experts."
     w13 = p.fused(se + "w1+w3")
     if w13 is not None:  # one GEMM: gate columns, then up columns
@@ -27,4 +25,6 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
         up = ops.gemm_fp8(x=x, weight=p[se + "w3.weight"], weight_scale=p[se + "w3.scale"])
     h = ops.swiglu_clamp(gate=gate, up=up, weight=None, limit=cfg.swiglu_limit)  # bf16 in
     shared = ops.gemm_fp8(x=h, weight=p[se + "w2.weight"], weight_scale=p[se + "w2.scale"])
-    return (routed + shared).to(torch.bfloat16)  # fp32 + bf16: one fp32 add (no extra cast)
+    # bf16(sum of the routed outputs + shared) in fp32, added and rounded inside the op
+    return ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit, shared=shared,
+                         **p.experts(prefix))

@@ -33,6 +33,9 @@ class KVCaches:
     ring_size: int
     block_size: int
     max_tokens: int
+    # the planes of `swa` as one [layers, rows, rec] tensor (None: separate tensors), so one
+    # copy commits a step's keys for a run of layers (StepContext.flush_swa)
+    swa_stack: torch.Tensor | None = None
 
     @property
     def scratch_base(self) -> int:
@@ -47,8 +50,9 @@ class KVCaches:
                  device: torch.device | str = "cpu") -> KVCaches:
         ring = config.sliding_window + ring_slack
         swa_rec = swa_record_bytes(config.head_dim)
-        swa = [torch.zeros(num_slots * ring + max_tokens, swa_rec, dtype=torch.uint8,
-                           device=device) for _ in range(config.num_total_layers)]
+        stack = torch.zeros(config.num_total_layers, num_slots * ring + max_tokens, swa_rec,
+                            dtype=torch.uint8, device=device)
+        swa = list(stack.unbind(0))
         compressed, index_k, state, ratios = {}, {}, {}, {}
         for spec in config.backbone:
             if spec.role is not LayerRole.FULL:
@@ -70,4 +74,4 @@ class KVCaches:
                     torch.zeros(shape, dtype=torch.float32, device=device),
                     torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
         return cls(swa, compressed, index_k, state, ratios, num_slots, ring, block_size,
-                   max_tokens)
+                   max_tokens, stack)

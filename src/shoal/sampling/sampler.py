@@ -245,6 +245,23 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+def row_max(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [B, V] -> (max, index of its first occurrence) per row: `x.max(dim=1)` in two passes.
+
+    The row is cut into C equal chunks (C the largest divisor of V up to 256): first the max of
+    each chunk, then the first chunk holding the row's max, so the index is the lowest of the
+    row's maxima (ties to the lowest id) and NaN propagates as in `max` (a NaN anywhere gives
+    NaN). One pass reduces a row in one thread block: 37 us for V = 129,280 at B = 1 on the
+    H200 (decode profile, 2026-12-01), where the first pass here spreads a row over C blocks."""
+    b, v = x.shape
+    chunks = next((c for c in range(min(256, v // 256), 1, -1) if v % c == 0), 1)
+    if chunks < 16:
+        return x.max(dim=1)
+    part, idx = x.reshape(b, chunks, v // chunks).max(dim=2)
+    best, chunk = part.max(dim=1)
+    return best, chunk * (v // chunks) + idx.gather(1, chunk.unsqueeze(1)).squeeze(1)
+
+
 def _gather_logprobs(logprobs: Tensor, chosen: Tensor, num_top: int) -> LogprobsTensors:
     """logprobs [R, V] f32, chosen [R] int64 -> LogprobsTensors with N = num_top."""
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [R, 1]
@@ -348,7 +365,7 @@ class Sampler:
         # one reduction gives the greedy token (first maximum: ties go to the lowest id) and the
         # row's validity (max is NaN when any logit is, -inf when every token is masked); it
         # replaces argmax + two any() passes over [B, V] (H200 profile, batch 1: 37 + 2 x 16 us)
-        best, token_ids = masked.max(dim=1)
+        best, token_ids = row_max(masked)
         if not batch.all_greedy:
             noise = gumbel_noise(batch.seeds, batch.positions, batch.vocab_size, STREAM_SAMPLE)
             random_ids = (scaled + noise).argmax(dim=1)

@@ -71,7 +71,8 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     return h.to(torch.bfloat16)
 
 
-def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False) -> OpCase:
+def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False,
+              shared: bool = False) -> OpCase:
     def make(g: torch.Generator, dev: torch.device) -> dict:
         w13 = [fp4_weight(g, 2 * inter, d, dev) for _ in range(e)]
         w2 = [fp4_weight(g, d, inter, dev) for _ in range(e)]
@@ -82,9 +83,11 @@ def _moe_case(t: int, d: int, inter: int, e: int, k: int, heavy: bool = False) -
                 "w13": torch.stack([w for w, _ in w13]), "w13_scale": torch.stack(
                     [s for _, s in w13]),
                 "w2": torch.stack([w for w, _ in w2]), "w2_scale": torch.stack([s for _, s in w2]),
-                "limit": 10.0}
+                "limit": 10.0,
+                **({"shared": randn(g, t, d, device=dev)} if shared else {})}
 
-    return OpCase(f"T{t}xD{d}xI{inter}xE{e}k{k}", make, heavy=heavy)
+    return OpCase(f"T{t}xD{d}xI{inter}xE{e}k{k}{'+shared' if shared else ''}", make,
+                  heavy=heavy)
 
 
 MOE_TOL = Tolerance(atol=2e-2, rtol=2e-2)
@@ -115,14 +118,20 @@ def _moe_compare(got: torch.Tensor, want: torch.Tensor, case) -> None:
         f"(allowed {MOE_FP8_FACTOR:g}x)")
 
 
-@REGISTRY.define("moe_mxfp4", tolerances={torch.float32: MOE_TOL}, compare=_moe_compare,
+@REGISTRY.define("moe_mxfp4", tolerances={torch.float32: MOE_TOL, torch.bfloat16: MOE_TOL},
+                 compare=_moe_compare,
                  cases=[_moe_case(1, 64, 32, 4, 2), _moe_case(7, 128, 64, 8, 2),
                         _moe_case(0, 64, 32, 4, 2), _moe_case(83, 128, 64, 8, 3),
+                        _moe_case(1, 64, 32, 4, 2, shared=True),
+                        _moe_case(37, 128, 64, 8, 3, shared=True),
+                        _moe_case(0, 64, 32, 4, 2, shared=True),
                         _moe_case(16, 5120, 2304, 8, 6, heavy=True)])
 def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
               w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-              limit: float) -> torch.Tensor:
-    """Routed experts: sum_k bf16(expert_{ids[t,k]}(x_t, w[t,k])) in fp32 -> [T, D] fp32.
+              limit: float, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: sum_k bf16(expert_{ids[t,k]}(x_t, w[t,k])) in fp32 -> [T, D] fp32; with
+    `shared` [T, D] bf16 (the shared expert's output) added in fp32 and the sum rounded once:
+    the block's FFN output [T, D] bf16.
 
     x [T, D] bf16; ids [T, k] int64; weights [T, k] fp32; w13 [E, 2I, D/2] uint8 MXFP4 (rows
     0..I-1 = w1, I..2I-1 = w3; low nibble = even K element) with w13_scale [E, 2I, D/32] uint8;
@@ -132,8 +141,10 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     """
     t, d = x.shape
     out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    if shared is not None and shared.shape != (t, d):
+        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
     if t == 0:
-        return out
+        return out if shared is None else out.to(torch.bfloat16)
     inter = w2.shape[2] * 2
     xq = qdq_fp8_act(x, 32).float()
     for e in torch.unique(ids).tolist():
@@ -144,4 +155,4 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
                          limit=limit)
         y = matmul_nt(qdq_fp8_act(h, 32).float(), dequant_mxfp4(w2[e], w2_scale[e], 32))
         out.index_add_(0, tok, y.to(torch.bfloat16).float())
-    return out
+    return out if shared is None else (out + shared.float()).to(torch.bfloat16)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.device import sm_count
@@ -268,6 +269,68 @@ _gemm_fp8_kernel = triton.autotune(
 
 
 @triton.jit
+def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, PROMOTE: tl.constexpr):
+    """Large M: the same tiles as `_gemm_fp8_body` (SPLIT_K = 1) from one program per SM that
+    walks the output tiles in steps of PROGRAMS, operands through TMA descriptors (zero-filled
+    beyond M, N, K; the store is clipped), so one tile's epilogue overlaps the next tile's loads.
+    The same BLOCK_K partials added in the same order: bit-identical to `_gemm_fp8_body`."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    steps = tl.cdiv(K, BLOCK_K)
+    width = GROUP_M * grid_n
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+        first_m = (tile // width) * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        om = (first_m + (tile % width) % size_m) * BLOCK_M
+        on = ((tile % width) // size_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(steps):
+            a = a_desc.load([om, ki * BLOCK_K])
+            b = b_desc.load([on, ki * BLOCK_K])
+            if PROMOTE == 1:
+                acc += tl.dot(a, b.T)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        offs_m = om + tl.arange(0, BLOCK_M)
+        offs_n = on + tl.arange(0, BLOCK_N)
+        rs = tl.load(rs_ptr + offs_m, mask=offs_m < M, other=0.0)
+        cs = tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
+        c_desc.store([om, on], (acc * rs[:, None] * cs[None, :]).to(tl.bfloat16))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
+# benchmarks/results/session10_h200_2026-12-01.txt): 0.64-0.65 of the FP8 peak on wq_b and
+# 0.66-0.68 on wo_b at M = 4096 (the autotuned pointer kernel: 0.50 / 0.61-0.65); 128x256 or
+# 64x256 tiles, 3 stages, an epilogue stored in two halves, two 128-K products per iteration
+# and Triton's warp specialisation were no faster. From M = 512 on it is faster summed over
+# mini's six dense shapes (3.6% at 512, 6.6% at 1024, 7.5% at 2048), though not on each one
+# (wq_a|wkv and shared w13, N <= 2304, are 0.88-0.91x at M = 2048); at M = 128 it is slower.
+PERSISTENT_TILE = (128, 128, 128, 8, 4)
+PERSISTENT_MIN_ROWS = 512
+
+
+def _persistent_ok(m: int, n: int, k: int) -> bool:
+    """TMA needs 16-byte row strides (K fp8 codes, N bf16 outputs)."""
+    return m >= PERSISTENT_MIN_ROWS and n % 8 == 0 and k % 16 == 0
+
+
+def _gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
+                     out: torch.Tensor, promote: int,
+                     tile: tuple[int, int, int, int, int]) -> None:
+    m, n = out.shape
+    bm, bn, bk, warps, stages = tile
+    programs = min(sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    _gemm_fp8_persistent[(programs,)](
+        TensorDescriptor.from_tensor(q[:m], [bm, bk]),
+        TensorDescriptor.from_tensor(w.codes, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), row_scale, w.col_scale, m, n,
+        q.shape[1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=programs,
+        PROMOTE=promote, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
 def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -294,13 +357,15 @@ def split_k(m: int, n: int, k: int, sms: int) -> int:
 def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
                     promote: int = DEFAULT_PROMOTE, *, split: int | None = None,
                     tile: tuple[int, int, int, int, int] | None = None,
-                    rows: int | None = None) -> torch.Tensor:
+                    rows: int | None = None, persistent: bool | None = None) -> torch.Tensor:
     """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
     promote: CHAINED or PROMOTED (see `_gemm_fp8_body`). split: K splits (default
     `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
-    row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01)."""
+    row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01).
+    persistent: the TMA kernel `_gemm_fp8_persistent` (default: M >= PERSISTENT_MIN_ROWS and
+    TMA-aligned shapes, one split); it gives the same bits as the pointer kernel."""
     ma, k = q.shape
     m = ma if rows is None else rows
     if not 0 <= m <= ma:
@@ -313,6 +378,14 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
         return out
     if k == 0:
         return out.zero_()
+    if persistent is None:
+        persistent = split in (None, 1) and _persistent_ok(m, n, k)
+    if persistent:
+        if split not in (None, 1) or n % 8 or k % 16:
+            raise ValueError(f"gemm_fp8_folded: the persistent kernel takes one split and "
+                             f"N % 8 == K % 16 == 0, got split={split}, N={n}, K={k}")
+        _gemm_persistent(q, row_scale, w, out, promote, tile or PERSISTENT_TILE)
+        return out
     if split is None:
         split = split_k(m, n, k, sm_count(q.device))
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)

@@ -40,7 +40,11 @@ HC = 4
 # are added in the order s = 0, 1, ... in fp32. SPLIT, ITERS and BK depend only on D, never on
 # T, so a token's result is the same in every batch (batch invariance).
 COEFF_BT = 64  # tokens per partial program (fixed: the tl.dot tile shape never changes)
-COEFF_CHUNK = 512  # target K values per chunk (D = 5120: 40 chunks; partials 5 KB per token)
+# target K values per chunk (D = 5120: 80 chunks; partials 10 KB per token). H200
+# (2026-12-01, bench_ops hc at 128 / 256 / 512): T = 1 10.3 / 11.1 / 13.5 us, T = 2048
+# 95.6 / 68.7 / 60.3 us, T = 8192 342 / 246 / 212 us; 256 trades 8 us per prefill call of a
+# 2048-token chunk for 2.4 us per decode call (16 calls per mini step)
+COEFF_CHUNK = 256
 
 
 def coeff_split(d: int) -> tuple[int, int, int]:

@@ -305,15 +305,21 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, D, KTOP: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, :] = sum_j fp32(y[t * KTOP + j, :]) in slot order."""
+def _combine_kernel(y_ptr, shared_ptr, out_ptr, D, KTOP: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """out[t, :] = sum_j fp32(y[t * KTOP + j, :]) in slot order (fp32 out); SHARED: plus
+    fp32(shared[t, :]), rounded once to bf16."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(KTOP):
         acc += tl.load(y_ptr + (t * KTOP + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + offs, acc, mask=mask)
+    if SHARED:
+        acc += tl.load(shared_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + offs, acc.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(out_ptr + t * D + offs, acc, mask=mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -364,19 +370,24 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _combine(y: torch.Tensor, t: int, k: int, d: int) -> torch.Tensor:
-    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
+def _combine(y: torch.Tensor, t: int, k: int, d: int,
+             shared: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
+                      device=y.device)
     block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block))](y, out, d, KTOP=k, BLOCK=block, num_warps=4)
+    _combine_kernel[(t, triton.cdiv(d, block))](
+        y, y if shared is None else shared.contiguous(), out, d, KTOP=k,
+        SHARED=shared is not None, BLOCK=block, num_warps=4)
     return out
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
-                *, w4a8: bool = True, use_asm: bool | None = None,
+                shared: torch.Tensor | None = None, *, w4a8: bool = True, use_asm: bool | None = None,
                 asm_variant: int | None = None,
                 configs: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
-    """Routed experts -> [T, D] fp32 (the `moe_mxfp4` contract). w4a8=False: the W4A16 baseline
+    """Routed experts -> [T, D] fp32, or bf16 with `shared` added (the `moe_mxfp4`
+    contract). w4a8=False: the W4A16 baseline
     (bf16 activations, weights dequantised to bf16; no activation quantisation, so it differs
     from the reference by the FP8 activation rounding). use_asm: the prmt conversion (CUDA only;
     default there); `asm_variant` 2 (16-bit words; swap-AB tiles only) or 1 (duplicated bytes,
@@ -389,8 +400,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     k = ids.shape[1]
     e, two_i, _ = w13.shape
     inter = two_i // 2
+    if shared is not None and shared.shape != (t, d):
+        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
     if t == 0:
-        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        return torch.zeros(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
+                           device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
     if asm_variant not in (None, 1, 2):
@@ -415,7 +429,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
                 False, 0)
         _launch(h, None, None, y, orow, rw, w2b, s2, counts, d, inter, limit, cfg2, False,
                 False, False, 0)
-    return _combine(y, t, k, d)
+    return _combine(y, t, k, d, shared)
 
 
 def moe_w4a16(**kwargs) -> torch.Tensor:
@@ -434,6 +448,6 @@ def _supports_moe(*, x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: 
 @REGISTRY.implement("triton", "moe_mxfp4", supports=_supports_moe)
 def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
               w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-              limit: float) -> torch.Tensor:
+              limit: float, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as the reference (W4A8 on FP8 wgmma); see the module docstring."""
-    return moe_experts(x, ids, weights, w13, w13_scale, w2, w2_scale, limit)
+    return moe_experts(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)
