@@ -32,11 +32,13 @@ import triton
 from shoal.ops.reference import attention as ref_attn
 from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
+from shoal.ops.reference.rope import RopeParams
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
+from shoal.ops.triton import rope as tri_rope
 from shoal.ops.triton import router as tri_router
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
@@ -46,6 +48,7 @@ BF16_PEAK = 760e12
 FP8_PEAK = 1343e12
 L2_ROTATE_BYTES = 256 << 20
 
+ROPE_COMPRESS = RopeParams(64, 160000.0, 16.0, 65536)  # ratio != 0 layers (YaRN)
 GEMM_SHAPES = {"wq_a|wkv": (1280 + 512, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
                "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
 LINES: list[str] = []
@@ -169,6 +172,12 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
                 record(f"gemm_fp8 ({mode})", shape, t, flops, nbytes, FP8_PEAK,
                        vs_scaled_mm=round(t / t_ref, 3), scaled_mm_us=round(t_ref * 1e3, 1))
+            if tri_gemm._persistent_ok(m, n, k):  # the default above is the persistent kernel
+                t = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p,
+                                                                    persistent=False)
+                           for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
+                record("gemm_fp8 (promoted, pointer kernel)", shape, t, flops, nbytes, FP8_PEAK,
+                       vs_scaled_mm=round(t / t_ref, 3))
             cache = tri_gemm.PreparedCache()  # as the op table holds it: folded once
             t_op = bench([lambda xi=xi, w=w, c=cache: tri_gemm.gemm_fp8(
                 x=xi, weight=w[0], weight_scale=w[1], state=c)
@@ -193,8 +202,22 @@ def bench_grouped(ts: list[int]) -> None:
             o=oi, weight=wi[0], weight_scale=wi[1]) for oi, wi in
             zip(itertools.cycle(os_), ws, strict=False)]
         ms = bench(calls)
-        record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, 2.0 * t * g * r * k,
-               t * g * k * 2 + g * r * k + t * g * r * 2, BF16_PEAK)
+        flops, nbytes = 2.0 * t * g * r * k, t * g * k * 2 + g * r * k + t * g * r * 2
+        record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, flops, nbytes, BF16_PEAK)
+        # the model's call: inverse RoPE of the 64 heads fused, against rope_tail + the GEMM
+        pos = torch.randint(0, 1 << 16, (t,), device="cuda")
+        kw = dict(positions=pos, rope=ROPE_COMPRESS, head_dim=512)
+        fused = bench([lambda oi=oi, wi=wi, kw=kw: tri_grouped.gemm_grouped_w8a16(
+            o=oi, weight=wi[0], weight_scale=wi[1], **kw)
+            for oi, wi in zip(itertools.cycle(os_), ws, strict=False)])
+        two = bench([lambda oi=oi, wi=wi, pos=pos: tri_grouped.gemm_grouped_w8a16(
+            o=tri_rope.rope_tail(x=oi.view(oi.shape[0], -1, 512), positions=pos,
+                                 params=ROPE_COMPRESS, inverse=True).view(oi.shape),
+            weight=wi[0], weight_scale=wi[1])
+            for oi, wi in zip(itertools.cycle(os_), ws, strict=False)])
+        record("grouped + inverse rope", f"T{t}xG{g}xR{r}xK{k}", fused, flops, nbytes,
+               BF16_PEAK, rope_tail_then_gemm_us=round(two * 1e3, 1),
+               speedup=round(two / fused, 3))
 
 
 def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=None):

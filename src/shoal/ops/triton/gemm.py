@@ -304,16 +304,19 @@ def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
 # benchmarks/results/session10_h200_2026-12-01.txt): 0.64-0.65 of the FP8 peak on wq_b and
 # 0.66-0.68 on wo_b at M = 4096 (the autotuned pointer kernel: 0.50 / 0.61-0.65); 128x256 or
 # 64x256 tiles, 3 stages, an epilogue stored in two halves, two 128-K products per iteration
-# and Triton's warp specialisation were no faster. From M = 512 on it is faster summed over
-# mini's six dense shapes (3.6% at 512, 6.6% at 1024, 7.5% at 2048), though not on each one
-# (wq_a|wkv and shared w13, N <= 2304, are 0.88-0.91x at M = 2048); at M = 128 it is slower.
+# and Triton's warp specialisation were no faster. On mini's dense shapes with N >= 4096 (wq_b,
+# wo_b, shared w2, indexer wq_b) it is 10-13% faster summed over the four at M = 512, 1024 and
+# 2048 (per shape 0.82-1.72x); with N <= 2304 (wq_a|wkv, shared w13: <= 2.2 waves of 128x128
+# tiles at M = 2048, where the autotuned tiles fit better) 0.71-1.04x; at M = 128 slower.
 PERSISTENT_TILE = (128, 128, 128, 8, 4)
 PERSISTENT_MIN_ROWS = 512
+PERSISTENT_MIN_N = 4096
 
 
 def _persistent_ok(m: int, n: int, k: int) -> bool:
-    """TMA needs 16-byte row strides (K fp8 codes, N bf16 outputs)."""
-    return m >= PERSISTENT_MIN_ROWS and n % 8 == 0 and k % 16 == 0
+    """Large M and N; TMA needs 16-byte row strides (K fp8 codes, N bf16 outputs)."""
+    return (m >= PERSISTENT_MIN_ROWS and n >= PERSISTENT_MIN_N and n % 8 == 0
+            and k % 16 == 0)
 
 
 def _gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
@@ -364,8 +367,9 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
     row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01).
-    persistent: the TMA kernel `_gemm_fp8_persistent` (default: M >= PERSISTENT_MIN_ROWS and
-    TMA-aligned shapes, one split); it gives the same bits as the pointer kernel."""
+    persistent: the TMA kernel `_gemm_fp8_persistent` (default: M >= PERSISTENT_MIN_ROWS,
+    N >= PERSISTENT_MIN_N, TMA-aligned, one split); it gives the same bits as the pointer
+    kernel."""
     ma, k = q.shape
     m = ma if rows is None else rows
     if not 0 <= m <= ma:
