@@ -32,13 +32,11 @@ import triton
 from shoal.ops.reference import attention as ref_attn
 from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
-from shoal.ops.reference.rope import RopeParams
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import hyper_connections as tri_hc
-from shoal.ops.triton import rope as tri_rope
 from shoal.ops.triton import router as tri_router
 from shoal.quant.fp8 import quant_fp8_weight
 from shoal.quant.records import pack_compressed_record, pack_swa_record
@@ -48,7 +46,6 @@ BF16_PEAK = 760e12
 FP8_PEAK = 1343e12
 L2_ROTATE_BYTES = 256 << 20
 
-ROPE_COMPRESS = RopeParams(64, 160000.0, 16.0, 65536)  # ratio != 0 layers (YaRN)
 GEMM_SHAPES = {"wq_a|wkv": (1280 + 512, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
                "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
 LINES: list[str] = []
@@ -202,22 +199,8 @@ def bench_grouped(ts: list[int]) -> None:
             o=oi, weight=wi[0], weight_scale=wi[1]) for oi, wi in
             zip(itertools.cycle(os_), ws, strict=False)]
         ms = bench(calls)
-        flops, nbytes = 2.0 * t * g * r * k, t * g * k * 2 + g * r * k + t * g * r * 2
-        record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, flops, nbytes, BF16_PEAK)
-        # the model's call: inverse RoPE of the 64 heads fused, against rope_tail + the GEMM
-        pos = torch.randint(0, 1 << 16, (t,), device="cuda")
-        kw = dict(positions=pos, rope=ROPE_COMPRESS, head_dim=512)
-        fused = bench([lambda oi=oi, wi=wi, kw=kw: tri_grouped.gemm_grouped_w8a16(
-            o=oi, weight=wi[0], weight_scale=wi[1], **kw)
-            for oi, wi in zip(itertools.cycle(os_), ws, strict=False)])
-        two = bench([lambda oi=oi, wi=wi, pos=pos: tri_grouped.gemm_grouped_w8a16(
-            o=tri_rope.rope_tail(x=oi.view(oi.shape[0], -1, 512), positions=pos,
-                                 params=ROPE_COMPRESS, inverse=True).view(oi.shape),
-            weight=wi[0], weight_scale=wi[1])
-            for oi, wi in zip(itertools.cycle(os_), ws, strict=False)])
-        record("grouped + inverse rope", f"T{t}xG{g}xR{r}xK{k}", fused, flops, nbytes,
-               BF16_PEAK, rope_tail_then_gemm_us=round(two * 1e3, 1),
-               speedup=round(two / fused, 3))
+        record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, 2.0 * t * g * r * k,
+               t * g * k * 2 + g * r * k + t * g * r * 2, BF16_PEAK)
 
 
 def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=None):

@@ -144,49 +144,6 @@ def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
         assert not bad.any(), f"{tile}: {int(bad.sum())} of {bad.numel()} elements off"
 
 
-@needs_kernels
-@pytest.mark.parametrize("t,head_dim,rd,yarn", [(1, 64, 16, False), (5, 128, 64, True),
-                                                (40, 256, 64, True)])
-def test_grouped_w8a16_fuses_the_inverse_rope(monkeypatch, t: int, head_dim: int, rd: int,
-                                              yarn: bool) -> None:
-    """With `rope`, the kernel rotates each head's last rope_dim dims of o in registers: the
-    result matches the reference (rope_tail(inverse) then the GEMM) and the kernel fed the
-    Triton rope_tail output, for every tile the pruner offers (BLOCK_K 64..256 below, equal to
-    and above head_dim), heads spanning one or several K steps."""
-    from shoal.ops.reference.rope import RopeParams
-    from shoal.ops.triton import gemm_grouped as tgg
-    from shoal.ops.triton import rope as trope
-
-    if INTERP:
-        patch_interpreter(monkeypatch)
-    g = torch.Generator().manual_seed(50 + t)
-    groups, rank, k = 2, 64, 512
-    params = RopeParams(rd, 160000.0, 16.0, 65536) if yarn else RopeParams(rd, 10000.0)
-    pos = torch.randint(0, 1 << 20, (t,), generator=g)
-    o = torch.randn(t, groups, k, generator=g).to(torch.bfloat16)
-    wc, ws = quant_fp8_weight(torch.randn(groups * rank, k, generator=g) / k**0.5, 32)
-    kw = dict(positions=pos, rope=params, head_dim=head_dim)
-    ref = ref_gemm.gemm_grouped_w8a16(o=o, weight=wc, weight_scale=ws, **kw).double()
-    w = dequant_fp8_weight(wc, ws, 32).double().abs().view(groups, rank, k)
-    terms = torch.einsum("tgk,grk->tgr", o.double().abs(), w).reshape(t, -1)
-    rotated = trope.rope_tail(x=o.to(DEV).view(t, -1, head_dim), positions=pos.to(DEV),
-                              params=params, inverse=True).view(t, groups, k)
-    small = min(triton.next_power_of_2(t), 4096) <= 16
-    tiles = [c for c in tgg._GROUPED_TILES if (c[0] == 16) == small] if INTERP else [None]
-    for tile in tiles:
-        out = torch.full((t, groups * rank), float("nan"), dtype=torch.bfloat16)
-        out.copy_(tgg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), positions=pos.to(DEV),
-                                    rope=params, head_dim=head_dim, tile=tile).cpu())
-        two = tgg.grouped_w8a16(rotated, wc.to(DEV), ws.to(DEV), tile=tile).cpu()
-        # one bf16 ulp of a rotated element (cos/sin within an fp32 ulp of the reference's)
-        lim = ref.abs() * 2.0**-8 + terms * 2.0**-8
-        assert not ((out.double() - ref).abs() > lim).any(), tile
-        assert not ((out.double() - two.double()).abs() > lim).any(), tile
-    with pytest.raises(ValueError, match="rope"):
-        tgg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), positions=pos.to(DEV),
-                          rope=params, head_dim=96)
-
-
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="sm_90 wgmma bits")
 @pytest.mark.parametrize("m", [5, 200])
 def test_promoted_tiles_agree_bitwise(m: int) -> None:

@@ -19,7 +19,7 @@ ROW_ARGS: dict[str, tuple[str, ...]] = {
     "confidence": ("hidden", "markov_embed"), "embed": ("ids",),
     "engram_gather": ("row_ids",), "engram_hash": ("ids", "positions", "dead"),
     "engram_mix": ("stream", "kv", "gate_mask"),
-    "gemm_bf16": ("x",), "gemm_fp8": ("x",), "gemm_grouped_w8a16": ("o", "positions"),
+    "gemm_bf16": ("x",), "gemm_fp8": ("x",), "gemm_grouped_w8a16": ("o",),
     "hc_coeffs": ("stream",), "hc_collapse": ("stream", "pre"),
     "hc_collapse_norm": ("stream", "pre"), "hc_post": ("y", "stream", "post", "comb"),
     "index_q_quant": ("q",), "index_scores": ("q", "weights", "req", "n_visible"),

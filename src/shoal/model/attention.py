@@ -67,11 +67,11 @@ def attend_and_project(ctx: StepContext, prefix: str, spec: LayerSpec, q: torch.
     o = ops.sparse_attn_sink(q=q, swa_cache=ctx.caches.swa[spec.layer_id], swa_idx=swa_idx,
                              comp_cache=comp_cache, comp_idx=comp_idx,
                              sink=p[prefix + "attn.attn_sink"], scale=cfg.head_dim ** -0.5)
+    o = ops.rope_tail(x=o, positions=positions, params=rope_params(cfg, spec), inverse=True)
     f = positions.shape[0]
-    z = ops.gemm_grouped_w8a16(  # inverse RoPE of o's heads, then the grouped projection
+    z = ops.gemm_grouped_w8a16(
         o=o.view(f, cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.head_dim),
-        weight=p[prefix + "attn.wo_a.weight"], weight_scale=p[prefix + "attn.wo_a.scale"],
-        positions=positions, rope=rope_params(cfg, spec), head_dim=cfg.head_dim)
+        weight=p[prefix + "attn.wo_a.weight"], weight_scale=p[prefix + "attn.wo_a.scale"])
     return ops.gemm_fp8(x=z, weight=p[prefix + "attn.wo_b.weight"],
                         weight_scale=p[prefix + "attn.wo_b.scale"])
 

@@ -26,14 +26,8 @@ from shoal.ops.triton.norm import on_device
 
 
 @functools.lru_cache(maxsize=64)
-def rope_freqs(params: RopeParams, device: torch.device) -> torch.Tensor:
-    """The [rope_dim / 2] fp32 frequencies of params on device (cached)."""
+def _freqs(params: RopeParams, device: torch.device) -> torch.Tensor:
     return rope_frequencies(params, device).contiguous()
-
-
-def use_libdevice() -> bool:
-    """libdevice's cos/sin on the GPU; the interpreter (no libdevice) uses tl.cos / tl.sin."""
-    return os.environ.get("TRITON_INTERPRET", "") != "1"
 
 
 @triton.jit
@@ -85,9 +79,10 @@ def rope_tail(*, x: torch.Tensor, positions: torch.Tensor, params: RopeParams,
     if t and h:
         rd = params.rope_dim
         bh = min(16, triton.next_power_of_2(h))
+        interp = os.environ.get("TRITON_INTERPRET", "") == "1"
         _rope_kernel[(t, triton.cdiv(h, bh))](
-            x3, positions, rope_freqs(params, x.device), out, h, n, x3.stride(0), x3.stride(1),
+            x3, positions, _freqs(params, x.device), out, h, n, x3.stride(0), x3.stride(1),
             x3.stride(2), SIGN=-1.0 if inverse else 1.0, RD=rd, BH=bh,
-            BP=min(256, triton.next_power_of_2(max(n - rd, 1))), LIBDEVICE=use_libdevice(),
+            BP=min(256, triton.next_power_of_2(max(n - rd, 1))), LIBDEVICE=not interp,
             num_warps=4)
     return out.view(x.shape)
