@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.bench import bench_decode, random_prompt
+from shoal.bench import bench_decode, git_commit, random_prompt
 
 
 def greedy(llm: LLM, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -65,8 +64,7 @@ def main() -> int:
         print(f"{b:5d} {r['eager_tpot_ms']:9.2f} {r['graph_tpot_ms']:9.2f} {r['floor_ms']:9.3f} "
               f"{r['eager_fraction_of_floor']:11.3f} {r['graph_fraction_of_floor']:11.3f}",
               flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(json.dumps({"bench": "cuda_graphs", "commit": commit, "gpu": gpu,
                       "model": args.model, "graphs": 0 if graphs is None else graphs.num_graphs,

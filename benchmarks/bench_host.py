@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 
 import torch
 
+from shoal.bench import git_commit
 from shoal.model.batch import RequestChunk, build_forward_batch
 from shoal.model.presets import get_preset
 from shoal.sampling import SamplingBatch, SamplingParams, request_seed
@@ -66,8 +66,7 @@ def main() -> None:
     result["total_ms"] = sum(result.values())
     for k, v in result.items():
         print(f"{k:16s} {v:8.3f} ms")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     print(json.dumps({"bench": "host", "commit": commit, "model": args.model,
                       "batch": args.batch, "torch_threads": torch.get_num_threads(),
                       "ms": result}))

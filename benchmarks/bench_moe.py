@@ -5,7 +5,7 @@ Variants, side by side in one run (all through `moe_experts`, default tiles unle
 tiles), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before
 `fp4_tiles.w_f16`), `asm_v1` (default tiles, the first prmt conversion on duplicated bytes
 everywhere), `asm_v0` (the previous decode path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
-decode tiles, `moe.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
+decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
@@ -36,13 +36,14 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 
 import torch
 
+from shoal.bench import git_commit
 from shoal.ops.reference import moe as ref
 from shoal.ops.triton import moe as tmoe
 from shoal.ops.triton import moe_route
+from shoal.ops.triton import moe_tiles as tiles
 from shoal.quant.fp4 import quant_mxfp4
 
 HBM = 4.24e12
@@ -112,11 +113,11 @@ def realistic_weights(e: int, dev: torch.device, seed: int = 1) -> dict:
     return out
 
 
-V0_DECODE = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
+V0_DECODE = (tiles.TileConfig(16, 32, 256, 4, 4), tiles.TileConfig(16, 64, 256, 4, 4))
 
 
-def _swap(bm: int, bn: int, bk: int, warps: int, stages: int) -> tmoe.TileConfig:
-    return tmoe.TileConfig(bm, bn, bk, warps, stages, swap_ab=True)
+def _swap(bm: int, bn: int, bk: int, warps: int, stages: int) -> tiles.TileConfig:
+    return tiles.TileConfig(bm, bn, bk, warps, stages, swap_ab=True)
 
 
 DECODE_CFGS = {
@@ -132,8 +133,8 @@ DECODE_CFGS = {
 # decode-plain` (the e4m3-weight candidates of 2026-11-29 chose the 2-warp 16 x 32 x 128 tile)
 
 
-def _f16(bn: int, bk: int, warps: int, stages: int) -> tmoe.TileConfig:
-    return tmoe.TileConfig(16, bn, bk, warps, stages, f16=True)
+def _f16(bn: int, bk: int, warps: int, stages: int) -> tiles.TileConfig:
+    return tiles.TileConfig(16, bn, bk, warps, stages, f16=True)
 
 
 PLAIN_DECODE_CFGS = {
@@ -155,7 +156,7 @@ PLAIN_DECODE_CFGS = {
 }
 # promoted wgmma prefill tiles around the default (`--sweep prefill`; sm_90 builds without
 # spills: 128 x 64 / 128 x 128 at 3 or 4 stages; 128 x 128 w13, 256-row and 4-warp tiles spill)
-_PP = tmoe.TileConfig
+_PP = tiles.TileConfig
 PREFILL_CFGS = {
     "p_default": (_PP(128, 64, 128, 8, 3, promote=True), _PP(128, 128, 128, 8, 3, promote=True)),
     "p_s4": (_PP(128, 64, 128, 8, 4, promote=True), _PP(128, 128, 128, 8, 4, promote=True)),
@@ -174,16 +175,16 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "asm_v0":
         return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
     if name == "asm_swap":  # the faster, less accurate swap-AB wgmma decode tiles
-        return {"use_asm": True, "configs": tmoe.SWAP_DECODE} if rows <= 512 else None
+        return {"use_asm": True, "configs": tiles.SWAP_DECODE} if rows <= 512 else None
     if name in ("asm_p", "asm_swap_p"):  # the same with the promoted fp32 accumulation
-        base = tmoe.SWAP_DECODE if name == "asm_swap_p" else tmoe.default_configs(rows, E)
+        base = tiles.SWAP_DECODE if name == "asm_swap_p" else tiles.default_configs(rows, E)
         if name == "asm_swap_p" and rows > 512:
             return None
         return {"use_asm": True,
                 "configs": tuple(dataclasses.replace(c, promote=True) for c in base)}
     if name == "asm_e4m3":  # the decode tiles' e4m3 weight path (the default before w_f16)
         return {"use_asm": True, "configs": tuple(
-            dataclasses.replace(c, f16=False) for c in tmoe.default_configs(rows, E))}
+            dataclasses.replace(c, f16=False) for c in tiles.default_configs(rows, E))}
     if name == "port":
         return {"use_asm": False}
     if name == "w4a16":
@@ -232,7 +233,7 @@ def breakdown(t: int, w: dict, dev: torch.device) -> dict:
     """Per-stage ms of the asm op at T = t (default tiles), each stage replayed on its own."""
     s = routing(t, E, 10, dev)
     k = TOPK
-    cfg1, cfg2 = tmoe.default_configs(t * k, E)
+    cfg1, cfg2 = tiles.default_configs(t * k, E)
     tok, orow, rw, counts = moe_route.route(s["ids"], s["weights"], E)
     xq, xs = tmoe._quant_folded(s["x"])
     h = torch.empty(t * k, INTER, dtype=torch.bfloat16, device=dev)
@@ -357,11 +358,7 @@ def main() -> None:
     if args.breakdown:
         results["breakdown"] = {t: breakdown(t, w, dev) for t in tokens}
     results["rows"] = rows
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                         text=True).strip()
-    except Exception:
-        commit = "?"
+    commit = git_commit()
     results["commit"] = commit
     line = json.dumps(results)
     log(line)

@@ -24,11 +24,11 @@ import itertools
 import json
 import math
 import os
-import subprocess
 
 import torch
 import triton
 
+from shoal.bench import git_commit
 from shoal.ops.reference import attention as ref_attn
 from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
@@ -36,6 +36,7 @@ from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
+from shoal.ops.triton import gemm_persistent as tri_pers
 from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.ops.triton import router as tri_router
 from shoal.quant.fp8 import quant_fp8_weight
@@ -169,7 +170,7 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
                 record(f"gemm_fp8 ({mode})", shape, t, flops, nbytes, FP8_PEAK,
                        vs_scaled_mm=round(t / t_ref, 3), scaled_mm_us=round(t_ref * 1e3, 1))
-            if tri_gemm._persistent_ok(m, n, k):  # the default above is the persistent kernel
+            if tri_pers.persistent_ok(m, n, k):  # the default above is the persistent kernel
                 t = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p,
                                                                     persistent=False)
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
@@ -489,11 +490,7 @@ def main() -> None:
         bench_router([1, 16, 64, 256, 2048])
     if "head" in only:
         bench_head([1, 16, 64, 256], sweep=not args.quick)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = git_commit()
     summary = {"bench": "ops", "commit": commit or "?", "gpu": props.name,
                "date": datetime.date.today().isoformat(),
                "ceilings": {"hbm": HBM, "bf16": BF16_PEAK, "fp8": FP8_PEAK}, "results": RESULTS}

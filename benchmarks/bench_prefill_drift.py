@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 
 import torch
 
+from shoal.bench import git_commit
 from shoal.checkpoint.writer import generate_weights
 from shoal.model.batch import RequestChunk, build_forward_batch
 from shoal.model.deepseek_v41 import DeepseekV41
@@ -80,8 +80,7 @@ def main() -> None:
         summary[f"{mode}-{window}"] = agg
         print(f"{mode:10s} {window:4d} {agg['max_abs_logit_diff']:12.4g} {agg['kl']:10.3g} "
               f"{agg['greedy_agreement']:13.2%}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     print(json.dumps({"bench": "prefill_drift", "commit": commit, "config": cfg.name,
                       "prompt_len": args.length, "device": "cpu", "results": summary}))
 

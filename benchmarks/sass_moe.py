@@ -16,7 +16,7 @@ import re
 import bench_moe
 
 from shoal.ops.triton import aot
-from shoal.ops.triton import moe as tmoe
+from shoal.ops.triton import moe_tiles as tiles
 
 MIN_LOOP = 100  # instructions: smaller backward branches are prologue / epilogue loops
 
@@ -39,7 +39,7 @@ def k_loops(sass: str) -> list[collections.Counter]:
     return loops
 
 
-def tile_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
+def tile_stats(cfg: tiles.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,
                k: int = bench_moe.D) -> str:
     kern = aot.moe_gemm(cfg, swiglu, k, convert, w4a8=w4a8, experts=bench_moe.E)
     usage, sass = aot.usage_and_sass(kern)
@@ -60,14 +60,14 @@ def tile_stats(cfg: tmoe.TileConfig, swiglu: bool, convert: int, w4a8: bool = Tr
 
 def report(log=print) -> None:
     e = bench_moe.E
-    rows = [("default decode", tmoe.default_configs(6, e)),
-            ("default mid (T=1024)", tmoe.default_configs(6 * 1024, e)),
-            ("default prefill", tmoe.default_configs(6 * 8192, e)),
-            ("swap decode", tmoe.SWAP_DECODE),
+    rows = [("default decode", tiles.default_configs(6, e)),
+            ("default mid (T=1024)", tiles.default_configs(6 * 1024, e)),
+            ("default prefill", tiles.default_configs(6 * 8192, e)),
+            ("swap decode", tiles.SWAP_DECODE),
             ("swap decode promoted", tuple(dataclasses.replace(c, promote=True)
-                                           for c in tmoe.SWAP_DECODE)),
+                                           for c in tiles.SWAP_DECODE)),
             ("prefill promoted", tuple(dataclasses.replace(c, promote=True)
-                                       for c in tmoe.default_configs(6 * 8192, e))),
+                                       for c in tiles.default_configs(6 * 8192, e))),
             *bench_moe.DECODE_CFGS.items(), *bench_moe.PLAIN_DECODE_CFGS.items(),
             *bench_moe.PREFILL_CFGS.items()]
     for name, (c13, c2) in rows:

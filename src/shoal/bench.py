@@ -31,6 +31,19 @@ from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, s
 HBM = 4.24e12
 
 
+def git_commit() -> str:
+    """The short HEAD commit, "+dirty" when tracked files differ from it (a benchmark run on a
+    working tree, or on a copy whose git metadata lags its files), "?" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+dirty" if dirty else "")
+
+
 def random_prompt(cfg, length: int, generator: torch.Generator) -> list[int]:
     """`length` token ids drawn uniformly from the ordinary vocabulary of ModelConfig `cfg`:
     ids 3 .. vocab - 1 without the image token (a text engine rejects a prompt holding it)."""
@@ -206,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="capture the engine's default batch sizes, not only the measured ones "
                          "(start-up as a user sees it)")
     args = ap.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,

@@ -27,6 +27,7 @@ from shoal.ops.reference import moe as ref  # noqa: E402
 from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
 from shoal.ops.triton import moe_route as troute  # noqa: E402
+from shoal.ops.triton import moe_tiles as tiles  # noqa: E402
 from shoal.ops.triton import router as trouter  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
 
@@ -188,14 +189,14 @@ def test_f16_prmt_conversion_emulated_exhaustively() -> None:
         assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x3424)), want1), sh
 
 
-SWAP = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
-PLAIN = (tmoe.TileConfig(16, 32, 256, 4, 4), tmoe.TileConfig(16, 64, 256, 4, 4))
+SWAP = (tiles.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
+PLAIN = (tiles.TileConfig(16, 32, 256, 4, 4), tiles.TileConfig(16, 64, 256, 4, 4))
 PLAIN_2WARPS = tuple(dataclasses.replace(c, num_warps=2) for c in PLAIN)
-BIG = (tmoe.TileConfig(128, 64, 128, 8, 3), tmoe.TileConfig(128, 128, 128, 8, 3))
-BIG_SWAP = (tmoe.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
-SWAP_PROMOTED = (tmoe.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True),) * 2
-BIG_PROMOTED = (tmoe.TileConfig(128, 64, 128, 8, 3, promote=True),
-                tmoe.TileConfig(128, 128, 128, 8, 3, promote=True))
+BIG = (tiles.TileConfig(128, 64, 128, 8, 3), tiles.TileConfig(128, 128, 128, 8, 3))
+BIG_SWAP = (tiles.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
+SWAP_PROMOTED = (tiles.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True),) * 2
+BIG_PROMOTED = (tiles.TileConfig(128, 64, 128, 8, 3, promote=True),
+                tiles.TileConfig(128, 128, 128, 8, 3, promote=True))
 
 
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
@@ -268,7 +269,7 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
     relies on 4 packed elements being 4 consecutive K of one weight row; spread = 9 makes every
     row's 32-blocks use different LUTs, so a wrong packing shows)."""
     kw = _case(7, 40, 512, 256, 16, 6, spread=9)
-    if variant == 2 and not (configs or tmoe.default_configs(40 * 6, 16))[0].swap_ab:
+    if variant == 2 and not (configs or tiles.default_configs(40 * 6, 16))[0].swap_ab:
         # variant 2 assumes 4 consecutive K per register; the H200 gave wrong bits on 128-row
         # plain tiles, so it is refused there
         with pytest.raises(ValueError, match="swap-AB"):
@@ -303,8 +304,8 @@ def test_f16_tiles_give_the_e4m3_tiles_bits(use_asm: bool) -> None:
 
 @pytest.mark.skipif(not ON_GPU, reason="a property of the device's mma.sync")
 @pytest.mark.parametrize("configs", [
-    PLAIN_2WARPS, None, (tmoe.TileConfig(16, 16, 128, 2, 4), tmoe.TileConfig(16, 32, 128, 2, 4)),
-    (tmoe.TileConfig(16, 32, 64, 2, 8), tmoe.TileConfig(16, 64, 128, 2, 4))],
+    PLAIN_2WARPS, None, (tiles.TileConfig(16, 16, 128, 2, 4), tiles.TileConfig(16, 32, 128, 2, 4)),
+    (tiles.TileConfig(16, 32, 64, 2, 8), tiles.TileConfig(16, 64, 128, 2, 4))],
     ids=["2warps", "default", "n16k128", "n32k64"])
 def test_plain_tiles_bits_do_not_depend_on_the_tile(configs) -> None:
     """Warps per program, BLOCK_N and BLOCK_K of the 16-row decode tiles move rows, columns and

@@ -47,11 +47,12 @@ def test_moe_kernels_build_without_spills() -> None:
     (no GPU needed) without register spills, at the mini shapes (D 5120, I 2304, 384 experts)."""
     from shoal.ops.triton import aot
     from shoal.ops.triton import moe as tmoe
+    from shoal.ops.triton import moe_tiles as tiles
 
     if not aot.has_tools():
         pytest.skip("Triton's bundled cuobjdump is missing")
     for rows in (6, 8192 * 6):
-        for cfg, swiglu, k in zip(tmoe.default_configs(rows, 384), (True, False), (5120, 2304),
+        for cfg, swiglu, k in zip(tiles.default_configs(rows, 384), (True, False), (5120, 2304),
                                   strict=True):
             usage, _ = aot.usage_and_sass(aot.moe_gemm(cfg, swiglu, k, 1))
             assert stack_bytes(usage) == 0, f"{cfg} {'w13' if swiglu else 'w2'}: spills"
@@ -93,19 +94,19 @@ def test_prmt_operands_pack_consecutive_k() -> None:
     decode tiles, for each conversion `_launch` allows there; and that the combination
     `_launch` refuses (variant 2 on plain 128-row tiles: wrong bits on the H200) fails it."""
     from shoal.ops.triton import aot
-    from shoal.ops.triton import moe as tmoe
+    from shoal.ops.triton import moe_tiles as tiles
 
     def verdicts(cfg, swiglu: bool, k: int, convert: int) -> list[bool]:
         return _packs_consecutive_k(aot.moe_gemm(cfg, swiglu, k, convert).asm["ttgir"])
 
-    pairs = [*tmoe.default_configs(6, 384), *tmoe.default_configs(8192 * 6, 384),
-             *tmoe.SWAP_DECODE]
+    pairs = [*tiles.default_configs(6, 384), *tiles.default_configs(8192 * 6, 384),
+             *tiles.SWAP_DECODE]
     for i, cfg in enumerate(pairs):
         swiglu, k = (True, 5120) if i % 2 == 0 else (False, 2304)
         for convert in ((1, 2) if cfg.swap_ab else (1,)):
             got = verdicts(cfg, swiglu, k, convert)
             assert got and all(got), f"{cfg} convert {convert}: prmt operand layout {got}"
-    big = tmoe.default_configs(8192 * 6, 384)[0]
+    big = tiles.default_configs(8192 * 6, 384)[0]
     assert not all(verdicts(big, True, 5120, 2)), "the refused combination should fail"
 
 

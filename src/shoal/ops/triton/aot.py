@@ -18,6 +18,7 @@ from typing import Any
 import triton
 
 from shoal.ops.triton import moe as tmoe
+from shoal.ops.triton import moe_tiles as tiles
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # the grouped MoE GEMM's (`moe._moe_gemm_kernel`) pointer and float arguments
@@ -66,7 +67,7 @@ def stack_bytes(usage: str) -> int:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
-def moe_gemm(cfg: tmoe.TileConfig, swiglu: bool, k: int, convert: int, *, w4a8: bool = True,
+def moe_gemm(cfg: tiles.TileConfig, swiglu: bool, k: int, convert: int, *, w4a8: bool = True,
              experts: int = 384):
     """Build `_moe_gemm_kernel` as `moe._launch` launches it: w13 (swiglu, gathered rows) or
     w2, K = k (BLOCK_K halved until it divides k), `convert` the e2m1 conversion variant."""

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
+from shoal.ops.triton.gemm_persistent import PERSISTENT_TILE, gemm_persistent, persistent_ok
 
 FP8_MAX = 448.0
 
@@ -269,71 +269,6 @@ _gemm_fp8_kernel = triton.autotune(
 
 
 @triton.jit
-def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, PROMOTE: tl.constexpr):
-    """Large M: the same tiles as `_gemm_fp8_body` (SPLIT_K = 1) from one program per SM that
-    walks the output tiles in steps of PROGRAMS, operands through TMA descriptors (zero-filled
-    beyond M, N, K; the store is clipped), so one tile's epilogue overlaps the next tile's loads.
-    The same BLOCK_K partials added in the same order: bit-identical to `_gemm_fp8_body`."""
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    steps = tl.cdiv(K, BLOCK_K)
-    width = GROUP_M * grid_n
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
-        first_m = (tile // width) * GROUP_M
-        size_m = tl.minimum(grid_m - first_m, GROUP_M)
-        om = (first_m + (tile % width) % size_m) * BLOCK_M
-        on = ((tile % width) // size_m) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(steps):
-            a = a_desc.load([om, ki * BLOCK_K])
-            b = b_desc.load([on, ki * BLOCK_K])
-            if PROMOTE == 1:
-                acc += tl.dot(a, b.T)
-            else:
-                acc = tl.dot(a, b.T, acc)
-        offs_m = om + tl.arange(0, BLOCK_M)
-        offs_n = on + tl.arange(0, BLOCK_N)
-        rs = tl.load(rs_ptr + offs_m, mask=offs_m < M, other=0.0)
-        cs = tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
-        c_desc.store([om, on], (acc * rs[:, None] * cs[None, :]).to(tl.bfloat16))
-
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
-# benchmarks/results/session10_h200_2026-12-01.txt): 0.64-0.65 of the FP8 peak on wq_b and
-# 0.66-0.68 on wo_b at M = 4096 (the autotuned pointer kernel: 0.50 / 0.61-0.65); 128x256 or
-# 64x256 tiles, 3 stages, an epilogue stored in two halves, two 128-K products per iteration
-# and Triton's warp specialisation were no faster. On mini's dense shapes with N >= 4096 (wq_b,
-# wo_b, shared w2, indexer wq_b) it is 10-13% faster summed over the four at M = 512, 1024 and
-# 2048 (per shape 0.82-1.72x); with N <= 2304 (wq_a|wkv, shared w13: <= 2.2 waves of 128x128
-# tiles at M = 2048, where the autotuned tiles fit better) 0.71-1.04x; at M = 128 slower.
-PERSISTENT_TILE = (128, 128, 128, 8, 4)
-PERSISTENT_MIN_ROWS = 512
-PERSISTENT_MIN_N = 4096
-
-
-def _persistent_ok(m: int, n: int, k: int) -> bool:
-    """Large M and N; TMA needs 16-byte row strides (K fp8 codes, N bf16 outputs)."""
-    return (m >= PERSISTENT_MIN_ROWS and n >= PERSISTENT_MIN_N and n % 8 == 0
-            and k % 16 == 0)
-
-
-def _gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
-                     out: torch.Tensor, promote: int,
-                     tile: tuple[int, int, int, int, int]) -> None:
-    m, n = out.shape
-    bm, bn, bk, warps, stages = tile
-    programs = min(sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    _gemm_fp8_persistent[(programs,)](
-        TensorDescriptor.from_tensor(q[:m], [bm, bk]),
-        TensorDescriptor.from_tensor(w.codes, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), row_scale, w.col_scale, m, n,
-        q.shape[1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=programs,
-        PROMOTE=promote, num_warps=warps, num_stages=stages)
-
-
-@triton.jit
 def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -367,9 +302,8 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
     row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01).
-    persistent: the TMA kernel `_gemm_fp8_persistent` (default: M >= PERSISTENT_MIN_ROWS,
-    N >= PERSISTENT_MIN_N, TMA-aligned, one split); it gives the same bits as the pointer
-    kernel."""
+    persistent: the TMA kernel of gemm_persistent.py (default: `persistent_ok` there, one
+    split); it gives the same bits as the pointer kernel."""
     ma, k = q.shape
     m = ma if rows is None else rows
     if not 0 <= m <= ma:
@@ -383,12 +317,13 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if k == 0:
         return out.zero_()
     if persistent is None:
-        persistent = split in (None, 1) and _persistent_ok(m, n, k)
+        persistent = split in (None, 1) and persistent_ok(m, n, k)
     if persistent:
         if split not in (None, 1) or n % 8 or k % 16:
             raise ValueError(f"gemm_fp8_folded: the persistent kernel takes one split and "
                              f"N % 8 == K % 16 == 0, got split={split}, N={n}, K={k}")
-        _gemm_persistent(q, row_scale, w, out, promote, tile or PERSISTENT_TILE)
+        gemm_persistent(q, row_scale, w.codes, w.col_scale, out, promote,
+                        tile or PERSISTENT_TILE)
         return out
     if split is None:
         split = split_k(m, n, k, sm_count(q.device))

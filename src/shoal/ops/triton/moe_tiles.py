@@ -1,0 +1,74 @@
+"""Tile configurations of the routed-experts grouped GEMM (moe.py): `TileConfig` and the
+choice per batch size for W4A8 (`default_configs`) and the W4A16 baseline (`w4a16_configs`),
+with the H200 measurements behind each choice; `SWAP_DECODE`, the opt-in swap-AB tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of one grouped GEMM launch (BLOCK_K a multiple of 32)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    swap_ab: bool = False
+    """Compute the transposed tile W . A^T: the converted weight tile is the left (M >= 64,
+    wgmma) operand, the BLOCK_M routed rows the right one (any BLOCK_M >= 16). Same products and
+    the same K order as the plain orientation."""
+    f16: bool = False
+    """Decode the weights straight to fp16 (`fp4_tiles.w_f16`) and widen the e4m3 activations
+    to fp16 once per K step: for the 16-row mma.sync tiles, whose FP8 operands Triton widens to
+    fp16 anyway (same operand values, same bits; sm_90 SASS of the decode w13 loop: 716 -> 590
+    instructions per K step, no F2FP on the weights). Plain tiles only."""
+    promote: bool = False
+    """Form each BLOCK_K step's product from zero and add it to the fp32 accumulator, instead of
+    chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
+    chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
+    128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
+
+
+def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """(w13 config, w2 config) for `rows` = T * k routed rows over `experts` experts.
+
+    Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
+    16-row tiles on mma.sync (exact fp32 accumulation), 16 x 64 x 128 fp16-weight tiles with
+    2 warps per program for both GEMMs (H200, 2026-12-01, bench_moe --sweep decode-plain:
+    0.089 / 2.20 ms at T = 1 / 64 against 0.091 / 2.40 ms for 16 x 32 x 128; BLOCK_K 256 1.3x
+    and BLOCK_N 16 2x slower, 4 warps or BLOCK_N 128 no better). Warps, BLOCK_N and
+    BLOCK_K move rows, columns and loop steps between programs, not the K order of a sum, so
+    the bits are those of any other 16-row tile (GPU test); above, plain 128-row wgmma tiles (one
+    weight conversion per 128 rows; BLOCK_N 64 for both GEMMs: 14.35 against 14.69 ms with a
+    128-column w2 tile at T = 8192, --sweep prefill) with promoted accumulation: FP8 wgmma
+    adds into a chained accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
+    fp32. Unpromoted, those tiles put up to 189 of 46,976 outputs of one tiny-model call over
+    the op's tolerance in situ on the H200 (2026-11-29), and benchmarks/fold_loss.py's CPU
+    model of the accumulator reproduces that (24,186 of 4.9M at mini shapes). Promotion cost
+    1.3% at T = 8192 on the H200 (bench_moe `asm_p` 14.37 vs 14.19 ms). The swap-AB wgmma
+    tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but less accurate even
+    promoted (relative error 3.2e-3, unpromoted 9.4e-3, 16-row tiles 1.7e-4). Still open:
+    decode-size and prefill-size batches use different MMA instructions, so a token's MoE
+    output is not bitwise batch-invariant across the 40-rows-per-expert boundary."""
+    if rows / max(experts, 1) <= 40:
+        return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
+    return (TileConfig(128, 64, 128, 8, 3, promote=True),
+            TileConfig(128, 64, 128, 8, 3, promote=True))
+
+
+def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (the W4A8 16 x 64 tiles made
+    it 1.5x slower at T = 1 on the H200: 0.243 against 0.161 ms), 128-row bf16 wgmma tiles
+    above, unpromoted (bf16 wgmma accumulates in fp32)."""
+    if rows / max(experts, 1) <= 40:
+        return TileConfig(16, 32, 128, 2, 4), TileConfig(16, 32, 128, 2, 4)
+    return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)
+
+
+# Swap-AB decode tiles (faster, less accurate; see default_configs): pass as `configs=`.
+SWAP_DECODE = (TileConfig(16, 64, 256, 4, 4, swap_ab=True),
+               TileConfig(16, 64, 256, 4, 4, swap_ab=True))
