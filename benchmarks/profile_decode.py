@@ -84,10 +84,12 @@ def run(llm: LLM, batch: int, prompt_len: int, steps: int, out: str, tag: str,
     while llm.engine.has_unfinished():  # drain, so the next batch size starts clean
         llm.engine.step()
     ka = prof.key_averages()
-    kernels = sum(e.self_device_time_total for e in ka  # device events only, as the table's total
-                  if e.device_type != DeviceType.CPU) / 1e3 / steps
+    device = [e for e in ka if e.device_type != DeviceType.CPU]  # device events only
+    kernels = sum(e.self_device_time_total for e in device) / 1e3 / steps
+    launches = sum(e.count for e in device) / steps
     text = [f"==== batch {batch}, {steps} steps, {tag}: wall {wall_ms:.3f} ms per step "
-            f"(unprofiled), kernels {kernels:.3f} ms per step ====", *moe_lines,
+            f"(unprofiled), kernels {kernels:.3f} ms per step, {launches:.0f} kernels per "
+            f"step ====", *moe_lines,
             ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
             ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
             f"---- cProfile of {steps} steps (cumulative) ----", buf.getvalue()]
