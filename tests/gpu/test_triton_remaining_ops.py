@@ -1,5 +1,5 @@
 """Triton kernels of the last reference-only ops (engram_hash, engram_gather, engram_mix, compress_pool,
-swa_indices, mask_logits) against the reference: every case of the ops' conformance grids
+swa_indices, mask_logits, paged_rows) against the reference: every case of the ops' conformance grids
 (contiguous and strided), then larger and harder inputs the grids do not cover (D 512 pooling
 over several requests with chunks starting at odd positions and a state entry that is read and
 re-parked in one step, row ids across several close-kernel blocks, all 256 e4m3 codes and the UE8M0
@@ -38,7 +38,7 @@ from shoal.ops.triton import pool as tpool  # noqa: E402
 from shoal.quant.fp8 import quant_fp8_act  # noqa: E402
 
 OPS = ("engram_hash", "engram_gather", "engram_mix", "compress_pool", "swa_indices",
-       "mask_logits")
+       "mask_logits", "paged_rows")
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ ROW_ARGS: dict[str, tuple[str, ...]] = {
     "hc_coeffs": ("stream",), "hc_collapse": ("stream", "pre"),
     "hc_collapse_norm": ("stream", "pre"), "hc_post": ("y", "stream", "post", "comb"),
     "index_q_quant": ("q",), "index_scores": ("q", "weights", "req", "n_visible"),
-    "lm_head": ("h",), "markov_bias": ("prev",), "mask_logits": ("logits", "mask"),
+    "lm_head": ("h",), "paged_rows": ("logical", "req"), "markov_bias": ("prev",), "mask_logits": ("logits", "mask"),
     "moe_mxfp4": ("x", "ids", "weights", "shared"), "rmsnorm": ("x",), "rope_tail": ("x", "positions"),
     "router": ("x",), "sparse_attn_sink": ("q", "swa_idx", "comp_idx"),
     "stream_mean": ("stream",), "swiglu_clamp": ("gate", "up", "weight"),

@@ -80,15 +80,16 @@ class StepContext:
         return cls(config, params, caches, ops, batch, enc, dec, token_slot)
 
     def n_visible(self, ratio: int, rows: torch.Tensor | None) -> torch.Tensor:
-        return (select(self.batch.positions, rows) + 1) // ratio
+        """Compressed rows of ratio `ratio` visible to each of `rows` (once per step)."""
+        return self._once(("visible", ratio), rows,
+                          lambda: (select(self.batch.positions, rows) + 1) // ratio)
 
     def paged_rows(self, source: int, logical: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-        """Physical rows of logical compressed rows `logical` [..] of requests `req` [..]; -1
-        where logical < 0 or the block is unassigned (-1: padded rows of a CUDA graph)."""
-        rpb = self.caches.rows_per_block(source)
-        safe = logical.clamp_min(0)
-        blk = self.batch.block_table[req, safe // rpb].long()
-        return torch.where((logical >= 0) & (blk >= 0), blk * rpb + safe % rpb, -1)
+        """Physical rows (int32) of logical compressed rows `logical` [F] / [F, K] of requests
+        `req` [F]; -1 where logical < 0 or the block is unassigned (-1: padded rows of a CUDA
+        graph)."""
+        return self.ops.paged_rows(logical=logical, req=req, block_table=self.batch.block_table,
+                                   rows_per_block=self.caches.rows_per_block(source))
 
     def scratch_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Scratch rows of the step's tokens `rows` (None: all) in every SWA plane."""
@@ -103,10 +104,8 @@ class StepContext:
         """Physical compressed rows [F, K] int32 of the top-k of `topk_source` for `rows`, in
         `kv_source`'s cache (-1 where the top-k or the block is empty)."""
         def make() -> torch.Tensor:
-            top = select(self.topk[topk_source], rows)  # [F, K] logical rows
-            req = select(self.batch.req_index, rows).unsqueeze(1).expand_as(top)
-            phys = self.paged_rows(kv_source, top.clamp_min(0).long(), req)
-            return torch.where(top >= 0, phys, -1).to(torch.int32)
+            top = select(self.topk[topk_source], rows)  # [F, K] logical rows, -1 padded
+            return self.paged_rows(kv_source, top, select(self.batch.req_index, rows))
         return self._once(("compressed", topk_source, kv_source), rows, make)
 
     def commit_swa(self, layer: int, rows: torch.Tensor | None) -> None:

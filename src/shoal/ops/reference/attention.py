@@ -97,6 +97,40 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
+def _paged_case(f: int, k: int, width: int, rpb: int) -> OpCase:
+    def make(g: torch.Generator, d: torch.device) -> dict:
+        reqs = 3
+        table = torch.randint(0, 50, (reqs, width), generator=g, dtype=torch.int32)
+        table[torch.rand(reqs, width, generator=g) < 0.2] = -1  # unassigned blocks
+        shape = (f, k) if k else (f,)
+        logical = torch.randint(-3, width * rpb + 4, shape, generator=g)  # < 0 and past W too
+        return {"logical": logical.to(d), "req": torch.randint(0, reqs, (f,), generator=g).to(d),
+                "block_table": table.to(d), "rows_per_block": rpb}
+
+    return OpCase(f"F{f}xK{k}-W{width}-rpb{rpb}", make)
+
+
+@REGISTRY.define("paged_rows", cases=[_paged_case(1, 8, 4, 16), _paged_case(9, 0, 3, 128),
+                                      _paged_case(0, 8, 4, 16), _paged_case(83, 512, 6, 64),
+                                      _paged_case(5, 3, 1, 256)])
+def paged_rows(*, logical: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor,
+               rows_per_block: int) -> torch.Tensor:
+    """Physical rows of paged cache rows: logical [F] or [F, K] row numbers of the requests
+    req [F] (int), block_table [R, W] int32 (-1 = unassigned). Row j of request q lives at
+    block_table[q, j // rows_per_block] * rows_per_block + j % rows_per_block. Returns int32
+    of logical's shape, -1 where logical < 0, past the table's width, or in an unassigned block
+    (a -1 row is skipped by the cache writers and masked by the readers)."""
+    width = block_table.shape[1]
+    if width == 0:
+        return torch.full_like(logical, -1, dtype=torch.int32)
+    safe = logical.clamp_min(0).long()
+    col = safe // rows_per_block
+    q = req.long().view(-1, *([1] * (logical.dim() - 1))).expand_as(logical)
+    blk = block_table[q, col.clamp_max(width - 1)].long()
+    ok = (logical >= 0) & (col < width) & (blk >= 0)
+    return torch.where(ok, blk * rows_per_block + safe % rows_per_block, -1).to(torch.int32)
+
+
 def _swa_idx_case(t: int, window: int) -> OpCase:
     def make(g: torch.Generator, d: torch.device) -> dict:
         pos = torch.randint(0, 40, (t,), generator=g)

@@ -1,9 +1,11 @@
 """Triton (sm_90) per-step attention metadata: `swa_indices` (the SWA key rows of each query,
-model.md §2.5) and `mask_logits` (reindex layers: logits outside the published candidate mask
-become -inf, §2.7).
+model.md §2.5), `paged_rows` (physical rows of paged compressed / index-key rows: one launch
+where the torch expression took about ten) and `mask_logits` (reindex layers: logits outside
+the published candidate mask become -inf, §2.7).
 
-Both are element-wise: one program per tile of ROWS queries x BW (or BN) columns, int64 index
-arithmetic, no reductions; mask_logits moves the logits as integer bits (any float dtype).
+All are element-wise: one program per tile of ROWS queries x BW (or BN) columns (paged_rows:
+BLOCK flat elements), int64 index arithmetic, no reductions; mask_logits moves the logits as
+integer bits (any float dtype).
 Invariant: bit-identical to the reference (ring rows use the floor modulo of the reference's
 `remainder`; -1 marks no key; NaN logits pass through where the mask is True, as
 `masked_fill`).
@@ -64,6 +66,45 @@ def swa_indices(*, positions: torch.Tensor, token_index: torch.Tensor, chunk_sta
             positions, token_index, chunk_start, ring_base, floor, out, t, window, ring_size,
             scratch_base, positions.stride(0), token_index.stride(0), chunk_start.stride(0),
             ring_base.stride(0), floor.stride(0), ROWS=rows, BW=bw, num_warps=4)
+    return out
+
+
+@triton.jit
+def _paged_kernel(l_ptr, r_ptr, t_ptr, o_ptr, N, K, W, RPB, s_r, s_t, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    j = tl.load(l_ptr + i, mask=m, other=-1).to(tl.int64)
+    q = tl.load(r_ptr + (i // K) * s_r, mask=m, other=0).to(tl.int64)
+    safe = tl.maximum(j, 0)
+    col = safe // RPB
+    ok = m & (j >= 0) & (col < W)
+    blk = tl.load(t_ptr + q * s_t + col, mask=ok, other=-1).to(tl.int64)
+    rows = tl.where(ok & (blk >= 0), blk * RPB + safe % RPB, -1)
+    tl.store(o_ptr + i, rows.to(tl.int32), mask=m)
+
+
+def _supports_paged(*, logical: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor,
+                    rows_per_block: int) -> bool:
+    return (on_device(logical) and logical.dim() in (1, 2) and not logical.is_floating_point()
+            and req.dim() == 1 and req.shape[0] == logical.shape[0]
+            and not req.is_floating_point() and block_table.dim() == 2
+            and block_table.dtype == torch.int32 and block_table.stride(1) == 1
+            and rows_per_block >= 1)
+
+
+@REGISTRY.implement("triton", "paged_rows", supports=_supports_paged)
+def paged_rows(*, logical: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor,
+               rows_per_block: int) -> torch.Tensor:
+    """Physical rows (int32, logical's shape; -1 where logical < 0, past the table or in an
+    unassigned block) of logical rows [F] / [F, K] of requests req [F] (reference contract)."""
+    out = torch.empty(logical.shape, dtype=torch.int32, device=logical.device)
+    n = logical.numel()
+    if n:
+        k = logical.shape[1] if logical.dim() == 2 else 1
+        block = 1024
+        _paged_kernel[(triton.cdiv(n, block),)](
+            logical.contiguous(), req, block_table, out, n, k, block_table.shape[1],
+            rows_per_block, req.stride(0), block_table.stride(0), BLOCK=block, num_warps=4)
     return out
 
 
