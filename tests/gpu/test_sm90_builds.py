@@ -122,3 +122,15 @@ def test_router_logits_build_on_fp64_tensor_cores() -> None:
                              ("D", "stride_xt", "stride_we"))
     assert "DMMA" in sass, "router logits: no fp64 tensor-core MMA"
     assert stack_bytes(usage) <= 32, f"router logits: {usage.strip()}"
+
+
+def test_paged_rows_kernel_builds() -> None:
+    """`paged_rows` builds for sm_90 for both logical-row dtypes the model passes (int32 top-k
+    rows, int64 compressor rows), without a stack."""
+    from shoal.ops.triton import attention_meta as tam
+
+    for logical in ("*i32", "*i64"):
+        usage, _ = sm90_build(tam._paged_kernel, {"l_ptr": logical, "r_ptr": "*i64",
+                                                  "t_ptr": "*i32", "o_ptr": "*i32"},
+                              {"BLOCK": 1024}, 4, 1, ())
+        assert stack_bytes(usage) == 0
