@@ -73,7 +73,7 @@ class ForwardBatch:
     chunk_start: torch.Tensor  # [R] int64, first position computed in this step
     block_table: torch.Tensor  # [R, max_blocks] int32 (-1 padded)
     engram_history: torch.Tensor  # [T, max_ngram - 1] int64 ids at p-1.. (-1 before start)
-    logits_rows: torch.Tensor  # [T'] int64 rows whose logits are returned
+    logits_rows: torch.Tensor | None  # [T'] int64 rows whose logits are returned; None: all
     decoder_floor: torch.Tensor  # [T] int64, lowest SWA key position for decoder layers
     layer_rows: dict[int, LayerRows] = field(default_factory=dict)  # decoder layers only
     max_position: int = -1  # largest position in the step (host int: no device sync)
@@ -197,6 +197,8 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                          dtype=torch.int32)
     if width == 0:
         table = torch.full((num_req, 1), -1, dtype=torch.int32)
+    flat = [i for rows in logit_rows for i in rows]
+    every = len(flat) == t and flat == list(range(t))  # decode: no gather before the head
     return ForwardBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
@@ -205,8 +207,7 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
         chunk_start=start_t.to(device),
         block_table=table.to(device),
         engram_history=hist.to(device),
-        logits_rows=torch.tensor([i for rows in logit_rows for i in rows], dtype=torch.int64,
-                                 device=device),
+        logits_rows=None if every else torch.tensor(flat, dtype=torch.int64, device=device),
         decoder_floor=torch.tensor(floors, dtype=torch.int64)[req].to(device),
         layer_rows=layer_rows,
         max_position=max((st + n - 1 for st, n in zip(starts, lengths, strict=True)),

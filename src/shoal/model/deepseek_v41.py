@@ -24,7 +24,7 @@ import torch
 from shoal.model.attention import attention
 from shoal.model.batch import ForwardBatch
 from shoal.model.config import ModelConfig
-from shoal.model.context import StepContext
+from shoal.model.context import StepContext, select
 from shoal.model.engram import engram
 from shoal.model.engram_hash import EngramConstants, engram_constants
 from shoal.model.hyper_connections import mhc_block
@@ -35,7 +35,7 @@ from shoal.ops.registry import OpTable
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [T', V] fp32 for batch.logits_rows
+    logits: torch.Tensor  # [T', V] fp32 for batch.logits_rows (every row when None)
     # [T, n_targets * D] bf16 DSpark capture (if asked). Under tail-only prefill only the rows
     # that run every target layer in full are exact (the last window rows of a prefill and
     # every decode row): pass those to dspark_context (dspark_context_rows).
@@ -106,7 +106,7 @@ class DeepseekV41:
                 pre_prev = pre_prev.index_copy(0, full, pre_f)
         ctx.flush_swa()
         rows = batch.logits_rows
-        h = ops.hc_collapse_norm(stream=stream[rows], pre=pre_prev[rows], weight=p["norm.weight"],
-                                 eps=cfg.norm_eps)
+        h = ops.hc_collapse_norm(stream=select(stream, rows), pre=select(pre_prev, rows),
+                                 weight=p["norm.weight"], eps=cfg.norm_eps)
         logits = ops.lm_head(h=h, weight=p["head.weight"])
         return ForwardOutput(logits, torch.cat(captures, dim=-1) if captures else None)

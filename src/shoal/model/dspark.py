@@ -145,7 +145,7 @@ def _draft_batch(anchor_ids: torch.Tensor, positions: torch.Tensor, slots: torch
         chunk_start=positions.long() + 1,
         block_table=torch.full((b, 1), -1, dtype=torch.int32, device=dev),
         engram_history=torch.full((n, n_hist), -1, dtype=torch.int64, device=dev),
-        logits_rows=torch.arange(n, device=dev),
+        logits_rows=None,
         decoder_floor=torch.zeros(n, dtype=torch.int64, device=dev))
 
 

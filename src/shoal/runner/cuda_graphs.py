@@ -113,7 +113,7 @@ class DecodeGraphs:
         return ForwardBatch(
             input_ids=field(0), positions=field(1), req_index=self._rows[:size],
             slots=field(2), chunk_start=field(3), block_table=self._dev32[:size],
-            engram_history=hist, logits_rows=self._rows[:size], decoder_floor=field(4),
+            engram_history=hist, logits_rows=None, decoder_floor=field(4),
             layer_rows={}, max_position=bound - 1)
 
     def fits(self, chunks: Sequence[RequestChunk]) -> bool:
