@@ -25,7 +25,7 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
    one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
    swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
-   Tiles (`default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
+   Tiles (`moe_tiles.default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
    operands go through mma.sync as fp16, so their weights decode straight to fp16,
    `fp4_tiles.w_f16`, same values as the e4m3 path: exact products, fp32 accumulation; H200
    2026-12-01: 0.094 / 2.38 ms at T = 1 / 64 against 0.114 / 2.96 for e4m3; with 64-column
