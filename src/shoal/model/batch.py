@@ -198,7 +198,7 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
     if width == 0:
         table = torch.full((num_req, 1), -1, dtype=torch.int32)
     flat = [i for rows in logit_rows for i in rows]
-    every = len(flat) == t and flat == list(range(t))  # decode: no gather before the head
+    every = flat == list(range(t))  # every row, in order (decode): no gather before the head
     return ForwardBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device),

@@ -31,7 +31,12 @@ import triton.language as tl
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
-from shoal.ops.triton.gemm_persistent import PERSISTENT_TILE, gemm_persistent, persistent_ok
+from shoal.ops.triton.gemm_persistent import (
+    PERSISTENT_TILE,
+    gemm_persistent,
+    persistent_ok,
+    tma_aligned,
+)
 
 FP8_MAX = 448.0
 
@@ -319,7 +324,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if persistent is None:
         persistent = split in (None, 1) and persistent_ok(m, n, k)
     if persistent:
-        if split not in (None, 1) or n % 8 or k % 16:
+        if split not in (None, 1) or not tma_aligned(n, k):
             raise ValueError(f"gemm_fp8_folded: the persistent kernel takes one split and "
                              f"N % 8 == K % 16 == 0, got split={split}, N={n}, K={k}")
         gemm_persistent(q, row_scale, w.codes, w.col_scale, out, promote,

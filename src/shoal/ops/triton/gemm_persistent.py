@@ -26,10 +26,14 @@ PERSISTENT_MIN_ROWS = 512
 PERSISTENT_MIN_N = 4096
 
 
+def tma_aligned(n: int, k: int) -> bool:
+    """TMA needs 16-byte row strides: K fp8 codes, N bf16 outputs."""
+    return n % 8 == 0 and k % 16 == 0
+
+
 def persistent_ok(m: int, n: int, k: int) -> bool:
-    """Large M and N; TMA needs 16-byte row strides (K fp8 codes, N bf16 outputs)."""
-    return (m >= PERSISTENT_MIN_ROWS and n >= PERSISTENT_MIN_N and n % 8 == 0
-            and k % 16 == 0)
+    """Where the op runs the persistent kernel: large M and N, TMA-aligned."""
+    return m >= PERSISTENT_MIN_ROWS and n >= PERSISTENT_MIN_N and tma_aligned(n, k)
 
 
 @triton.jit
