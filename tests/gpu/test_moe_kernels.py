@@ -24,12 +24,11 @@ from support.triton_interpreter import (  # noqa: E402
 pytestmark = needs_kernels
 
 from shoal.ops.reference import moe as ref  # noqa: E402
-from shoal.ops.triton import fp4_tiles as ftiles  # noqa: E402
 from shoal.ops.triton import moe as tmoe  # noqa: E402
 from shoal.ops.triton import moe_route as troute  # noqa: E402
 from shoal.ops.triton import moe_tiles as tiles  # noqa: E402
 from shoal.ops.triton import router as trouter  # noqa: E402
-from shoal.quant.fp4 import E2M1_VALUES, dequant_mxfp4, quant_mxfp4  # noqa: E402
+from shoal.quant.fp4 import dequant_mxfp4, quant_mxfp4  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -80,114 +79,6 @@ def _check(got: torch.Tensor, want: torch.Tensor):
     assert (err <= atol + rtol * want.abs()).all(), f"max err {err.max():.4g}"
     rel = (got - want).norm() / want.norm()
     assert rel < rel_max, f"relative error {rel:.3g}"
-
-
-def test_lut_table_matches_e4m3_of_shifted_e2m1() -> None:
-    lut = ftiles.lut_table(torch.device("cpu")).view(torch.uint8).reshape(256, 8)
-    for d in (0, 1, 5, 8, 9, 12, 255):
-        want = (torch.tensor(E2M1_VALUES) * 2.0**-d).to(torch.float8_e4m3fn).float()
-        got = lut[d].view(torch.float8_e4m3fn).float()
-        assert torch.equal(got, want), d
-    exact = torch.tensor(E2M1_VALUES) * 2.0**-8  # the fold is exact down to 8 binades
-    assert torch.equal(lut[8].view(torch.float8_e4m3fn).float(), exact)
-
-
-def test_closed_form_lut_words_equal_the_table() -> None:
-    """`w_e4m3` computes the LUT words of shifts up to LUT0_CLOSED / LUT1_CLOSED in closed form
-    and reads the table only beyond: both must agree bit for bit where the closed form is used,
-    and the closed form must stop where it would go wrong (one binade further)."""
-    lut = ftiles.lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
-    limits = (ftiles.LUT0_CLOSED.value, ftiles.LUT1_CLOSED.value)
-    for word in (0, 1):
-        for sh in range(limits[word] + 1):
-            assert ftiles.lut_words(sh)[word] == int(lut[sh, word]), (word, sh)
-        assert ftiles.lut_words(limits[word] + 1)[word] & 0xFFFFFFFF != int(
-            lut[limits[word] + 1, word]), word
-
-
-def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """PTX prmt.b32 (default mode) on int64 tensors holding uint32 values: output byte i is byte
-    (sel & 7) of the 8-byte {b:a}, or its msb replicated (0xFF / 0x00) when sel & 8, with sel the
-    i-th nibble of c."""
-    out = torch.zeros_like(c)
-    for i in range(4):
-        sel = (c >> (4 * i)) & 0xF
-        idx = sel & 7
-        src = torch.where(idx < 4, a >> (8 * (idx & 3)), b >> (8 * (idx & 3))) & 0xFF
-        byte = torch.where((sel & 8) != 0, torch.where(src >= 0x80, 0xFF, 0), src)
-        out |= byte << (8 * i)
-    return out
-
-
-def test_f16_lut_words_are_exact_fp16_high_bytes() -> None:
-    """`w_f16`'s LUT words: byte m of the 8-byte pair, as the high byte of an fp16 (low byte 0),
-    is exactly e2m1 magnitude m times 2^-sh for every sh up to F16_CLOSED (13), and the closed
-    form stops where it would go wrong (word 0 at 14: 0.5 * 2^-14 is no longer a normal
-    high byte); beyond, both words are 0 (the block flushes)."""
-    def decode(word: int) -> list[float]:
-        hb = [(word >> (8 * i)) & 0xFF for i in range(4)]
-        return [torch.tensor([b << 8], dtype=torch.int16).view(torch.float16).item() for b in hb]
-
-    for sh in range(ftiles.F16_CLOSED.value + 1):
-        w0, w1 = ftiles.f16_lut_words(sh)
-        assert decode(w0) + decode(w1) == [v * 2.0 ** -sh for v in E2M1_VALUES], sh
-    w0 = ftiles.F16_LUT0_BASE.value - 14 * ftiles.F16_LUT0_STEP.value
-    assert decode(w0)[1] != 0.5 * 2.0 ** -14
-    assert ftiles.f16_lut_words(14) == (0, 0) == ftiles.f16_lut_words(255)
-
-
-def test_prmt_conversions_emulated_exhaustively() -> None:
-    """The PTX of both asm conversions (`_w_e4m3` CONVERT 1 and 2), emulated instruction by
-    instruction, gives the e4m3 bytes of the portable formula for all 65536 16-bit words (4
-    codes) under several shift LUTs (the asm itself only runs on the device)."""
-    lut = ftiles.lut_table(torch.device("cpu")).to(torch.int64) & 0xFFFFFFFF
-    word = torch.arange(1 << 16, dtype=torch.int64)
-    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
-    m32 = 0xFFFFFFFF
-    c80 = torch.full_like(word, 0x80808080)
-    for d in (0, 1, 3, 8, 9, 255):
-        l0, l1 = lut[d, 0].expand_as(word), lut[d, 1].expand_as(word)
-        mag = codes & 7
-        want_lut = torch.where(mag < 4, l0[:, None], l1[:, None])
-        want = ((want_lut >> ((mag & 3) * 8)) & 0xFF) | ((codes & 8) << 4)
-        want = sum(want[:, j] << (8 * j) for j in range(4))
-        # CONVERT 2: $1 low half = the word
-        v = _prmt(l0, l1, word & 0x7777)
-        g = ((_prmt(c80, c80, word) << 7) & m32) & 0x80808080
-        assert torch.equal(v | g, want), d
-        # CONVERT 1: $1 = [b0, b0, b1, b1]
-        b0, b1 = word & 0xFF, word >> 8
-        r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)
-        s1 = _prmt(r, torch.zeros_like(r), torch.full_like(r, 0x0020))
-        v = _prmt(l0, l1, s1 & 0x7777)
-        g = ((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080
-        assert torch.equal(v | g, want), d
-
-
-def test_f16_prmt_conversion_emulated_exhaustively() -> None:
-    """`w_f16`'s asm, emulated instruction by instruction, gives for all 65536 16-bit words (4
-    codes) and several shifts the two fp16 pairs of the portable formula (sign | LUT high byte,
-    low byte 0), in K order: $0 = (code 0, code 1), $1 = (code 2, code 3)."""
-    word = torch.arange(1 << 16, dtype=torch.int64)
-    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
-    m32 = 0xFFFFFFFF
-    c80 = torch.full_like(word, 0x80808080)
-    zero = torch.zeros_like(word)
-    for sh in (0, 1, 5, 9, 13, 14):
-        w0, w1 = ftiles.f16_lut_words(sh)
-        l0, l1 = torch.full_like(word, w0), torch.full_like(word, w1)
-        mag = codes & 7
-        want_lut = torch.where(mag < 4, l0[:, None], l1[:, None])
-        hb = ((want_lut >> ((mag & 3) * 8)) & 0xFF) | ((codes & 8) << 4)
-        want0 = (hb[:, 0] << 8) | (hb[:, 1] << 24)
-        want1 = (hb[:, 2] << 8) | (hb[:, 3] << 24)
-        b0, b1 = word & 0xFF, word >> 8
-        r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)
-        s1 = _prmt(r, zero, torch.full_like(r, 0x0020))
-        v = _prmt(l0, l1, s1 & 0x7777) | (((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080)
-        assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x1404)), want0), sh
-        assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x3424)), want1), sh
-
 
 SWAP = (tiles.TileConfig(16, 64, 256, 4, 4, swap_ab=True),) * 2
 PLAIN = (tiles.TileConfig(16, 32, 256, 4, 4), tiles.TileConfig(16, 64, 256, 4, 4))
