@@ -495,3 +495,15 @@ def test_engram_mix_explicit_formula(seed: int, t: int):
     for i in range(t):
         if not bool(mask[i]):
             assert torch.equal(out[i], stream[i])
+
+
+def test_paged_rows_rejects_mismatched_shapes() -> None:
+    """paged_rows names the shapes it expects instead of failing inside torch indexing."""
+    paged_rows = attention.paged_rows
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="paged_rows"):
+        paged_rows(logical=torch.zeros(4, 2, dtype=torch.long), req=torch.zeros(3, dtype=torch.long),
+                   block_table=table, rows_per_block=16)
+    with pytest.raises(ValueError, match="rows_per_block"):
+        paged_rows(logical=torch.zeros(4, dtype=torch.long), req=torch.zeros(4, dtype=torch.long),
+                   block_table=table, rows_per_block=0)

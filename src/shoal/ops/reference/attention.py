@@ -120,12 +120,18 @@ def paged_rows(*, logical: torch.Tensor, req: torch.Tensor, block_table: torch.T
     block_table[q, j // rows_per_block] * rows_per_block + j % rows_per_block. Returns int32
     of logical's shape, -1 where logical < 0, past the table's width, or in an unassigned block
     (a -1 row is skipped by the cache writers and masked by the readers)."""
+    if logical.dim() not in (1, 2) or req.shape != (logical.shape[0],) \
+            or block_table.dim() != 2 or rows_per_block < 1:
+        raise ValueError(f"paged_rows: logical {tuple(logical.shape)} must be [F] or [F, K] with "
+                         f"req [F] (got {tuple(req.shape)}), block_table [R, W] (got "
+                         f"{tuple(block_table.shape)}) and rows_per_block >= 1 (got "
+                         f"{rows_per_block})")
     width = block_table.shape[1]
     if width == 0:
         return torch.full_like(logical, -1, dtype=torch.int32)
     safe = logical.clamp_min(0).long()
     col = safe // rows_per_block
-    q = req.long().view(-1, *([1] * (logical.dim() - 1))).expand_as(logical)
+    q = req.long().view(-1, 1).expand_as(logical) if logical.dim() == 2 else req.long()
     blk = block_table[q, col.clamp_max(width - 1)].long()
     ok = (logical >= 0) & (col < width) & (blk >= 0)
     return torch.where(ok, blk * rows_per_block + safe % rows_per_block, -1).to(torch.int32)
