@@ -1,10 +1,9 @@
 """Where `gemm_fp8`'s persistent TMA kernel (ops/triton/gemm_persistent.py) beats the autotuned
 pointer kernel: both through `gemm_fp8_folded` on mini's six dense FP8 shapes at M = 128 ..
-8192, bit-equality of the two, fraction of the FP8 peak, and torch._scaled_mm (per-tensor FP8)
-on the same codes at M >= 4096. The `persistent_ok` rule (M >= 512, N >= 4096) comes from
-these calls, made by a session-10 script on the H200 (benchmarks/results/
-session10_h200_2026-12-01.txt, run 2; that script also timed the kernel variants listed in
-gemm_persistent.py and is not kept). This script itself has not run on the H200 yet.
+8192, whether their bits agree (they do not since the persistent tile promotes every 256 K:
+session 11), fraction of the FP8 peak, and torch._scaled_mm (per-tensor FP8) on the same codes
+at M >= 4096. The `persistent_ok` rule (tile steps per SM) comes from this script's H200 run in
+benchmarks/results/session11_h200_2026-12-01.txt.
 
     PYTHONPATH=src python3 benchmarks/bench_gemm_persistent.py
 """
@@ -18,6 +17,7 @@ import triton
 
 from shoal.bench import git_commit
 from shoal.ops.triton import gemm as tg
+from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_persistent import persistent_ok
 from shoal.quant.fp8 import quant_fp8_weight
 
@@ -35,7 +35,7 @@ def measure(name: str, prep: tg.PreparedFP8Weight, x: torch.Tensor) -> dict:
              "persistent": lambda: tg.gemm_fp8_folded(q, rs, prep, persistent=True)}
     row = {"shape": name, "M": m, "N": n, "K": k,
            "bit_equal": torch.equal(calls["pointer"](), calls["persistent"]()),
-           "default": "persistent" if persistent_ok(m, n, k) else "pointer"}
+           "default": "persistent" if persistent_ok(m, n, k, sm_count(x.device)) else "pointer"}
     for label, fn in calls.items():
         ms = triton.testing.do_bench(fn, warmup=10, rep=50)
         row[f"{label}_us"] = round(ms * 1e3, 1)

@@ -172,6 +172,9 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": True}
     if name == "asm_v1":
         return {"use_asm": True, "asm_variant": 1}
+    if name == "asm_v3":  # K-permuted fp16 shifts on the f16 decode tiles (conversion 3)
+        return ({"use_asm": True, "asm_variant": 3}
+                if tiles.default_configs(rows, E)[0].f16 else None)
     if name == "asm_v0":
         return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
     if name == "asm_swap":  # the faster, less accurate swap-AB wgmma decode tiles

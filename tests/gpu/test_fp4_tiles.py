@@ -124,3 +124,51 @@ def test_f16_prmt_conversion_emulated_exhaustively() -> None:
         v = _prmt(l0, l1, s1 & 0x7777) | (((_prmt(c80, c80, s1) << 7) & m32) & 0x80808080)
         assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x1404)), want0), sh
         assert torch.equal(_prmt(v, zero, torch.full_like(v, 0x3424)), want1), sh
+
+
+def test_f16_shift_conversion_emulated_exhaustively() -> None:
+    """Conversion 3's asm (`w_f16_perm` / `a_f16_perm`), emulated instruction by instruction:
+    for all 65536 16-bit words (4 codes c0..c3 of K 0..3) and every shift up to F16P_EXACT
+    (and one beyond: flushed), the two fp16 pairs are the exact e2m1 * 2^-sh of (c0, c2) and
+    (c1, c3); and the activation asm gives fp16 pairs (a0, a2), (a1, a3) of every e4m3 byte
+    quadruple tried: the same K permutation on both operands."""
+    word = torch.arange(1 << 16, dtype=torch.int64)
+    codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
+    e2m1 = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float64)
+    b0, b1 = word & 0xFF, word >> 8
+    r = b0 | (b0 << 8) | (b1 << 16) | (b1 << 24)  # the duplicated bytes of K 0..3
+    m32 = 0xFFFFFFFF
+
+    def lop3_ea(a, b, c):  # lop3 immLut 0xEA: (a & b) | c
+        return (a & b) | c
+
+    def f16_halves(x):
+        h = torch.stack([x & 0xFFFF, (x >> 16) & 0xFFFF], 1).to(torch.int32).to(torch.int16)
+        return h.view(torch.float16).to(torch.float64)
+
+    t = (r << 4) & m32
+    m1 = (r >> 3) & 0x0E000E00
+    o1 = lop3_ea(r, 0x80008000, m1)
+    m0 = (r << 1) & 0x0E000E00
+    o0 = lop3_ea(t, 0x80008000, m0)
+    raw0, raw1 = f16_halves(o0), f16_halves(o1)
+    assert torch.equal(raw0, e2m1[codes[:, [0, 2]]] * 2.0**-14)
+    assert torch.equal(raw1, e2m1[codes[:, [1, 3]]] * 2.0**-14)
+    for sh in (0, 1, 7, 13, 14, 20, ftiles.F16P_EXACT.value, ftiles.F16P_EXACT.value + 1, 255):
+        f = ((29 - sh) << 10 if sh <= ftiles.F16P_EXACT.value else 0) * 0x10001
+        scale = f16_halves(torch.tensor([f]))[0, 0].item()
+        want = 0.0 if sh > ftiles.F16P_EXACT.value else 2.0**-sh
+        # mul.rn.f16x2 of an exact product is the product; the emulation checks exactness too
+        for raw, pair in ((raw0, [0, 2]), (raw1, [1, 3])):
+            prod = (raw.to(torch.float16) * torch.tensor(scale, dtype=torch.float16)).to(torch.float64)
+            assert torch.equal(prod, e2m1[codes[:, pair]] * want), sh
+    # activations: prmt [a0, a2, a1, a3], then e4m3x2 -> fp16x2 of each 16-bit half
+    a = torch.randint(0, 1 << 32, (4096,), dtype=torch.int64)
+    a[0] = 0x7F7E0180  # NaN, max finite, smallest subnormal, -0 bytes
+    p = _prmt(a, torch.zeros_like(a), torch.full_like(a, 0x3120))
+    by = torch.stack([(a >> (8 * j)) & 0xFF for j in range(4)], 1).to(torch.uint8)
+    vals = by.view(torch.float8_e4m3fn).to(torch.float64)
+    got = torch.stack([(p >> (8 * j)) & 0xFF for j in range(4)], 1).to(torch.uint8)
+    got = got.view(torch.float8_e4m3fn).to(torch.float64)
+    want = vals[:, [0, 2, 1, 3]]
+    assert torch.equal(torch.nan_to_num(got, 7.0), torch.nan_to_num(want, 7.0))

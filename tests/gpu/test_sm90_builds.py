@@ -89,7 +89,8 @@ def _packs_consecutive_k(ttgir: str) -> list[bool]:
 
 def test_prmt_operands_pack_consecutive_k() -> None:
     """The prmt conversions (fp4_tiles.w_e4m3 CONVERT 1 / 2, w_f16) treat 4 packed elements as 4
-    consecutive K of one row (one 32-block, one LUT). Triton picks the register layout, so this
+    consecutive K of one row (one 32-block, one LUT); conversion 3 (w_f16_perm with a_f16_perm)
+    permutes K inside those 4 on both operands. Triton picks the register layout, so this
     checks it in the sm_90 IR of every default MoE tile (decode and prefill) and the swap-AB
     decode tiles, for each conversion `_launch` allows there; and that the combination
     `_launch` refuses (variant 2 on plain 128-row tiles: wrong bits on the H200) fails it."""
@@ -103,7 +104,7 @@ def test_prmt_operands_pack_consecutive_k() -> None:
              *tiles.SWAP_DECODE]
     for i, cfg in enumerate(pairs):
         swiglu, k = (True, 5120) if i % 2 == 0 else (False, 2304)
-        for convert in ((1, 2) if cfg.swap_ab else (1,)):
+        for convert in ((1, 2) if cfg.swap_ab else (1, 3) if cfg.f16 else (1,)):
             got = verdicts(cfg, swiglu, k, convert)
             assert got and all(got), f"{cfg} convert {convert}: prmt operand layout {got}"
     big = tiles.default_configs(8192 * 6, 384)[0]

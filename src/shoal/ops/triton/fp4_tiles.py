@@ -211,6 +211,61 @@ def w_f16(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
     return h
 
 
+# w_f16_perm / a_f16_perm (CONVERT 3): the operands of the 16-row f16 tiles with K permuted
+# inside every 4 consecutive K (slots 1 and 2 swapped, the same on both sides, so the dot sums
+# the same products). A register r of 4 duplicated-byte elements [b0, b0, b1, b1] holds the
+# codes c0..c3 of K 0..3 with c1 in bits 12-15 and c3 in bits 28-31, c0 / c2 four bits lower:
+# the sign bit already sits at an fp16 sign position and the magnitude needs one shift (fp16
+# bits of e2m1 * 2^-14), so each fp16 pair is 2-3 integer ops without a LUT; the block scale
+# is then an exact fp16x2 multiply by 2^(14 - sh) (FMA pipe, not the integer pipe the LUT
+# conversion saturates). r >> 3 and r << 1 put the magnitudes at bits 9-11 / 25-27.
+F16P_ASM = tl.constexpr("""{
+            .reg .b32 t, m0, m1, o0, o1;
+            shl.b32 t, $2, 4;
+            shr.b32 m1, $2, 3;
+            and.b32 m1, m1, 0x0E000E00;
+            lop3.b32 o1, $2, 0x80008000, m1, 0xEA;
+            shl.b32 m0, $2, 1;
+            and.b32 m0, m0, 0x0E000E00;
+            lop3.b32 o0, t, 0x80008000, m0, 0xEA;
+            mul.rn.f16x2 $0, o0, $3;
+            mul.rn.f16x2 $1, o1, $3;
+            }""")
+# e4m3 bytes [a0, a1, a2, a3] -> fp16 pairs (a0, a2), (a1, a3): the same K permutation
+A16P_ASM = tl.constexpr("""{
+            .reg .b32 p;
+            .reg .b16 lo, hi;
+            prmt.b32 p, $2, 0, 0x3120;
+            mov.b32 {lo, hi}, p;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""")
+F16P_EXACT = tl.constexpr(23)  # e2m1 * 2^-sh is an fp16 (normal or subnormal) up to here
+
+
+@triton.jit
+def w_f16_perm(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
+    """As `w_f16` (the folded fp16 tile e2m1 * 2^(block exp - wmax)), K permuted as
+    `a_f16_perm` (slots 1 and 2 of every 4 consecutive K swapped): only for a dot with an
+    `a_f16_perm` operand. Exact for blocks up to F16P_EXACT binades below their row's largest
+    (w_f16: 13), flushed to zero beyond."""
+    sh = wmax[:, None] - sc.to(tl.int32)
+    f = tl.where(sh <= F16P_EXACT, (29 - sh) << 10, 0) * 0x10001  # fp16x2 2^(14 - sh)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
+    return tl.inline_asm_elementwise(asm=F16P_ASM, constraints="=r,=r,r,r,r,r,r",
+                                     args=[wd, f], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def a_f16_perm(a):
+    """e4m3 activations [BM, BK] -> fp16 (exact) with slots 1 and 2 of every 4 consecutive K
+    swapped (`w_f16_perm`'s permutation)."""
+    return tl.inline_asm_elementwise(asm=A16P_ASM, constraints="=r,=r,r",
+                                     args=[a.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=True, pack=4)
+
+
 @triton.jit
 def w_bf16(w_ptr, sc, wrow, k0, K2, BN: tl.constexpr, BK: tl.constexpr):
     """Dequantised bf16 weight tile [BN, BK] (exact): e2m1 as fp16 bits (value * 2^-14) * scale

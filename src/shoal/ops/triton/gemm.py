@@ -308,7 +308,8 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
     row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01).
     persistent: the TMA kernel of gemm_persistent.py (default: `persistent_ok` there, one
-    split); it gives the same bits as the pointer kernel."""
+    split; 256-K promoted partials, so its bits differ from the pointer kernel's, which a
+    128-K `tile` reproduces)."""
     ma, k = q.shape
     m = ma if rows is None else rows
     if not 0 <= m <= ma:
@@ -322,7 +323,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     if k == 0:
         return out.zero_()
     if persistent is None:
-        persistent = split in (None, 1) and persistent_ok(m, n, k)
+        persistent = split in (None, 1) and persistent_ok(m, n, k, sm_count(q.device))
     if persistent:
         if split not in (None, 1) or not tma_aligned(n, k):
             raise ValueError(f"gemm_fp8_folded: the persistent kernel takes one split and "

@@ -1,7 +1,10 @@
 """Triton (sm_90) persistent FP8 GEMM for large M (the `gemm_fp8` op's kernel from
 `persistent_ok` on; gemm.py chooses): one program per SM walks the output tiles, operands
 through TMA descriptors, so one tile's epilogue overlaps the next tile's loads. Same folded
-operands and the same promoted 128-K partials as gemm.py's pointer kernel: the same bits.
+operands as gemm.py's pointer kernel; promoted accumulation adds 256-K partials (the pointer
+kernel: 128-K), each formed by the FP8 wgmma from zero and added in fp32: half the promotion
+adds, which Triton cannot overlap with the next wgmma (the product is waited for at once). With a
+128-K tile it gives the pointer kernel's bits.
 """
 
 from __future__ import annotations
@@ -14,16 +17,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shoal.ops.triton.device import sm_count
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
-# benchmarks/results/session10_h200_2026-12-01.txt): 0.64-0.65 of the FP8 peak on wq_b and
-# 0.66-0.68 on wo_b at M = 4096 (the autotuned pointer kernel: 0.50 / 0.61-0.65); 128x256 or
-# 64x256 tiles, 3 stages, an epilogue stored in two halves, two 128-K products per iteration
-# and Triton's warp specialisation were no faster. On mini's dense shapes with N >= 4096 (wq_b,
-# wo_b, shared w2, indexer wq_b) it is 10-13% faster summed over the four at M = 512, 1024 and
-# 2048 (per shape 0.82-1.72x); with N <= 2304 (wq_a|wkv, shared w13: <= 2.2 waves of 128x128
-# tiles at M = 2048, where the autotuned tiles fit better) 0.71-1.04x; at M = 128 slower.
-PERSISTENT_TILE = (128, 128, 128, 8, 4)
-PERSISTENT_MIN_ROWS = 512
-PERSISTENT_MIN_N = 4096
+# session 11, benchmarks/results/session11_h200_2026-12-01.txt): BLOCK_K
+# 256 with 3 stages (promotion every 256 K) 0.728 / 0.802 of the FP8 peak on wq_b / wo_b at
+# M = 4096, against 0.640 / 0.693 for the 128-K tile of session 10 (0.64 / 0.66 then) and
+# 0.869 / 0.941 for torch._scaled_mm (1.19x / 1.17x; 128-K: 1.36x / 1.36x); 2 stages 0.48.
+# Tried and no faster (session 10-11): 128x256 and 64x256 tiles, 3 or 5 stages at 128 K, an
+# epilogue stored in two halves, two 128-K products per iteration, a product added one
+# iteration late (Triton still waits for it at once), Triton's warp specialisation, and two
+# 4-warp 64x128 or 128x64 CTAs per SM (0.61 / 0.66: the promotions of one do not hide behind
+# the other's wgmma). Chained (no promotion): 0.79 / 0.92.
+PERSISTENT_TILE = (128, 128, 256, 8, 3)
+# The persistent kernel from this many 256-K tile steps per SM on (tiles x K steps / SMs).
+# H200 (session 11, bench_gemm_persistent.py over mini's six dense shapes at M = 128 .. 8192):
+# faster than the autotuned pointer kernel from 2880 tile steps (132 SMs: 21.8 per SM; shared
+# w13 and w2 at M = 1024, 1.21x / 1.29x) up; at 2560 and below equal or slower (wo_b M = 256
+# 0.73x, indexer wq_b M = 2048 0.97x, wq_a|wkv M = 1024 0.91x), except wq_b at M = 256 (1.23x).
+PERSISTENT_MIN_STEPS_PER_SM = 21
 
 
 def tma_aligned(n: int, k: int) -> bool:
@@ -31,9 +40,12 @@ def tma_aligned(n: int, k: int) -> bool:
     return n % 8 == 0 and k % 16 == 0
 
 
-def persistent_ok(m: int, n: int, k: int) -> bool:
-    """Where the op runs the persistent kernel: large M and N, TMA-aligned."""
-    return m >= PERSISTENT_MIN_ROWS and n >= PERSISTENT_MIN_N and tma_aligned(n, k)
+def persistent_ok(m: int, n: int, k: int, sms: int) -> bool:
+    """Where the op runs the persistent kernel: enough tile work per SM (each program then
+    walks several tiles, so their epilogues overlap loads), TMA-aligned."""
+    bm, bn, bk = PERSISTENT_TILE[:3]
+    steps = triton.cdiv(m, bm) * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    return steps >= PERSISTENT_MIN_STEPS_PER_SM * sms and tma_aligned(n, k)
 
 
 @triton.jit
@@ -43,7 +55,7 @@ def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
     """Large M: the same tiles as `_gemm_fp8_body` (SPLIT_K = 1) from one program per SM that
     walks the output tiles in steps of PROGRAMS, operands through TMA descriptors (zero-filled
     beyond M, N, K; the store is clipped), so one tile's epilogue overlaps the next tile's loads.
-    The same BLOCK_K partials added in the same order: bit-identical to `_gemm_fp8_body`."""
+    Promoted: each BLOCK_K partial added in K order (BLOCK_K 128: `_gemm_fp8_body`'s bits)."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     steps = tl.cdiv(K, BLOCK_K)
@@ -70,12 +82,13 @@ def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
 
 def gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, codes: torch.Tensor,
                     col_scale: torch.Tensor, out: torch.Tensor, promote: int,
-                    tile: tuple[int, int, int, int, int] = PERSISTENT_TILE) -> None:
+                    tile: tuple[int, int, int, int, int] = PERSISTENT_TILE,
+                    ctas_per_sm: int = 1) -> None:
     """out [M, N] bf16 = (q[:M] e4m3 * row_scale) @ (codes [N, K] e4m3 * col_scale)^T, written
-    in place; promote: gemm.py's CHAINED or PROMOTED."""
+    in place; promote: gemm.py's CHAINED or PROMOTED; ctas_per_sm programs per SM."""
     m, n = out.shape
     bm, bn, bk, warps, stages = tile
-    programs = min(sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    programs = min(ctas_per_sm * sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _gemm_fp8_persistent[(programs,)](
         TensorDescriptor.from_tensor(q[:m], [bm, bk]),
         TensorDescriptor.from_tensor(codes, [bn, bk]),

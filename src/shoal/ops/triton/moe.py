@@ -24,7 +24,13 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
    one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
-   swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4).
+   swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4). The f16 decode tiles run 3
+   (`fp4_tiles.w_f16_perm` / `a_f16_perm`): the codes become fp16 by shifts and masks, no LUT,
+   and the block scale is an fp16x2 multiply, with K permuted inside every 4 on both operands.
+   The same instruction count as 1 (sm_90 SASS: 1098 vs 1080 per K step of the w13 loop) but
+   ~20% fewer on the integer pipe, which ncu showed throttling (H200 2026-12-01: issue active
+   61%, math-pipe-throttle the top stall at T = 64); same bits as 1 at T = 1..256, 0.084 /
+   0.744 / 2.04 / 3.27 ms at T = 1 / 16 / 64 / 256 against 0.089 / 0.805 / 2.19 / 3.41.
    Tiles (`moe_tiles.default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
    operands go through mma.sync as fp16, so their weights decode straight to fp16,
    `fp4_tiles.w_f16`, same values as the e4m3 path: exact products, fp32 accumulation; H200
@@ -67,6 +73,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.fp4_tiles import (
+    a_f16_perm,
     block_scales,
     col_scale,
     lut_table,
@@ -74,6 +81,7 @@ from shoal.ops.triton.fp4_tiles import (
     w_bf16,
     w_e4m3,
     w_f16,
+    w_f16_perm,
 )
 from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import route
@@ -191,7 +199,10 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                     sc_u = sc_u_next
             a = tl.load(a_ptr + arow[:, None] * K + (k0 + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
-            if F16:
+            if F16 and CONVERT == 3:
+                a = a_f16_perm(a)
+                bg = w_f16_perm(w_ptr, sc_g, wrow_g, wmax_g, k0, K2, BN, BK)
+            elif F16:
                 a = a.to(tl.float16)  # e4m3 -> fp16: exact
                 bg = w_f16(w_ptr, sc_g, wrow_g, wmax_g, k0, K2, BN, BK, CONVERT == 1)
             elif W4A8:
@@ -203,7 +214,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             else:
                 acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
             if SWIGLU:
-                if F16:
+                if F16 and CONVERT == 3:
+                    bu = w_f16_perm(w_ptr, sc_u, wrow_u, wmax_u, k0, K2, BN, BK)
+                elif F16:
                     bu = w_f16(w_ptr, sc_u, wrow_u, wmax_u, k0, K2, BN, BK, CONVERT == 1)
                 elif W4A8:
                     bu = w_e4m3(w_ptr, sc_u, lut_ptr, wrow_u, wmax_u, k0, K2, BN, BK, CONVERT)
@@ -273,18 +286,20 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
             swiglu: bool, gather: bool, w4a8: bool,
             convert: int | None) -> None:
     """One grouped GEMM: w13 writes h [R, n] bf16 into `out`; w2 writes y [R, n] bf16 at the
-    output rows into `out`. convert: the `w_e4m3` CONVERT (0 portable, 1 / 2 prmt); None: the
-    prmt variant
-    with the fewest instructions for the tile orientation (2 for swap-AB, where the weights are
-    the register operand; 1 for plain tiles, where 2 costs more)."""
+    output rows into `out`. convert: the weight conversion (0 portable, 1 / 2 prmt, 3 the
+    K-permuted fp16 shifts of the f16 tiles); None: the fastest for the tile (3 on f16 tiles,
+    2 for swap-AB, where the weights are the register operand; 1 on the other plain tiles,
+    where 2 costs more)."""
     rows, e = orow.shape[0], w.shape[0]
+    f16 = cfg.f16 and w4a8  # (the W4A16 baseline keeps its bf16 dequantisation)
     if convert is None:
-        convert = 2 if cfg.swap_ab else 1
+        convert = 2 if cfg.swap_ab else 3 if f16 else 1
     if convert == 2 and not cfg.swap_ab:  # H200 2026-11-29: wrong bits on 128-row plain tiles
         raise ValueError("prmt variant 2 needs swap-AB tiles (weights as the register operand)")
-    f16 = cfg.f16 and w4a8  # (the W4A16 baseline keeps its bf16 dequantisation)
     if f16 and (cfg.swap_ab or convert == 2):
-        raise ValueError("f16 tiles: plain tiles with conversion 0 or 1 only")
+        raise ValueError("f16 tiles: plain tiles with conversion 0, 1 or 3 only")
+    if convert == 3 and not f16:
+        raise ValueError("conversion 3 (K-permuted fp16 shifts) needs f16 tiles")
     bk = cfg.block_k
     while k % bk:
         bk //= 2
@@ -337,8 +352,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
                            device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
-    if asm_variant not in (None, 1, 2):
-        raise ValueError(f"asm_variant must be None, 1 or 2, got {asm_variant}")
+    if asm_variant not in (None, 1, 2, 3):
+        raise ValueError(f"asm_variant must be None, 1, 2 or 3, got {asm_variant}")
     convert = asm_variant if use_asm else 0
     cfg1, cfg2 = configs or (default_configs if w4a8 else w4a16_configs)(t * k, e)
     tok, orow, rw, counts = route(ids, weights, e)
