@@ -128,9 +128,9 @@ def test_f16_prmt_conversion_emulated_exhaustively() -> None:
 
 def test_f16_shift_conversion_emulated_exhaustively() -> None:
     """Conversion 3's asm (`w_f16_perm` / `a_f16_perm`), emulated instruction by instruction:
-    for all 65536 16-bit words (4 codes c0..c3 of K 0..3) and every shift up to F16P_EXACT
-    (and one beyond: flushed), the two fp16 pairs are the exact e2m1 * 2^-sh of (c0, c2) and
-    (c1, c3); and the activation asm gives fp16 pairs (a0, a2), (a1, a3) of every e4m3 byte
+    for all 65536 16-bit words (4 codes c0..c3 of K 0..3) and shifts up to F16P_EXACT, the two
+    fp16 pairs are the exact e2m1 * 2^-sh of (c0, c2) and (c1, c3); up to F16P_LAST their fp16
+    roundings; beyond, zero; and the activation asm gives fp16 pairs (a0, a2), (a1, a3) of every e4m3 byte
     quadruple tried: the same K permutation on both operands."""
     word = torch.arange(1 << 16, dtype=torch.int64)
     codes = torch.stack([(word >> (4 * j)) & 0xF for j in range(4)], 1)
@@ -154,14 +154,22 @@ def test_f16_shift_conversion_emulated_exhaustively() -> None:
     raw0, raw1 = f16_halves(o0), f16_halves(o1)
     assert torch.equal(raw0, e2m1[codes[:, [0, 2]]] * 2.0**-14)
     assert torch.equal(raw1, e2m1[codes[:, [1, 3]]] * 2.0**-14)
-    for sh in (0, 1, 7, 13, 14, 20, ftiles.F16P_EXACT.value, ftiles.F16P_EXACT.value + 1, 255):
-        f = ((29 - sh) << 10 if sh <= ftiles.F16P_EXACT.value else 0) * 0x10001
+    exact, last = ftiles.F16P_EXACT.value, ftiles.F16P_LAST.value
+    for sh in (0, 1, 7, 13, 14, 20, exact, exact + 1, last, last + 1, 200):
+        wmax, e = 200, 200 - sh  # the kernel's scale formula for a block e of a row max wmax
+        f = max(e + (29 - wmax), 0) * 0x04000400
+        assert f == (f & 0xFFFF) * 0x10001  # two equal halves, no carry between them
         scale = f16_halves(torch.tensor([f]))[0, 0].item()
-        want = 0.0 if sh > ftiles.F16P_EXACT.value else 2.0**-sh
-        # mul.rn.f16x2 of an exact product is the product; the emulation checks exactness too
+        assert scale == (2.0 ** (14 - sh) if sh <= last else 0.0), sh
+        want = e2m1 * 2.0**-sh if sh <= last else e2m1 * 0.0
         for raw, pair in ((raw0, [0, 2]), (raw1, [1, 3])):
+            # mul.rn.f16x2 = the fp16 product (exact up to F16P_EXACT, rounded below)
             prod = (raw.to(torch.float16) * torch.tensor(scale, dtype=torch.float16)).to(torch.float64)
-            assert torch.equal(prod, e2m1[codes[:, pair]] * want), sh
+            ref = want[codes[:, pair]]
+            if sh <= exact:
+                assert torch.equal(prod, ref), sh
+            else:
+                assert torch.equal(prod, ref.to(torch.float16).to(torch.float64)), sh
     # activations: prmt [a0, a2, a1, a3], then e4m3x2 -> fp16x2 of each 16-bit half
     a = torch.randint(0, 1 << 32, (4096,), dtype=torch.int64)
     a[0] = 0x7F7E0180  # NaN, max finite, smallest subnormal, -0 bytes

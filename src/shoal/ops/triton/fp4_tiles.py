@@ -241,6 +241,7 @@ A16P_ASM = tl.constexpr("""{
             cvt.rn.f16x2.e4m3x2 $1, hi;
             }""")
 F16P_EXACT = tl.constexpr(23)  # e2m1 * 2^-sh is an fp16 (normal or subnormal) up to here
+F16P_LAST = tl.constexpr(28)  # the last shift with a nonzero (normal) fp16 scale 2^(14 - sh)
 
 
 @triton.jit
@@ -248,9 +249,11 @@ def w_f16_perm(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr
     """As `w_f16` (the folded fp16 tile e2m1 * 2^(block exp - wmax)), K permuted as
     `a_f16_perm` (slots 1 and 2 of every 4 consecutive K swapped): only for a dot with an
     `a_f16_perm` operand. Exact for blocks up to F16P_EXACT binades below their row's largest
-    (w_f16: 13), flushed to zero beyond."""
-    sh = wmax[:, None] - sc.to(tl.int32)
-    f = tl.where(sh <= F16P_EXACT, (29 - sh) << 10, 0) * 0x10001  # fp16x2 2^(14 - sh)
+    (w_f16: 13); 24 to 28 binades below, the fp16 products are rounded to nearest (values under
+    2^-24 flush); further down the scale is 0. The scale of a block sh = wmax - e binades down
+    is the fp16x2 2^(14 - sh), exponent field 29 - sh: max(e + (29 - wmax), 0) * 0x04000400
+    (one add, one max, one multiply per block; the halves cannot carry into each other)."""
+    f = tl.maximum(sc.to(tl.int32) + (29 - wmax[:, None]), 0) * 0x04000400
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     wd = dup_bytes(w_ptr, wrow, k0, K2, BN, BK)
     return tl.inline_asm_elementwise(asm=F16P_ASM, constraints="=r,=r,r,r,r,r,r",
