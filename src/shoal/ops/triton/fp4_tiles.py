@@ -7,6 +7,9 @@
   word of 4 codes (inline PTX; all three give identical bits, checked on the device).
 - `w_f16`: the same tile straight to fp16 (a per-block LUT of fp16 high bytes) for the 16-row
   mma.sync tiles, which run FP8 operands as fp16 anyway.
+- `w_f16_perm` with `a_f16_perm` (the MoE's CONVERT 3, the default on those tiles): the fp16
+  tile by shifts and masks and an fp16x2 block-scale multiply, no LUT, with K permuted inside
+  every 4 consecutive K on both dot operands.
 - `w_bf16`: the exact bf16 dequantisation (the W4A16 baseline).
 - `row_max_exp` / `col_scale`: the per-row largest UE8M0 exponent and its fp32 scale.
 Invariant: the decoded tile times the row's column scale equals the reference dequantisation
@@ -217,7 +220,7 @@ def w_f16(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
 # codes c0..c3 of K 0..3 with c1 in bits 12-15 and c3 in bits 28-31, c0 / c2 four bits lower:
 # the sign bit already sits at an fp16 sign position and the magnitude needs one shift (fp16
 # bits of e2m1 * 2^-14), so each fp16 pair is 2-3 integer ops without a LUT; the block scale
-# is then an exact fp16x2 multiply by 2^(14 - sh) (FMA pipe, not the integer pipe the LUT
+# is then an fp16x2 multiply by 2^(14 - sh) (FMA pipe, not the integer pipe the LUT
 # conversion saturates). r >> 3 and r << 1 put the magnitudes at bits 9-11 / 25-27.
 F16P_ASM = tl.constexpr("""{
             .reg .b32 t, m0, m1, o0, o1;

@@ -17,10 +17,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shoal.ops.triton.device import sm_count
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
-# session 11, benchmarks/results/session11_h200_2026-12-01.txt): BLOCK_K
-# 256 with 3 stages (promotion every 256 K) 0.728 / 0.802 of the FP8 peak on wq_b / wo_b at
-# M = 4096, against 0.640 / 0.693 for the 128-K tile of session 10 (0.64 / 0.66 then) and
-# 0.869 / 0.941 for torch._scaled_mm (1.19x / 1.17x; 128-K: 1.36x / 1.36x); 2 stages 0.48.
+# session 11, benchmarks/results/session11_h200_2026-12-01.txt, runs 3-5): BLOCK_K 256 with
+# 3 stages (promotion every 256 K) 0.70-0.73 / 0.77-0.81 of the FP8 peak on wq_b / wo_b at
+# M = 4096 and 8192, 1.15-1.26x the time of torch._scaled_mm on the same codes (median
+# 1.18x); the 128-K tile of session 10 (runs 2-3) 0.59-0.64 / 0.61-0.69, 1.31-1.57x; 2 stages
+# 0.48.
 # Tried and no faster (session 10-11): 128x256 and 64x256 tiles, 3 or 5 stages at 128 K, an
 # epilogue stored in two halves, two 128-K products per iteration, a product added one
 # iteration late (Triton still waits for it at once), Triton's warp specialisation, and two
@@ -82,13 +83,12 @@ def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
 
 def gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, codes: torch.Tensor,
                     col_scale: torch.Tensor, out: torch.Tensor, promote: int,
-                    tile: tuple[int, int, int, int, int] = PERSISTENT_TILE,
-                    ctas_per_sm: int = 1) -> None:
+                    tile: tuple[int, int, int, int, int] = PERSISTENT_TILE) -> None:
     """out [M, N] bf16 = (q[:M] e4m3 * row_scale) @ (codes [N, K] e4m3 * col_scale)^T, written
-    in place; promote: gemm.py's CHAINED or PROMOTED; ctas_per_sm programs per SM."""
+    in place; promote: gemm.py's CHAINED or PROMOTED."""
     m, n = out.shape
     bm, bn, bk, warps, stages = tile
-    programs = min(ctas_per_sm * sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    programs = min(sm_count(q.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _gemm_fp8_persistent[(programs,)](
         TensorDescriptor.from_tensor(q[:m], [bm, bk]),
         TensorDescriptor.from_tensor(codes, [bn, bk]),

@@ -337,11 +337,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     contract). w4a8=False: the W4A16 baseline
     (bf16 activations, weights dequantised to bf16; no activation quantisation, so it differs
     from the reference by the FP8 activation rounding). use_asm: the prmt conversion (CUDA only;
-    default there); `asm_variant` 2 (16-bit words; swap-AB tiles only) or 1 (duplicated bytes,
-    the first device-verified version), default per tile orientation (see `_launch`); use_asm
-    False (and
-    always under the Triton interpreter, where inline asm cannot run): the portable integer
-    conversion. All give identical bits. configs: (w13, w2) tiles, default
+    default there); `asm_variant` 2 (16-bit words; swap-AB tiles only), 1 (duplicated bytes,
+    the first device-verified version) or 3 (fp16 shifts, f16 tiles only), default per tile
+    (see `_launch`); use_asm False (and always under the Triton interpreter, where inline asm
+    cannot run): the portable integer conversion. All give identical bits (3: wherever 1 is
+    exact). configs: (w13, w2) tiles, default
     `default_configs(T * k, E)` (W4A16: `w4a16_configs`)."""
     t, d = x.shape
     k = ids.shape[1]
