@@ -135,3 +135,26 @@ def test_paged_rows_kernel_builds() -> None:
                                                   "t_ptr": "*i32", "o_ptr": "*i32"},
                               {"BLOCK": 1024}, 4, 1, ())
         assert stack_bytes(usage) == 0
+
+
+def test_sparse_attention_builds_without_spills_at_decode() -> None:
+    """The registered sparse-attention kernel (chunked, P through scratch) at the Flash shape (64
+    heads x 512) builds for sm_90 without spills at every decode configuration (splits with 1,
+    2 or 4 column groups); the one-program-per-row prefill configuration spills at most 16
+    bytes (it did before the e2m1 decode moved to fp16 bits; the decode split spilled 32)."""
+    from shoal.ops.triton import attention as ta
+    from shoal.ops.triton import attention_chunked as tac
+
+    ptrs = {"q_ptr": "*bf16", "swa_ptr": "*u8", "swa_idx_ptr": "*i32", "comp_ptr": "*u8",
+            "comp_idx_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "part_ptr": "*fp32",
+            "ml_ptr": "*fp32", "scale": "fp32", "scr_ptr": "*bf16"}
+    knobs = ta.OP_KNOBS
+    assert knobs["variant"] == "chunked" and knobs["p_mem"]
+    for nsplit, dsplit, most in ((5, 1, 0), (5, 2, 0), (5, 4, 0), (1, 1, 16)):
+        consts = {"H": 64, "HP": 64, "D": 512, "BLOCK_N": 64, "NSPLIT": nsplit,
+                  "DSPLIT": dsplit, "HAS_COMP": True, "KEEP_K": False, "P_MEM": True,
+                  "Q_RES": False}
+        usage, sass = sm90_build(tac._sparse_attn_chunked_kernel, ptrs, consts, 8, 1,
+                                 ("stride_qt", "stride_qh", "stride_si", "stride_ci"))
+        assert stack_bytes(usage) <= most, f"{consts}: {usage.strip()}"
+        assert "HGMMA" in sass, f"{consts}: no wgmma"

@@ -5,7 +5,8 @@ is the matrix-unit M dimension) and a contiguous range of 64-index blocks: SWA b
 then compressed blocks. Records are read directly and dequantised in registers to bf16 (exact):
 - SWA record: D e4m3 bytes + D/32 UE8M0 bytes -> e4m3 * 2^(e - 127);
 - compressed record: D/2 bytes of e2m1 pairs (low nibble = even dim) + D/16 e4m3 scales ->
-  e2m1 value (bit-built fp32) * e4m3 scale (<= 6 significant bits: exact in bf16).
+  e2m1 value (its bits placed as an fp16, widened) * e4m3 scale (<= 6 significant bits: exact
+  in bf16).
 Scores are fp32 (bf16 x bf16 wgmma), P is rounded to bf16 before P.V, as in the reference.
 
 Decode-sized steps (<= DECODE_MAX_TOKENS rows) split each token's index blocks into groups of
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.attention_chunked import _e2m1_bits, _sparse_attn_chunked_kernel
+from shoal.ops.triton.attention_chunked import _e2m1_f16, _sparse_attn_chunked_kernel
 from shoal.ops.triton.device import sm_count
 
 
@@ -70,13 +71,12 @@ def _comp_keys(comp_ptr, row, valid, col0, BLOCK_N: tl.constexpr, NCOL: tl.const
     pcols = col0 // 2 + tl.arange(0, NCOL // 2)
     packed = tl.load(comp_ptr + row[:, None] + pcols[None, :], mask=valid[:, None],
                      other=0).to(tl.int32)
-    lo = _e2m1_bits(packed & 0xF).to(tl.float32, bitcast=True)
-    hi = _e2m1_bits(packed >> 4).to(tl.float32, bitcast=True)
-    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, NCOL))
+    v = tl.reshape(tl.join(_e2m1_f16(packed, 0), _e2m1_f16(packed, 4)), (BLOCK_N, NCOL))
     cols = col0 + tl.arange(0, NCOL)
     sb = tl.load(comp_ptr + row[:, None] + D // 2 + cols[None, :] // 16, mask=valid[:, None],
                  other=0)
-    return (v * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
+    sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # undoes the 2^-14
+    return (v * sc).to(tl.bfloat16)
 
 
 @triton.jit
