@@ -20,7 +20,7 @@ from shoal.ops.reference import cache as rcache  # noqa: E402
 from shoal.ops.reference import indexer as rindexer  # noqa: E402
 from shoal.ops.triton import cache as tcache  # noqa: E402
 from shoal.ops.triton import indexer as tindexer  # noqa: E402
-from shoal.ops.triton.attention_chunked import _e2m1_f16  # noqa: E402
+from shoal.ops.triton.attention_chunked import _e2m1_pair  # noqa: E402
 from shoal.quant.fp4 import E2M1_VALUES  # noqa: E402
 from shoal.quant.records import (  # noqa: E402
     pack_compressed_record,
@@ -319,22 +319,22 @@ def test_sparse_attn_column_groups_do_not_change_bits(monkeypatch) -> None:
 @triton.jit
 def _decode_bytes(p_ptr, lo_ptr, hi_ptr):
     offs = tl.arange(0, 256)
-    p = tl.load(p_ptr + offs)
-    tl.store(lo_ptr + offs, _e2m1_f16(p, 0))
-    tl.store(hi_ptr + offs, _e2m1_f16(p, 4))
+    lo, hi = _e2m1_pair(tl.load(p_ptr + offs).to(tl.int32))
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
 
 
 @needs_kernels
 def test_e2m1_decode_of_every_byte() -> None:
-    """The attention kernels' e2m1 decode (`attention_chunked._e2m1_f16`: the code's bits placed
-    as an fp16, widened) gives value * 2^-14 exactly for both nibbles of all 256 bytes, with
-    other bits set above the byte (the kernels pass int32 words)."""
+    """The attention kernels' e2m1 decode (`attention_chunked._e2m1_pair`: both codes of a byte
+    placed as an fp16 pair by two multiplies and two masks, widened) gives value * 2^-14
+    exactly for both nibbles of all 256 bytes (loaded as uint8, as the kernels load them)."""
     byte = torch.arange(256, dtype=torch.int32)
-    words = (byte | (0x5A5A00 * (byte % 3))).to(DEV)  # junk above the byte is ignored
     lo = torch.empty(256, dtype=torch.float32, device=DEV)
     hi = torch.empty_like(lo)
-    _decode_bytes[(1,)](words, lo, hi)
+    _decode_bytes[(1,)](byte.to(torch.uint8).to(DEV), lo, hi)
     vals = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32)
     assert torch.equal(lo.cpu(), vals[byte & 0xF] * 2.0**-14)
     assert torch.equal(hi.cpu(), vals[byte >> 4] * 2.0**-14)
     assert torch.equal(torch.signbit(lo.cpu()), (byte & 8) != 0)  # -0.0 for code 8
+    assert torch.equal(torch.signbit(hi.cpu()), (byte & 128) != 0)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.attention_chunked import _e2m1_f16, _sparse_attn_chunked_kernel
+from shoal.ops.triton.attention_chunked import _e2m1_pair, _sparse_attn_chunked_kernel
 from shoal.ops.triton.device import sm_count
 
 
@@ -71,7 +71,8 @@ def _comp_keys(comp_ptr, row, valid, col0, BLOCK_N: tl.constexpr, NCOL: tl.const
     pcols = col0 // 2 + tl.arange(0, NCOL // 2)
     packed = tl.load(comp_ptr + row[:, None] + pcols[None, :], mask=valid[:, None],
                      other=0).to(tl.int32)
-    v = tl.reshape(tl.join(_e2m1_f16(packed, 0), _e2m1_f16(packed, 4)), (BLOCK_N, NCOL))
+    lo, hi = _e2m1_pair(packed)
+    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, NCOL))
     cols = col0 + tl.arange(0, NCOL)
     sb = tl.load(comp_ptr + row[:, None] + D // 2 + cols[None, :] // 16, mask=valid[:, None],
                  other=0)
