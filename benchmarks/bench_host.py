@@ -18,8 +18,9 @@ from shoal.bench import git_commit
 from shoal.model.batch import RequestChunk, build_forward_batch
 from shoal.model.presets import get_preset
 from shoal.sampling import SamplingBatch, SamplingParams, request_seed
+from shoal.scheduler.config import SchedulerConfig
 from shoal.scheduler.request import Request
-from shoal.scheduler.scheduler import Scheduler, SchedulerConfig
+from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import StepResult
 
 

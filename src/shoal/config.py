@@ -13,7 +13,7 @@ from typing import Any
 from shoal.model.batch import PREFILL_MODES
 from shoal.model.config import ModelConfig
 from shoal.model.presets import PRESETS
-from shoal.scheduler.scheduler import SchedulerConfig
+from shoal.scheduler.config import SchedulerConfig
 
 
 class ShoalError(ValueError):

@@ -15,7 +15,7 @@ from shoal import LLM, SamplingParams
 from shoal.config import CacheConfig, EngineConfig, RunnerConfig, ShoalError
 from shoal.model.presets import TINY
 from shoal.sampling.structured import StructuredOutputSpec
-from shoal.scheduler.scheduler import SchedulerConfig
+from shoal.scheduler.config import SchedulerConfig
 
 MAX_TOKENS = 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -5,6 +5,7 @@ tested on any CPU with exact block ids. Plans and results are picklable dataclas
 """
 
 from shoal.scheduler.block_pool import BlockPool, BlockPoolError
+from shoal.scheduler.config import SchedulerConfig
 from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
 from shoal.scheduler.request import (
     FINISH_ABORT,
@@ -15,7 +16,7 @@ from shoal.scheduler.request import (
     Request,
     RequestStatus,
 )
-from shoal.scheduler.scheduler import Scheduler, SchedulerConfig
+from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import ScheduledRequest, StepPlan, StepResult
 
 __all__ = [

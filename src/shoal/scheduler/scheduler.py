@@ -38,12 +38,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from shoal.scheduler.config import SchedulerConfig
 from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
 from shoal.scheduler.request import (
     FINISH_ABORT,
-    FINISH_ERROR,
     FINISH_KV_CAPACITY,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -53,49 +52,9 @@ from shoal.scheduler.request import (
     status_for_reason,
 )
 from shoal.scheduler.step_plan import ScheduledRequest, StepPlan, StepResult
+from shoal.scheduler.validation import capacity_message, validate
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Scheduling limits.
-
-    - `max_num_batched_tokens`: token budget per step (sum of new tokens over requests).
-    - `max_num_seqs`: most requests running at once (also capped by the number of slots).
-    - `max_model_len`: most tokens (prompt + output) per request.
-    - `block_size`: context tokens per KV block. The model's constraints (a multiple of 128 and
-      of lcm(ratios) * candidate_block_size) are checked by `runner.cache_memory.CacheLayout`;
-      the scheduler itself accepts any size >= 1 (tests use small ones).
-    - `enable_chunked_prefill`: split prompts over steps; when False a prompt is admitted only
-      whole, so `max_num_batched_tokens >= max_model_len` is required.
-    - `long_prefill_token_threshold`: with chunked prefill, at most this many tokens per request
-      per step (0 = no cap), so long prompts share steps with decodes.
-    - `num_history_tokens`: tokens before each chunk passed along for Engram (max n-gram - 1).
-    """
-
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    max_model_len: int = 65536
-    block_size: int = 256
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    num_history_tokens: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 1")
-        for name in ("long_prefill_token_threshold", "num_history_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 0")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
-                             f" must be >= max_num_seqs={self.max_num_seqs} so that every "
-                             "running request can decode each step")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
-                             f" must be >= max_model_len={self.max_model_len} when "
-                             "enable_chunked_prefill=False (a prompt is prefilled whole); "
-                             "enable chunked prefill or raise the budget")
+__all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig lives in config.py
 
 
 class Scheduler:
@@ -129,7 +88,7 @@ class Scheduler:
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         self.requests[request.request_id] = request
-        error, reason = self._validate(request)
+        error, reason = validate(request, self.config.max_model_len, self.kv)
         if error is not None:
             self._finish(request, reason, error)
         else:
@@ -177,7 +136,7 @@ class Scheduler:
             num_new = self._num_tokens_to_schedule(request, budget)
             if self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) > \
                     self.kv.num_blocks:
-                self._finish(request, FINISH_KV_CAPACITY, self._capacity_message(request))
+                self._finish(request, FINISH_KV_CAPACITY, capacity_message(request, self.kv))
                 continue  # _finish removed it from running; the same index is the next one
             while not self.kv.can_allocate(request, num_new):
                 victim = self.running.pop()
@@ -198,7 +157,7 @@ class Scheduler:
         if not scheduled and not self.running and self.waiting:
             # Defensive: nothing runs and the head cannot start; never spin on it.
             head = self.waiting[0]
-            self._finish(head, FINISH_KV_CAPACITY, self._capacity_message(head))
+            self._finish(head, FINISH_KV_CAPACITY, capacity_message(head, self.kv))
 
         plan = StepPlan(
             step_id=self._next_step, scheduled=tuple(scheduled),
@@ -325,34 +284,6 @@ class Scheduler:
         return finished
 
     # ---- internals -------------------------------------------------------------------------
-    def _validate(self, request: Request) -> tuple[str | None, str]:
-        max_len = self.config.max_model_len
-        n_prompt = request.num_prompt_tokens
-        if n_prompt < 1:
-            return "prompt_token_ids is empty; a prompt needs at least one token", FINISH_ERROR
-        if request.max_tokens is not None and request.max_tokens < 1:
-            return f"max_tokens={request.max_tokens}: expected >= 1", FINISH_ERROR
-        if request.min_tokens < 0:
-            return f"min_tokens={request.min_tokens}: expected >= 0", FINISH_ERROR
-        if request.max_tokens is not None and request.min_tokens > request.max_tokens:
-            return (f"min_tokens={request.min_tokens} exceeds max_tokens="
-                    f"{request.max_tokens}", FINISH_ERROR)
-        wanted = n_prompt + (request.max_tokens if request.max_tokens is not None else 1)
-        if wanted > max_len:
-            what = (f"+ max_tokens {request.max_tokens}" if request.max_tokens is not None
-                    else "+ 1 output token")
-            return (f"prompt of {n_prompt} tokens {what} = {wanted} exceeds max_model_len="
-                    f"{max_len}; shorten the prompt or lower max_tokens", FINISH_ERROR)
-        if self.kv.blocks_for_tokens(n_prompt) > self.kv.num_blocks:
-            return self._capacity_message(request), FINISH_KV_CAPACITY
-        return None, ""
-
-    def _capacity_message(self, request: Request) -> str:
-        capacity = self.kv.num_blocks * self.kv.block_size
-        return (f"request needs KV for {request.num_tokens} tokens but the whole cache holds "
-                f"{capacity} ({self.kv.num_blocks} blocks of {self.kv.block_size}); "
-                "raise the KV memory budget or shorten the request")
-
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
         if num_new == 1 and request.spec_token_ids:  # a decode step verifying drafts
