@@ -54,8 +54,6 @@ from shoal.scheduler.request import (
 from shoal.scheduler.step_plan import ScheduledRequest, StepPlan, StepResult
 from shoal.scheduler.validation import capacity_message, validate
 
-__all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig lives in config.py
-
 
 class Scheduler:
     """Plans steps over a fixed pool of `num_blocks` KV blocks and `num_slots` request slots."""
