@@ -40,7 +40,8 @@ from pathlib import Path
 from shoal.config import EngineConfig, ShoalError
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.engine.request import EngineRequest
-from shoal.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput, SampleRow
+from shoal.runner.model_runner import ModelRunner
+from shoal.runner.step_io import LaunchedStep, RunnerOutput, SampleRow
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
