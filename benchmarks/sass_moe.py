@@ -24,19 +24,8 @@ MIN_LOOP = 100  # instructions: smaller backward branches are prologue / epilogu
 def k_loops(sass: str) -> list[collections.Counter]:
     """Opcode counts of every backward-branch loop body of at least MIN_LOOP instructions, in
     address order."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
-           if m]
-    where = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, text) in enumerate(ins):
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        target = int(m.group(1), 16) if m else a
-        if target < a and i + 1 - where.get(target, i) >= MIN_LOOP:
-            body = [t for _, t in ins[where[target]:i + 1]]
-            loops.append(collections.Counter(
-                re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body))
-    return loops
+    return [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                for t in body) for body in aot.loop_bodies(sass, MIN_LOOP)]
 
 
 def tile_stats(cfg: tiles.TileConfig, swiglu: bool, convert: int, w4a8: bool = True,

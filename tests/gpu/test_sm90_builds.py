@@ -137,21 +137,6 @@ def test_paged_rows_kernel_builds() -> None:
         assert stack_bytes(usage) == 0
 
 
-def _loop_bodies(sass: str, min_len: int = 100) -> list[list[str]]:
-    """The instructions of every backward-branch loop of at least min_len instructions."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
-           if m]
-    where = {a: i for i, (a, _) in enumerate(ins)}
-    bodies = []
-    for i, (a, text) in enumerate(ins):
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        target = int(m.group(1), 16) if m else a
-        if target < a and i + 1 - where.get(target, i) >= min_len:
-            bodies.append([t for _, t in ins[where[target]:i + 1]])
-    return bodies
-
-
 def test_sparse_attention_blocks_run_without_spills() -> None:
     """The registered sparse-attention kernel (chunked, P through scratch) at the Flash shape
     (64 heads x 512) builds for sm_90 with wgmma and no local-memory traffic inside its two
@@ -159,6 +144,7 @@ def test_sparse_attention_blocks_run_without_spills() -> None:
     4 column groups; what spills, <= 24 bytes, is outside the loops), and at most one reload
     in the prefill configuration's loops (one program per row). Before the e2m1 decode went
     through fp16 bits: one spill or reload in each decode loop, three in the prefill one."""
+    from shoal.ops.triton import aot
     from shoal.ops.triton import attention as ta
     from shoal.ops.triton import attention_chunked as tac
 
@@ -173,7 +159,7 @@ def test_sparse_attention_blocks_run_without_spills() -> None:
                   "Q_RES": False}
         usage, sass = sm90_build(tac._sparse_attn_chunked_kernel, ptrs, consts, 8, 1,
                                  ("stride_qt", "stride_qh", "stride_si", "stride_ci"))
-        loops = _loop_bodies(sass)
+        loops = aot.loop_bodies(sass)
         assert len(loops) == 2 and "HGMMA" in sass, f"{consts}: {len(loops)} loops"
         local = [t for body in loops for t in body if re.search(r"\b(STL|LDL)\b", t)]
         assert len(local) <= (1 if nsplit == 1 else 0) and stack_bytes(usage) <= 24, (

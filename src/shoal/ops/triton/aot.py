@@ -62,6 +62,22 @@ def usage_and_sass(compiled) -> tuple[str, str]:
     return usage, sass
 
 
+def loop_bodies(sass: str, min_len: int = 100) -> list[list[str]]:
+    """The instructions of every backward-branch loop of at least `min_len` instructions (smaller
+    ones are prologue / epilogue loops), in address order."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", line) for line in sass.splitlines())
+           if m]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    bodies = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        target = int(m.group(1), 16) if m else a
+        if target < a and i + 1 - where.get(target, i) >= min_len:
+            bodies.append([t for _, t in ins[where[target]:i + 1]])
+    return bodies
+
+
 def stack_bytes(usage: str) -> int:
     """Spilled bytes per thread (cuobjdump's STACK:n)."""
     return int(re.search(r"STACK:(\d+)", usage).group(1))
