@@ -1,10 +1,10 @@
 """Routed-expert MoE benchmark (mini layer: D 5120, I 2304, 384 experts, top-6) on sm_90.
 
 Variants, side by side in one run (all through `moe_experts`, default tiles unless noted):
-`asm` (W4A8, prmt conversion and tiles as the op's defaults: fp16 weights on the decode
-tiles), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before
+`asm` (W4A8, conversion and tiles as the op's defaults: fp16 weights on the decode tiles,
+conversion 3 there), `asm_e4m3` (the decode tiles' e4m3 weight path, the default before
 `fp4_tiles.w_f16`), `asm_v1` (default tiles, the first prmt conversion on duplicated bytes
-everywhere), `asm_v0` (the previous decode path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
+everywhere: on the decode tiles the fp16 LUT conversion that conversion 3 replaced), `asm_v0` (the previous decode path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
 decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
@@ -172,9 +172,6 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": True}
     if name == "asm_v1":
         return {"use_asm": True, "asm_variant": 1}
-    if name == "asm_v3":  # K-permuted fp16 shifts on the f16 decode tiles (conversion 3)
-        return ({"use_asm": True, "asm_variant": 3}
-                if tiles.default_configs(rows, E)[0].f16 else None)
     if name == "asm_v0":
         return {"use_asm": True, "asm_variant": 1, "configs": V0_DECODE} if rows <= 512 else None
     if name == "asm_swap":  # the faster, less accurate swap-AB wgmma decode tiles
