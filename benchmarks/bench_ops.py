@@ -236,6 +236,9 @@ ATTN_VARIANTS = {
     "pmem-d4": dict(variant="chunked", p_mem=True, dsplit=4),
     "pmem-per1": dict(variant="chunked", p_mem=True, split=10),  # 1 block per program (10 blocks)
     "pmem-d2-per1": dict(variant="chunked", p_mem=True, dsplit=2, split=10),
+    "pmem-keepk-qres": dict(variant="chunked", p_mem=True, keep_k=True, q_res=True),
+    "pmem-nokeep": dict(variant="chunked", p_mem=True),  # "op" before keep_k became automatic
+    "pmem-sp2": dict(variant="chunked", p_mem=True, split=2),  # fewer, longer programs
 }
 
 

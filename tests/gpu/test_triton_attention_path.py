@@ -316,6 +316,28 @@ def test_sparse_attn_column_groups_do_not_change_bits(monkeypatch) -> None:
     assert tattn.column_split(64, 5, torch.device(DEV)) == 1
 
 
+@needs_kernels
+@pytest.mark.parametrize("split", [None, 1], ids=["decode", "one-program"])
+def test_sparse_attn_keep_k_and_q_res_do_not_change_bits(monkeypatch, split) -> None:
+    """keep_k (the score pass's decoded key chunks reused by P.V) and q_res (q loaded once per
+    program) feed the same dots the same values, so both families' bits equal those of the
+    kernel that decodes every chunk twice and reloads q per block; the op's automatic choice
+    (keep_k None) takes them with one column group."""
+    from shoal.ops.triton import attention as tattn
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    kw = _attn_inputs(3, 16, 256, 100, 150, seed=5)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    base = dict(variant="chunked", p_mem=True, dsplit=1, split=split)
+    plain = tattn.sparse_attn(**dev, **base, keep_k=False, q_res=False).cpu()
+    for keep_k, q_res in ((True, False), (True, True), (False, True), (None, None)):
+        got = tattn.sparse_attn(**dev, **base, keep_k=keep_k, q_res=q_res).cpu()
+        assert torch.equal(got, plain), (keep_k, q_res)
+    if split is None:
+        assert torch.equal(tattn.sparse_attn(**dev, **tattn.OP_KNOBS, dsplit=1).cpu(), plain)
+
+
 @triton.jit
 def _decode_bytes(p_ptr, lo_ptr, hi_ptr):
     offs = tl.arange(0, 256)

@@ -238,7 +238,16 @@ VARIANTS = ("flat", "chunked")
 # T = 1, the same partition; 2 of 5 at T = 64, now 5 of 2). With it, the column groups and the
 # blocked combine (same benchmark, 2026-11-29): 26.3 / 36.2 / 99.5 / 254 us; "flat" 41.2 / 43.9
 # / 118.4 / 288 us (without column groups); num_stages 2 changes nothing (103.7 vs 103.8 us).
-OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True})
+# Session 12 (2026-12-01, same benchmark, after the fp16-pair e2m1 decode): "op" 18.8 / 26.7 /
+# 80.6 / 180.6 us; with keep_k and q_res 21.5 / 23.6 / 73.5 / 153.2 us (slower only at T = 1,
+# where the op runs 4 column groups and keep_k needs one), so the op takes them exactly when
+# one program owns all columns (None below). Same bits either way (GPU test). Tried there and
+# no faster: an L2 prefetch (`prefetch.global.L2`) of the next block's records issued before
+# this block's dots (within 2% at every T), and 2 CTAs per SM through ptxas maxnreg 128 with 2
+# column groups (1.3-1.8x slower); fewer, longer splits (5 blocks each) win at T = 64 (54 us)
+# but lose 2x at T = 1 and 16, and the decode partition cannot depend on T.
+OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True, "keep_k": None,
+                             "q_res": None})
 
 
 def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
@@ -246,17 +255,17 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 sink: torch.Tensor, scale: float, *, variant: str = "flat",
                 split: int | None = None, block_n: int = 64, num_warps: int = 8,
                 num_stages: int = 1, dsplit: int | None = None, q_in_loop: bool = False,
-                scale_bcast: bool = True, keep_k: bool = False, p_mem: bool = False,
-                q_res: bool = False) -> torch.Tensor:
+                scale_bcast: bool = True, keep_k: bool | None = False, p_mem: bool = False,
+                q_res: bool | None = False) -> torch.Tensor:
     """The op with tuning knobs exposed (split=None: the op's fixed partition, `partition`).
 
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
     dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
     byte once). variant "chunked": _sparse_attn_chunked_kernel (D in 4 chunks, D >= 128;
     dsplit in 1, 2, 4 output-chunk groups (None: `column_split`), keep_k (dsplit 1) keeps the score
-    pass's key chunks for P.V instead of dequantising them again), p_mem routes P through a
-    scratch buffer (see attention_chunked._chunked_step), q_res loads q once per program
-    instead of per block.
+    pass's key chunks for P.V instead of dequantising them again; None: whenever dsplit is 1),
+    p_mem routes P through a scratch buffer (see attention_chunked._chunked_step), q_res loads
+    q once per program instead of per block (None: with keep_k).
     Host-sync free: shapes only.
     """
     if variant not in VARIANTS:
@@ -268,6 +277,10 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if dsplit is None:
         dsplit = (column_split(t, split, q.device) if variant == "chunked" and d >= 128
                   and not keep_k else 1)
+    if keep_k is None:  # decode each key chunk once whenever one program owns all columns
+        keep_k = variant == "chunked" and dsplit == 1
+    if q_res is None:
+        q_res = bool(keep_k)
     if variant == "chunked" and (d < 128 or dsplit not in (1, 2, 4) or (keep_k and dsplit != 1)):
         raise ValueError(f"chunked: needs D >= 128, dsplit in (1, 2, 4), keep_k only with "
                          f"dsplit 1 (D={d}, dsplit={dsplit}, keep_k={keep_k})")
