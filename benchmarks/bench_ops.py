@@ -239,6 +239,8 @@ ATTN_VARIANTS = {
     "pmem-keepk-qres": dict(variant="chunked", p_mem=True, keep_k=True, q_res=True),
     "pmem-nokeep": dict(variant="chunked", p_mem=True),  # "op" before keep_k became automatic
     "pmem-sp2": dict(variant="chunked", p_mem=True, split=2),  # fewer, longer programs
+    "op-sp3": dict(tri_attn.OP_KNOBS, split=3),  # 4 + 4 + 2 of 10 blocks
+    "op-sp4": dict(tri_attn.OP_KNOBS, split=4),  # 3 + 3 + 3 + 1
 }
 
 
