@@ -32,9 +32,10 @@ def has_tools() -> bool:
 
 
 def build(kern, args: dict[str, str], consts: dict[str, Any], warps: int, stages: int,
-          divisible: tuple[str, ...] = ("N", "K")):
+          divisible: tuple[str, ...] = ("N", "K"), maxnreg: int | None = None):
     """Compile `kern` (a @triton.jit function) for sm_90. args: argument -> Triton type
-    ('*fp32', 'fp32', ...; other arguments are i32); consts: the constexpr values."""
+    ('*fp32', 'fp32', ...; other arguments are i32); consts: the constexpr values;
+    maxnreg: ptxas's register cap."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -45,7 +46,8 @@ def build(kern, args: dict[str, str], consts: dict[str, Any], warps: int, stages
     src = ASTSource(fn=kern, signature=sig, attrs=attrs,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def usage_and_sass(compiled) -> tuple[str, str]:
@@ -95,4 +97,5 @@ def moe_gemm(cfg: tiles.TileConfig, swiglu: bool, k: int, convert: int, *, w4a8:
               "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
               "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote, "F16": cfg.f16 and w4a8}
     args = dict(MOE_GEMM_ARGS, a_ptr="*fp8e4nv" if w4a8 else "*bf16")
-    return build(tmoe._moe_gemm_kernel, args, consts, cfg.num_warps, cfg.num_stages, ("N", "E"))
+    return build(tmoe._moe_gemm_kernel, args, consts, cfg.num_warps, cfg.num_stages, ("N", "E"),
+                 cfg.maxnreg)

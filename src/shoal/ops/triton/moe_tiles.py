@@ -31,6 +31,8 @@ class TileConfig:
     chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
     chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
     128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
+    maxnreg: int | None = None
+    """Cap ptxas's registers per thread (None: its own choice), to fit more programs per SM."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
