@@ -88,6 +88,7 @@ BIG_SWAP = (tiles.TileConfig(64, 64, 128, 4, 3, swap_ab=True),) * 2
 SWAP_PROMOTED = (tiles.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True),) * 2
 BIG_PROMOTED = (tiles.TileConfig(128, 64, 128, 8, 3, promote=True),
                 tiles.TileConfig(128, 128, 128, 8, 3, promote=True))
+PREFILL_DEFAULT = tiles.default_configs(8192 * 6, 384)  # w13 at BLOCK_K 256
 
 
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
@@ -125,11 +126,14 @@ def test_w4a8_with_shared_addend_rounds_once(t: int) -> None:
 
 @pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
                                           ("big_swap", BIG_SWAP), ("swap_promoted", SWAP_PROMOTED),
-                                          ("big_promoted", BIG_PROMOTED)])
+                                          ("big_promoted", BIG_PROMOTED),
+                                          ("prefill_default", PREFILL_DEFAULT)])
 def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
     """Every tile orientation (swap-AB or plain) and size, with N and K not multiples of the
-    tile and several row blocks per expert."""
-    kw = _case(2000 + len(name), 25, 160, 96, 4, 3, spread=4)
+    tile and several row blocks per expert (D 512 for the default prefill pair, so that its
+    w13 steps K by 256)."""
+    d = 512 if name == "prefill_default" else 160
+    kw = _case(2000 + len(name), 25, d, 96, 4, 3, spread=4)
     want = ref.moe_mxfp4(**_cpu(kw))
     _check(tmoe.moe_experts(**kw, configs=configs), want)
 

@@ -55,10 +55,16 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but less accurate even
     promoted (relative error 3.2e-3, unpromoted 9.4e-3, 16-row tiles 1.7e-4). Still open:
     decode-size and prefill-size batches use different MMA instructions, so a token's MoE
-    output is not bitwise batch-invariant across the 40-rows-per-expert boundary."""
+    output is not bitwise batch-invariant across the 40-rows-per-expert boundary.
+    The prefill w13 tile steps BLOCK_K 256, so its promotion adds come every 256 K (sm_90 SASS:
+    6.39 -> 5.39 loop instructions per converted weight element; H200 2026-12-01, --sweep
+    prefill: 13.73 against 14.19 ms at T = 8192; 256 for w2 as well 15.30 ms, with 2 stages
+    17.93). Register caps on the decode tiles (maxnreg 160 / 168 for w13, 128 for w2: one more
+    warp per scheduler, no loop spills) measured no faster at T = 1, 16, 64 (0.094 against
+    0.082 ms at T = 1)."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
-    return (TileConfig(128, 64, 128, 8, 3, promote=True),
+    return (TileConfig(128, 64, 256, 8, 3, promote=True),
             TileConfig(128, 64, 128, 8, 3, promote=True))
 
 
