@@ -9,14 +9,9 @@ import random
 import pytest
 import torch
 
+from shoal.sampling.batch import SamplingBatch, bitmask_to_bool
 from shoal.sampling.params import SamplingParams
-from shoal.sampling.sampler import (
-    LogprobsMode,
-    Sampler,
-    SamplingBatch,
-    bitmask_to_bool,
-    compute_prompt_logprobs,
-)
+from shoal.sampling.sampler import LogprobsMode, Sampler, compute_prompt_logprobs
 
 
 def make_batch(

@@ -4,6 +4,7 @@ Invariant: a request's sampled tokens depend only on its logits, its parameters,
 positions it samples at, never on the batch it shares or the device.
 """
 
+from shoal.sampling.batch import SamplingBatch, bitmask_to_bool
 from shoal.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 from shoal.sampling.rng import derive_seed, request_seed
 from shoal.sampling.sampler import (
@@ -11,8 +12,6 @@ from shoal.sampling.sampler import (
     LogprobsTensors,
     Sampler,
     SamplerOutput,
-    SamplingBatch,
-    bitmask_to_bool,
     compute_prompt_logprobs,
 )
 from shoal.sampling.stop import StopCheck, StopStringMatcher, check_stop
