@@ -13,7 +13,7 @@ same run, plus bit-identity checks of batch invariance and of alternative tile c
 
 Run: PYTHONPATH=src python3 benchmarks/bench_ops.py [--quick] [--out DIR] [--only LIST]
 (--only: comma list of ceil, gemm, grouped, attn, index, hc, head, router; attn=V1+V2 picks attention
-variants from ATTN_VARIANTS).
+variants from bench_attn.ATTN_VARIANTS). Shared timing and records: op_bench.py.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import os
 
 import torch
 import triton
+from bench_attn import bench_attention
+from op_bench import BF16_PEAK, FP8_PEAK, HBM, LINES, RESULTS, bench, copies, log, record, rel_err
 
 from shoal.bench import git_commit
-from shoal.ops.reference import attention as ref_attn
 from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
-from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
@@ -40,70 +40,9 @@ from shoal.ops.triton import gemm_persistent as tri_pers
 from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.ops.triton import router as tri_router
 from shoal.quant.fp8 import quant_fp8_weight
-from shoal.quant.records import pack_compressed_record, pack_swa_record
-
-HBM = 4.24e12
-BF16_PEAK = 760e12
-FP8_PEAK = 1343e12
-L2_ROTATE_BYTES = 256 << 20
 
 GEMM_SHAPES = {"wq_a|wkv": (1280 + 512, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
                "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
-LINES: list[str] = []
-RESULTS: list[dict] = []
-
-
-def log(s: str) -> None:
-    print(s, flush=True)
-    LINES.append(s)
-
-
-def bench(calls: list, warmup: int = 25, rep: int = 100) -> float:
-    """Median ms per call of `calls` (zero-arg callables, one per rotated input set), timed as
-    replays of one CUDA graph holding all of them (no host launch overhead: the engine runs
-    decode under graphs); falls back to plain launches if capture fails."""
-    for c in calls:  # compile + autotune outside the graph
-        c()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                for c in calls:
-                    c()
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-        return ms / len(calls)
-    except RuntimeError as exc:
-        log(f"(graph capture failed: {exc!s:.80}; timing plain launches)")
-        it = itertools.cycle(calls)
-        return triton.testing.do_bench(lambda: next(it)(), warmup=warmup, rep=rep,
-                                       return_mode="median")
-
-
-def copies(nbytes: int) -> int:
-    return max(1, min(16, -(-L2_ROTATE_BYTES // max(nbytes, 1))))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def record(kernel: str, shape: str, ms: float, flops: float, nbytes: float, peak: float,
-           **extra) -> None:
-    floor_s = max(nbytes / HBM, flops / peak)
-    frac = floor_s / (ms * 1e-3)
-    tfs = flops / (ms * 1e-3) / 1e12
-    extra_s = " ".join(f"{k}={v}" for k, v in extra.items())
-    log(f"{kernel:<22} {shape:<34} {ms * 1e3:9.1f} us {tfs:8.1f} TF/s "
-        f"{nbytes / (ms * 1e-3) / 1e12:6.2f} TB/s  floor {floor_s * 1e6:8.1f} us  "
-        f"frac {frac:5.2f} {extra_s}")
-    RESULTS.append({"kernel": kernel, "shape": shape, "us": round(ms * 1e3, 2),
-                    "tflops": round(tfs, 1), "frac_floor": round(frac, 3), **extra})
-
-
 def measure_ceilings() -> None:
     global HBM, BF16_PEAK, FP8_PEAK
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
@@ -202,99 +141,6 @@ def bench_grouped(ts: list[int]) -> None:
         ms = bench(calls)
         record("gemm_grouped_w8a16", f"T{t}xG{g}xR{r}xK{k}", ms, 2.0 * t * g * r * k,
                t * g * k * 2 + g * r * k + t * g * r * 2, BF16_PEAK)
-
-
-def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=None):
-    """Decode-like inputs: every token reads its own SWA rows and distinct compressed rows."""
-    dev = torch.device("cuda")
-    swa = pack_swa_record(torch.randn(t * n_swa, d, device=dev, generator=gen))
-    comp_pool = max(4 * n_comp, 1)
-    comp = pack_compressed_record(torch.randn(t * comp_pool, d, device=dev, generator=gen))
-    swa_idx = torch.arange(t * n_swa, dtype=torch.int32, device=dev).view(t, n_swa)
-    sel = torch.rand(t, comp_pool, device=dev, generator=gen).argsort(dim=1)[:, :n_comp]
-    sel = (sel + torch.arange(t, device=dev)[:, None] * comp_pool).to(torch.int32)
-    q = (torch.randn(t, h, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
-    sink = torch.randn(h, device=dev, generator=gen)
-    return dict(q=q, swa_cache=swa, swa_idx=swa_idx, comp_cache=comp, comp_idx=sel, sink=sink,
-                scale=d**-0.5)
-
-
-ATTN_VARIANTS = {
-    # name: sparse_attn knobs (see tri_attn.sparse_attn); "op" is what the registered op runs
-    "op": dict(tri_attn.OP_KNOBS),
-    "flat": dict(),
-    "flat-d2-qloop": dict(block_n=64, dsplit=2, q_in_loop=True),
-    "chunked": dict(variant="chunked"),
-    "chunked-d2": dict(variant="chunked", dsplit=2),
-    "pmem": dict(variant="chunked", p_mem=True),
-    "pmem-bn32": dict(variant="chunked", p_mem=True, block_n=32),
-    "pmem-d2": dict(variant="chunked", p_mem=True, dsplit=2),
-    "pmem-bn32-s1": dict(variant="chunked", p_mem=True, block_n=32, split=1),
-    "pmem-qres": dict(variant="chunked", p_mem=True, q_res=True),
-    "pmem-qres-bn32": dict(variant="chunked", p_mem=True, q_res=True, block_n=32),
-    "pmem-s2": dict(variant="chunked", p_mem=True, num_stages=2),
-    "pmem-d4": dict(variant="chunked", p_mem=True, dsplit=4),
-    "pmem-per1": dict(variant="chunked", p_mem=True, split=10),  # 1 block per program (10 blocks)
-    "pmem-d2-per1": dict(variant="chunked", p_mem=True, dsplit=2, split=10),
-    "pmem-keepk-qres": dict(variant="chunked", p_mem=True, keep_k=True, q_res=True),
-    "pmem-nokeep": dict(variant="chunked", p_mem=True),  # "op" before keep_k became automatic
-    "pmem-sp2": dict(variant="chunked", p_mem=True, split=2),  # fewer, longer programs
-    "op-sp3": dict(tri_attn.OP_KNOBS, split=3),  # 4 + 4 + 2 of 10 blocks
-    "op-sp4": dict(tri_attn.OP_KNOBS, split=4),  # 3 + 3 + 3 + 1
-}
-
-
-def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
-    """sparse_attn_sink at the Flash decode shape, every variant in `names` (default: all of
-    ATTN_VARIANTS): a correctness line per variant (T=8, split 1 and the automatic split),
-    then one timing line per (T, variant), then the best variant per T."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    h, d, n_swa, n_comp = 64, 512, 128, 512
-    kw = attn_inputs(8, n_swa, n_comp, gen=gen)
-    ref = ref_attn.sparse_attn_sink(**kw)
-    variants = [(n, ATTN_VARIANTS[n]) for n in (names or list(ATTN_VARIANTS))]
-    ok = []
-    for vname, opts in variants:
-        good = True
-        for split in (1, None):
-            try:
-                got = tri_attn.sparse_attn(**kw, **{"split": split, **opts})
-                torch.cuda.synchronize()
-            except Exception as exc:  # a variant that fails to compile is reported, not fatal
-                log(f"check sparse_attn_sink[{vname}]: failed {type(exc).__name__}: "
-                    f"{exc!s:.200}")
-                good = False
-                break
-            err = rel_err(got, ref)
-            good &= err < 2e-2
-            log(f"check sparse_attn_sink[{vname}] T=8 split={split or 'auto'}: rel err "
-                f"{err:.2e}, max abs {float((got.float() - ref.float()).abs().max()):.2e}")
-        if good:
-            ok.append((vname, opts))
-        else:
-            log(f"sparse_attn_sink[{vname}]: WRONG or failed, not timed")
-    best: dict[int, tuple[float, str]] = {}
-    for t in batches:
-        rec_bytes = t * (n_swa * 528 + n_comp * 288)
-        sets = [attn_inputs(t, n_swa, n_comp, gen=gen) for _ in range(copies(rec_bytes))]
-        flops = 4.0 * t * h * (n_swa + n_comp) * d
-        nbytes = rec_bytes + 2 * t * h * d * 2 + t * (n_swa + n_comp) * 4
-        for vname, opts in ok:
-            try:
-                ms = bench([lambda s=s, o=opts: tri_attn.sparse_attn(**s, **o) for s in sets])
-            except Exception as exc:  # a variant that fails to compile is reported, not fatal
-                log(f"sparse_attn_sink {vname} T{t}: failed: {type(exc).__name__}: {exc}"[:300])
-                continue
-            block_n = opts.get("block_n", 64)
-            nb = -(-n_swa // block_n) + -(-n_comp // block_n)
-            split = tri_attn.partition(t, nb, opts.get("split"))[0]
-            record(f"sparse_attn[{vname}]", f"T{t}xH{h}xD{d} swa{n_swa}+comp{n_comp}", ms,
-                   flops, nbytes, BF16_PEAK, split=split,
-                   frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))
-            if t not in best or ms < best[t][0]:
-                best[t] = (ms, vname)
-    for t, (ms, vname) in best.items():
-        log(f"best sparse_attn T{t}: {vname} {ms * 1e3:.1f} us")
 
 
 def index_inputs(t: int, n: int, n_req: int, rpb: int, gen=None) -> dict:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+import bench_attn
 import bench_moe
-import bench_ops
 import torch
 
 from shoal.ops.triton import attention as tri_attn
@@ -45,7 +45,7 @@ def workloads(only: set[str]) -> list[tuple[str, object]]:
     if "attn" in only:
         gen = torch.Generator(device=dev).manual_seed(2)
         for t in (1, 64):
-            kw = bench_ops.attn_inputs(t, 128, 512, gen=gen)
+            kw = bench_attn.attn_inputs(t, 128, 512, gen=gen)
             out.append((f"sparse_attn T={t}",
                         lambda kw=kw: tri_attn.sparse_attn(**kw, **tri_attn.OP_KNOBS)))
     if "gemm" in only:
