@@ -30,24 +30,10 @@ from shoal.quant.records import (
     unpack_index_k_record,
     unpack_swa_record,
 )
+from support.bf16 import assert_bf16_close
 from support.rand import f64 as _f64
 from support.rand import gen as _gen
 from support.rand import randn as _randn
-
-
-def assert_bf16_close(out: torch.Tensor, ref: np.ndarray, ulps: float = 1.0,
-                      atol: float = 1e-5, msg: str = "") -> None:
-    """out (bf16) within `ulps` bf16 ulps of the float64 truth `ref` (plus atol)."""
-    assert out.dtype == torch.bfloat16, out.dtype
-    o = _f64(out)
-    mag = np.maximum(np.abs(ref), 1e-30)
-    ulp = np.exp2(np.floor(np.log2(mag)) - 7)
-    err = np.abs(o - ref)
-    bad = err > ulps * ulp + atol
-    assert not bad.any(), (f"{msg} {bad.sum()} of {bad.size} outside {ulps} ulp; worst at "
-                           f"{np.unravel_index(np.argmax(err - ulps * ulp), err.shape)}: "
-                           f"out={o[bad][:4]} ref={ref[bad][:4]}")
-
 
 # ------------------------------------------------------------------------------ sparse_attn_sink
 
