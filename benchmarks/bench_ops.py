@@ -298,7 +298,8 @@ def sweep_nt(xs: torch.Tensor, w: torch.Tensor, od: torch.dtype, ws: list,
 
 def bench_router(ts: list[int]) -> None:
     """The MoE router at mini shapes (384 experts x 5120, bf16 x and gate, fp64 sums on FP64
-    tensor cores, then the top-6 selection): the whole op per T. Its floor counts the bytes
+    tensor cores, then the top-6 selection): the whole op per T, with the default and the wide
+    logits tile (router.WIDE_TILE; a bit-equality check first). Its floor counts the bytes
     only: no FP64 ceiling is measured here (TF/s shows the fp64 rate; the first results file,
     2026-11-29g, divided the FLOPs by the bf16 peak)."""
     e, d = 384, 5120
@@ -307,9 +308,15 @@ def bench_router(ts: list[int]) -> None:
     bias = torch.randn(e, device="cuda", generator=g) * 0.01
     for t in ts:
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-        ms = bench([lambda x=x: tri_router.router(x=x, weight=w, bias=bias, k=6,
-                                                  route_scale=1.5)])
-        record("router", f"T{t}xE{e}xD{d}", ms, 2 * t * e * d, (e * d + t * d) * 2, math.inf)
+        base = tri_router.logit_partials(x, w)
+        same = torch.equal(tri_router.logit_partials(x, w, tri_router.WIDE_TILE), base)
+        log(f"check router[wide] T={t}: fp64 logit partials bit-equal to the default tile's: "
+            f"{same}")
+        for name, tile in (("router", (tri_router.BT, tri_router.BE, 4)),
+                           ("router[wide]", tri_router.WIDE_TILE)):
+            ms = bench([lambda x=x, tile=tile: tri_router.router(
+                x=x, weight=w, bias=bias, k=6, route_scale=1.5, tile=tile)])
+            record(name, f"T{t}xE{e}xD{d}", ms, 2 * t * e * d, (e * d + t * d) * 2, math.inf)
 
 
 def main() -> None:
@@ -338,7 +345,7 @@ def main() -> None:
     if "hc" in only:
         bench_hc([1, 16, 64, 256, 4096])
     if "router" in only:
-        bench_router([1, 16, 64, 256, 2048])
+        bench_router([1, 16, 64, 256, 2048, 8192])
     if "head" in only:
         bench_head([1, 16, 64, 256], sweep=not args.quick)
     commit = git_commit()

@@ -295,6 +295,20 @@ def test_router_logit_groups_sum_to_the_fp64_logits(t) -> None:
                               rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("t", [3, 150])
+def test_router_logit_tile_does_not_change_bits(t) -> None:
+    """The logits kernel's (tokens, experts, warps) tile moves rows and columns between programs,
+    never the K order of a logit: the wide tile's fp64 workspace equals the default's bit for
+    bit (D 1300: a partial last slice; E 70: a partial expert tile)."""
+    g = torch.Generator().manual_seed(77 + t)
+    d, e = 1300, 70
+    x = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(e, d, generator=g) / 8).to(torch.bfloat16).to(DEV)
+    base = trouter.logit_partials(x, w)
+    for tile in (trouter.WIDE_TILE, (32, 64, 4)):
+        assert torch.equal(trouter.logit_partials(x, w, tile), base), tile
+
+
 @pytest.mark.parametrize("t,e,k,temp", [(1, 64, 6, 1.0), (29, 70, 6, 0.7), (5, 256, 8, 1.0),
                                         (3, 16, 1, 2.0), (0, 64, 6, 1.0)])
 def test_router_selection_kernel_matches_reference(t, e, k, temp) -> None:

@@ -112,17 +112,19 @@ def test_prmt_operands_pack_consecutive_k() -> None:
 
 
 def test_router_logits_build_on_fp64_tensor_cores() -> None:
-    """The router's fp64 logit slices build for sm_90 as FP64 tensor-core MMAs (DMMA). A plain
-    bf16 -> fp64 conversion of the dot operands aborts the sm_90 build ("fp64 don't support
-    largeK MMA"); the kernel's inline-asm conversion step avoids it."""
+    """The router's fp64 logit slices (default and wide tile) build for sm_90 as FP64
+    tensor-core MMAs (DMMA) without spills. A plain bf16 -> fp64 conversion of the dot
+    operands aborts the sm_90 build ("fp64 don't support largeK MMA"); the kernel's inline-asm
+    conversion step avoids it."""
     from shoal.ops.triton import router as tr
 
-    usage, sass = sm90_build(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                                                 "ws_ptr": "*fp64"},
-                             {"BT": tr.BT, "BE": tr.BE, "SLICE": tr.SLICE_K, "ASM": True}, 4, 3,
-                             ("D", "stride_xt", "stride_we"))
-    assert "DMMA" in sass, "router logits: no fp64 tensor-core MMA"
-    assert stack_bytes(usage) <= 32, f"router logits: {usage.strip()}"
+    for bt, be, warps in ((tr.BT, tr.BE, 4), tr.WIDE_TILE):
+        usage, sass = sm90_build(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                                                     "ws_ptr": "*fp64"},
+                                 {"BT": bt, "BE": be, "SLICE": tr.SLICE_K, "ASM": True}, warps,
+                                 3, ("D", "stride_xt", "stride_we"))
+        assert "DMMA" in sass, f"router logits {bt}x{be}: no fp64 tensor-core MMA"
+        assert stack_bytes(usage) <= 32, f"router logits {bt}x{be}: {usage.strip()}"
 
 
 def test_paged_rows_kernel_builds() -> None:

@@ -40,6 +40,12 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
 BT, BE = 16, 32  # fixed tiles and 4 warps
+# A larger (tokens, experts, warps) tile for `logit_partials(tile=...)`: the same K order per
+# logit (slices and groups depend on D only), so the same bits. sm_90 SASS of the slice loop:
+# 16 instructions per DMMA against 52 for the default tile (which runs at about 0.2 of the fp64
+# tensor peak at T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200 2026-12-01);
+# 190 registers, no spills. Not yet timed: `bench_ops.py --only router` runs both.
+WIDE_TILE = (128, 64, 8)
 
 
 @triton.jit
@@ -122,27 +128,31 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     tl.store(w_ptr + t * KTOP + slot, ws * route_scale, mask=mask)
 
 
-def logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logit_partials(x: torch.Tensor, weight: torch.Tensor,
+                   tile: tuple[int, int, int] = (BT, BE, 4)) -> torch.Tensor:
     """The logits kernel's fp64 workspace [G, T, E]: the logit of (t, e) is the sum of the G
-    rows in order."""
+    rows in order. tile: (tokens, experts, warps) per program; the bits do not depend on it."""
+    bt, be, warps = tile
     t, d = x.shape
     e = weight.shape[0]
     slices = triton.cdiv(d, SLICE_K)
     per_group = triton.cdiv(slices, GROUPS)
     groups = triton.cdiv(slices, per_group)
     ws = torch.empty(groups, t, e, dtype=torch.float64, device=x.device)
-    _logits_kernel[(triton.cdiv(t, BT), triton.cdiv(e, BE), groups)](
+    _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), groups)](
         x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices, per_group,
-        BT=BT, BE=BE, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=4)
+        BT=bt, BE=be, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=warps)
     return ws
 
 
 @REGISTRY.implement("triton", "router", supports=_supports_router)
 def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
-           route_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+           route_scale: float, gate_temp: float = 1.0,
+           tile: tuple[int, int, int] = (BT, BE, 4)) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the reference: fp32(fp64 logits), sqrt(softplus) in fp64, top-k of
     s + bias by a stable descending sort (ties to the lower id), unbiased renormalised weights
-    x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32)."""
+    x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32). tile: the
+    logits kernel's (`logit_partials`)."""
     t = x.shape[0]
     e = weight.shape[0]
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
@@ -151,7 +161,7 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
         return ids, w
     xc = x if x.stride(1) == 1 else x.contiguous()
     wc = weight if weight.stride(1) == 1 else weight.contiguous()
-    ws = logit_partials(xc, wc)
+    ws = logit_partials(xc, wc, tile)
     _select_kernel[(t,)](ws, bias.float().contiguous(), ids, w, t, e, float(gate_temp),
                          float(route_scale), KTOP=k, K_P2=triton.next_power_of_2(k),
                          E_P2=triton.next_power_of_2(e), G=ws.shape[0],
