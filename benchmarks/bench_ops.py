@@ -314,8 +314,8 @@ def bench_router(ts: list[int]) -> None:
             f"{same}")
         for name, tile in (("router", (tri_router.BT, tri_router.BE, 4)),
                            ("router[wide]", tri_router.WIDE_TILE)):
-            ms = bench([lambda x=x, tile=tile: tri_router.router(
-                x=x, weight=w, bias=bias, k=6, route_scale=1.5, tile=tile)])
+            ms = bench([lambda x=x, tile=tile: tri_router.router_tiled(
+                x, w, bias, 6, 1.5, tile=tile)])
             record(name, f"T{t}xE{e}xD{d}", ms, 2 * t * e * d, (e * d + t * d) * 2, math.inf)
 
 

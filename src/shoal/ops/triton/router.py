@@ -40,11 +40,11 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
 BT, BE = 16, 32  # fixed tiles and 4 warps
-# A larger (tokens, experts, warps) tile for `logit_partials(tile=...)`: the same K order per
-# logit (slices and groups depend on D only), so the same bits. sm_90 SASS of the slice loop:
-# 16 instructions per DMMA against 52 for the default tile (which runs at about 0.2 of the fp64
-# tensor peak at T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200 2026-12-01);
-# 190 registers, no spills. Not yet timed: `bench_ops.py --only router` runs both.
+# A larger (tokens, experts, warps) tile for `logit_partials` / `router_tiled`: the same K
+# order per logit (slices and groups depend on D only), so the same bits. sm_90 SASS of the
+# slice loop: 16 instructions per DMMA against 52 for the default tile (which runs at about 0.2
+# of the fp64 tensor peak at T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200
+# 2026-12-01); 190 registers, no spills. Not yet timed: `bench_ops.py --only router` runs both.
 WIDE_TILE = (128, 64, 8)
 
 
@@ -145,14 +145,11 @@ def logit_partials(x: torch.Tensor, weight: torch.Tensor,
     return ws
 
 
-@REGISTRY.implement("triton", "router", supports=_supports_router)
-def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
-           route_scale: float, gate_temp: float = 1.0,
-           tile: tuple[int, int, int] = (BT, BE, 4)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as the reference: fp32(fp64 logits), sqrt(softplus) in fp64, top-k of
-    s + bias by a stable descending sort (ties to the lower id), unbiased renormalised weights
-    x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32). tile: the
-    logits kernel's (`logit_partials`)."""
+def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+                 route_scale: float, gate_temp: float = 1.0,
+                 tile: tuple[int, int, int] = (BT, BE, 4)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op with the logits kernel's tile exposed (`logit_partials`; the bits do not depend
+    on it)."""
     t = x.shape[0]
     e = weight.shape[0]
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
@@ -167,3 +164,12 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                          E_P2=triton.next_power_of_2(e), G=ws.shape[0],
                          num_warps=4 if e <= 1024 else 8)
     return ids, w
+
+
+@REGISTRY.implement("triton", "router", supports=_supports_router)
+def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+           route_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as the reference: fp32(fp64 logits), sqrt(softplus) in fp64, top-k of
+    s + bias by a stable descending sort (ties to the lower id), unbiased renormalised weights
+    x route_scale (1e-20 literal). Returns (ids [T, k] int64, w [T, k] fp32)."""
+    return router_tiled(x, weight, bias, k, route_scale, gate_temp)
