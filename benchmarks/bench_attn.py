@@ -36,7 +36,7 @@ ATTN_VARIANTS = {
     "flat-d2-qloop": dict(block_n=64, dsplit=2, q_in_loop=True),
     "chunked": dict(variant="chunked"),
     "chunked-d2": dict(variant="chunked", dsplit=2),
-    "pmem": dict(variant="chunked", p_mem=True),
+    "pmem": dict(variant="chunked", p_mem=True),  # "op" before keep_k / q_res became automatic
     "pmem-bn32": dict(variant="chunked", p_mem=True, block_n=32),
     "pmem-d2": dict(variant="chunked", p_mem=True, dsplit=2),
     "pmem-bn32-s1": dict(variant="chunked", p_mem=True, block_n=32, split=1),
@@ -47,7 +47,6 @@ ATTN_VARIANTS = {
     "pmem-per1": dict(variant="chunked", p_mem=True, split=10),  # 1 block per program (10 blocks)
     "pmem-d2-per1": dict(variant="chunked", p_mem=True, dsplit=2, split=10),
     "pmem-keepk-qres": dict(variant="chunked", p_mem=True, keep_k=True, q_res=True),
-    "pmem-nokeep": dict(variant="chunked", p_mem=True),  # "op" before keep_k became automatic
     "pmem-sp2": dict(variant="chunked", p_mem=True, split=2),  # fewer, longer programs
     "op-sp3": dict(tri_attn.OP_KNOBS, split=3),  # 4 + 4 + 2 of 10 blocks
     "op-sp4": dict(tri_attn.OP_KNOBS, split=4),  # 3 + 3 + 3 + 1
