@@ -312,7 +312,7 @@ def bench_router(ts: list[int]) -> None:
         same = torch.equal(tri_router.logit_partials(x, w, tri_router.WIDE_TILE), base)
         log(f"check router[wide] T={t}: fp64 logit partials bit-equal to the default tile's: "
             f"{same}")
-        for name, tile in (("router", (tri_router.BT, tri_router.BE, 4)),
+        for name, tile in (("router", tri_router.DEFAULT_TILE),
                            ("router[wide]", tri_router.WIDE_TILE)):
             ms = bench([lambda x=x, tile=tile: tri_router.router_tiled(
                 x, w, bias, 6, 1.5, tile=tile)])

@@ -118,7 +118,7 @@ def test_router_logits_build_on_fp64_tensor_cores() -> None:
     conversion step avoids it."""
     from shoal.ops.triton import router as tr
 
-    for bt, be, warps in ((tr.BT, tr.BE, 4), tr.WIDE_TILE):
+    for bt, be, warps in (tr.DEFAULT_TILE, tr.WIDE_TILE):
         usage, sass = sm90_build(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
                                                      "ws_ptr": "*fp64"},
                                  {"BT": bt, "BE": be, "SLICE": tr.SLICE_K, "ASM": True}, warps,

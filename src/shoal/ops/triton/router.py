@@ -40,6 +40,7 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
 BT, BE = 16, 32  # fixed tiles and 4 warps
+DEFAULT_TILE = (BT, BE, 4)  # (tokens, experts, warps) per logits program
 # A larger (tokens, experts, warps) tile for `logit_partials` / `router_tiled`: the same K
 # order per logit (slices and groups depend on D only), so the same bits. sm_90 SASS of the
 # slice loop: 16 instructions per DMMA against 52 for the default tile (which runs at about 0.2
@@ -129,7 +130,7 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
 
 
 def logit_partials(x: torch.Tensor, weight: torch.Tensor,
-                   tile: tuple[int, int, int] = (BT, BE, 4)) -> torch.Tensor:
+                   tile: tuple[int, int, int] = DEFAULT_TILE) -> torch.Tensor:
     """The logits kernel's fp64 workspace [G, T, E]: the logit of (t, e) is the sum of the G
     rows in order. tile: (tokens, experts, warps) per program; the bits do not depend on it."""
     bt, be, warps = tile
@@ -147,7 +148,7 @@ def logit_partials(x: torch.Tensor, weight: torch.Tensor,
 
 def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                  route_scale: float, gate_temp: float = 1.0,
-                 tile: tuple[int, int, int] = (BT, BE, 4)) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile: tuple[int, int, int] = DEFAULT_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """The op with the logits kernel's tile exposed (`logit_partials`; the bits do not depend
     on it)."""
     t = x.shape[0]
