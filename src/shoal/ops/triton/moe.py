@@ -25,14 +25,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
    one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
    swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4). The f16 decode tiles run 3
-   (`fp4_tiles.w_f16_perm` / `a_f16_perm`): the codes become fp16 by shifts and masks, no LUT,
-   and the block scale is an fp16x2 multiply, with K permuted inside every 4 on both operands.
-   Fewer instructions than 1 (sm_90 SASS per K step of the w13 loop: 991 against 1080, 197
-   registers against 194; the block scale is one add-max and one multiply per block) and
-   fewer of them on the integer pipe, which ncu showed throttling (H200 2026-12-01: issue
-   active 61%, math-pipe-throttle the top stall at T = 64). Same bits as 1 at T = 1..256
-   (blocks within 13 binades of their row's largest; below, 1 flushes, 3 stays exact to 23);
-   0.082 / 1.98 / 3.30 ms at T = 1 / 64 / 256 against 0.089 / 2.21 / 3.47 (same run).
+   (`fp4_tiles.w_f16_perm` / `a_f16_perm`, which say how): sm_90 w13 loop 991 against 1080
+   instructions per K step, fewer on the throttled integer pipe; same bits as 1 at T = 1..256;
+   H200 2026-12-01 0.082 / 1.98 / 3.30 ms at T = 1 / 64 / 256 against 0.089 / 2.21 / 3.47.
    Tiles (`moe_tiles.default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
    operands go through mma.sync as fp16, so their weights decode straight to fp16,
    `fp4_tiles.w_f16`, same values as the e4m3 path: exact products, fp32 accumulation; H200
