@@ -39,6 +39,7 @@ from shoal.ops.triton import gemm_nt as tri_nt
 from shoal.ops.triton import gemm_persistent as tri_pers
 from shoal.ops.triton import hyper_connections as tri_hc
 from shoal.ops.triton import router as tri_router
+from shoal.ops.triton.device import sm_count
 from shoal.quant.fp8 import quant_fp8_weight
 
 GEMM_SHAPES = {"wq_a|wkv": (1280 + 512, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
@@ -109,7 +110,7 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
                 record(f"gemm_fp8 ({mode})", shape, t, flops, nbytes, FP8_PEAK,
                        vs_scaled_mm=round(t / t_ref, 3), scaled_mm_us=round(t_ref * 1e3, 1))
-            if tri_pers.persistent_ok(m, n, k):  # the default above is the persistent kernel
+            if tri_pers.persistent_ok(m, n, k, sm_count(torch.device("cuda"))):  # the default above is the persistent kernel
                 t = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p,
                                                                     persistent=False)
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
@@ -312,8 +313,11 @@ def bench_router(ts: list[int]) -> None:
         same = torch.equal(tri_router.logit_partials(x, w, tri_router.WIDE_TILE), base)
         log(f"check router[wide] T={t}: fp64 logit partials bit-equal to the default tile's: "
             f"{same}")
+        same_mid = torch.equal(tri_router.logit_partials(x, w, tri_router.MID_TILE), base)
+        log(f"check router[mid] T={t}: bit-equal: {same_mid}")
         for name, tile in (("router", tri_router.DEFAULT_TILE),
-                           ("router[wide]", tri_router.WIDE_TILE)):
+                           ("router[wide]", tri_router.WIDE_TILE),
+                           ("router[mid]", tri_router.MID_TILE)):
             ms = bench([lambda x=x, tile=tile: tri_router.router_tiled(
                 x, w, bias, 6, 1.5, tile=tile)])
             record(name, f"T{t}xE{e}xD{d}", ms, 2 * t * e * d, (e * d + t * d) * 2, math.inf)

@@ -194,6 +194,19 @@ def test_padded_decode_rows_give_the_same_bits(monkeypatch, m: int) -> None:
         tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, rows=17, **kw)
 
 
+def test_decode_sizes_never_take_the_persistent_kernel() -> None:
+    """Every decode size (M <= 64, the split pointer kernel's range) stays on the pointer
+    kernel, even for a weight with enough tile steps at M = 1 (mini's Engram wkv); prefill
+    sizes of the large shapes take the persistent kernel."""
+    from shoal.ops.triton.gemm_persistent import persistent_ok
+
+    engram_wkv, wq_b, wo_b = (25600, 6144), (32768, 1280), (5120, 8192)
+    for n, k in (engram_wkv, wq_b, wo_b):
+        assert not any(persistent_ok(m, n, k, 132) for m in range(1, 65))
+        assert persistent_ok(4096, n, k, 132)
+    assert persistent_ok(65, *engram_wkv, 132)
+
+
 @needs_kernels
 @pytest.mark.parametrize("m,n,k", [(200, 136, 320), (130, 64, 256), (600, 520, 1152)])
 @pytest.mark.parametrize("promote", [0, 1])

@@ -297,7 +297,8 @@ def test_router_logit_groups_sum_to_the_fp64_logits(t) -> None:
 
 @pytest.mark.parametrize("t", [3, 150])
 def test_router_logit_tile_does_not_change_bits(t) -> None:
-    """The logits kernel's (tokens, experts, warps) tile moves rows and columns between programs,
+    """The logits kernel's (tokens, experts, warps, stages) tile moves rows and columns between
+    programs,
     never the K order of a logit: the wide tile's fp64 workspace equals the default's bit for
     bit (D 1300: a partial last slice; E 70: a partial expert tile)."""
     g = torch.Generator().manual_seed(77 + t)
@@ -305,7 +306,7 @@ def test_router_logit_tile_does_not_change_bits(t) -> None:
     x = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16).to(DEV)
     w = (torch.randn(e, d, generator=g) / 8).to(torch.bfloat16).to(DEV)
     base = trouter.logit_partials(x, w)
-    for tile in (trouter.WIDE_TILE, (32, 64, 4)):
+    for tile in (trouter.WIDE_TILE, trouter.MID_TILE, (32, 64, 4, 2)):
         assert torch.equal(trouter.logit_partials(x, w, tile), base), tile
 
 

@@ -10,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from support.sm90 import sm90_build, stack_bytes  # noqa: E402
+from support.sm90 import H200_SMEM, sm90_build, sm90_compile, stack_bytes  # noqa: E402
 from support.triton_interpreter import INTERP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERP, reason="sm_90 builds: run without TRITON_INTERPRET")
@@ -71,9 +71,10 @@ def _packs_consecutive_k(ttgir: str) -> list[bool]:
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*)$", ttgir, re.M))
     verdicts = []
     for line in ttgir.splitlines():
-        if "elementwise_inline_asm" not in line:
+        tile = re.search(r"-> tensor<\d+x\d+x(?:i8|f16), (.*)>", line)
+        if "elementwise_inline_asm" not in line or tile is None:  # (pdl_wait's are scalar)
             continue
-        lay = re.search(r"-> tensor<\d+x\d+x(?:i8|f16), (.*)>", line).group(1)
+        lay = tile.group(1)
         lay = layouts.get(lay, lay)
         if lay.startswith("#ttg.linear"):
             regs = re.search(r"register = \[(.*?)\], lane", lay).group(1)
@@ -116,15 +117,18 @@ def test_router_logits_build_on_fp64_tensor_cores() -> None:
     tensor-core MMAs (DMMA) without spills. A plain bf16 -> fp64 conversion of the dot
     operands aborts the sm_90 build ("fp64 don't support largeK MMA"); the kernel's inline-asm
     conversion step avoids it."""
+    from shoal.ops.triton import aot
     from shoal.ops.triton import router as tr
 
-    for bt, be, warps in (tr.DEFAULT_TILE, tr.WIDE_TILE):
-        usage, sass = sm90_build(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                                                     "ws_ptr": "*fp64"},
-                                 {"BT": bt, "BE": be, "SLICE": tr.SLICE_K, "ASM": True}, warps,
-                                 3, ("D", "stride_xt", "stride_we"))
+    for bt, be, warps, stages in (tr.DEFAULT_TILE, tr.WIDE_TILE, tr.MID_TILE):
+        built = sm90_compile(tr._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                                                 "ws_ptr": "*fp64"},
+                             {"BT": bt, "BE": be, "SLICE": tr.SLICE_K, "ASM": True}, warps,
+                             stages, ("D", "stride_xt", "stride_we"))
+        usage, sass = aot.usage_and_sass(built)
         assert "DMMA" in sass, f"router logits {bt}x{be}: no fp64 tensor-core MMA"
         assert stack_bytes(usage) <= 32, f"router logits {bt}x{be}: {usage.strip()}"
+        assert built.metadata.shared <= H200_SMEM, (bt, be, stages, built.metadata.shared)
 
 
 def test_paged_rows_kernel_builds() -> None:

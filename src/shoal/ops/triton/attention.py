@@ -41,6 +41,7 @@ import triton.language as tl
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.attention_chunked import _e2m1_pair, _sparse_attn_chunked_kernel
 from shoal.ops.triton.device import sm_count
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
@@ -97,6 +98,7 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
                         D: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                         DSPLIT: tl.constexpr, HAS_COMP: tl.constexpr, Q_IN_LOOP: tl.constexpr,
                         SCALE_BCAST: tl.constexpr):
+    pdl_wait()
     DV: tl.constexpr = D // DSPLIT  # output columns owned by this program
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -172,6 +174,7 @@ def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.co
     acc_s = 0: padded index blocks) add exact zeros and leave the bits unchanged. Program
     (t, head block, column block): HB heads x DB columns (each output element's arithmetic
     does not depend on the blocking)."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = offs_h < H
@@ -314,19 +317,19 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
         _sparse_attn_kernel[(t, split, dsplit)](
             *common, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
             HAS_COMP=has_comp, Q_IN_LOOP=q_in_loop, SCALE_BCAST=scale_bcast,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     else:
         scr = torch.empty(t * split * dsplit * (hp * block_n + 2 * hp) if p_mem else 1,
                           dtype=torch.bfloat16, device=q.device)
         _sparse_attn_chunked_kernel[(t, split, dsplit)](
             *common, scr, H=h, HP=hp, D=d, BLOCK_N=block_n, NSPLIT=split, DSPLIT=dsplit,
             HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, Q_RES=q_res, num_warps=num_warps,
-            num_stages=num_stages)
+            num_stages=num_stages, **PDL_LAUNCH)
     if split > 1:
         hb, db = 16, min(d, 128)  # H200: (1, 4) programs of 16 x 512 took 6 us at T = 1
         _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
                                                           NSPLIT=split, HB=hb, DB=db,
-                                                          num_warps=4)
+                                                          num_warps=4, **PDL_LAUNCH)
     return out
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from shoal.ops.triton.pdl import pdl_wait
+
 
 @triton.jit
 def _e2m1_pair(b):
@@ -185,6 +187,7 @@ def _sparse_attn_chunked_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_
     HP) against its share of the index blocks and owns output chunks dpart * NACC ..
     (dpart + 1) * NACC - 1 of the 4 chunks of D / 4 (DSPLIT > 1 recomputes the scores in every
     D part: more matrix work, fewer registers). Same numerics as _sparse_attn_kernel."""
+    pdl_wait()
     DC: tl.constexpr = D // 4
     NACC: tl.constexpr = 4 // DSPLIT
     t = tl.program_id(0).to(tl.int64)

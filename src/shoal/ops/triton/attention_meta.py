@@ -19,11 +19,13 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
 def _swa_kernel(pos_ptr, tok_ptr, cs_ptr, rb_ptr, fl_ptr, o_ptr, T, W, ring_size, scratch_base,
                 s_pos, s_tok, s_cs, s_rb, s_fl, ROWS: tl.constexpr, BW: tl.constexpr):
+    pdl_wait()
     q = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     qmask = q < T
     p = tl.load(pos_ptr + q * s_pos, mask=qmask, other=0).to(tl.int64)
@@ -65,12 +67,13 @@ def swa_indices(*, positions: torch.Tensor, token_index: torch.Tensor, chunk_sta
         _swa_kernel[(triton.cdiv(t, rows), triton.cdiv(window, bw))](
             positions, token_index, chunk_start, ring_base, floor, out, t, window, ring_size,
             scratch_base, positions.stride(0), token_index.stride(0), chunk_start.stride(0),
-            ring_base.stride(0), floor.stride(0), ROWS=rows, BW=bw, num_warps=4)
+            ring_base.stride(0), floor.stride(0), ROWS=rows, BW=bw, num_warps=4, **PDL_LAUNCH)
     return out
 
 
 @triton.jit
 def _paged_kernel(l_ptr, r_ptr, t_ptr, o_ptr, N, K, W, RPB, s_r, s_t, BLOCK: tl.constexpr):
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     j = tl.load(l_ptr + i, mask=m, other=-1).to(tl.int64)
@@ -104,7 +107,7 @@ def paged_rows(*, logical: torch.Tensor, req: torch.Tensor, block_table: torch.T
         block = 1024
         _paged_kernel[(triton.cdiv(n, block),)](
             logical.contiguous(), req, block_table, out, n, k, block_table.shape[1],
-            rows_per_block, req.stride(0), block_table.stride(0), BLOCK=block, num_warps=4)
+            rows_per_block, req.stride(0), block_table.stride(0), BLOCK=block, num_warps=4, **PDL_LAUNCH)
     return out
 
 
@@ -114,6 +117,7 @@ _INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 @triton.jit
 def _mask_kernel(x_ptr, m_ptr, o_ptr, T, N, neg_inf, sx_t, sx_n, sm_t, sm_n,
                  ROWS: tl.constexpr, BN: tl.constexpr):
+    pdl_wait()
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     mask = (r < T)[:, None] & (c < N)[None, :]
@@ -143,5 +147,5 @@ def mask_logits(*, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         _mask_kernel[(triton.cdiv(t, rows), triton.cdiv(n, bn))](
             logits.view(bits), keep, out.view(bits), t, n, neg_inf, logits.stride(0),
             logits.stride(1), keep.stride(0),
-            keep.stride(1), ROWS=rows, BN=bn, num_warps=4)
+            keep.stride(1), ROWS=rows, BN=bn, num_warps=4, **PDL_LAUNCH)
     return out

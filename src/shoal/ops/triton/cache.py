@@ -20,6 +20,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
@@ -77,6 +78,7 @@ def mxfp4_block(xe, xo, amax):
 
 @triton.jit
 def _swa_kernel(x_ptr, rows_ptr, c_ptr, sx_t, sx_d, sc_r, D: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     nb: tl.constexpr = D // 32
     b = tl.arange(0, nb)
@@ -95,6 +97,7 @@ def _swa_kernel(x_ptr, rows_ptr, c_ptr, sx_t, sx_d, sc_r, D: tl.constexpr):
 @triton.jit
 def _fp4_kernel(x_ptr, rows_ptr, c_ptr, sx_t, sx_d, sc_r, D: tl.constexpr, BLOCK: tl.constexpr,
                 NV: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     nb: tl.constexpr = D // BLOCK
     hb: tl.constexpr = BLOCK // 2
@@ -136,7 +139,7 @@ def _launch(kernel, x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, **
     t, d = x.shape
     if t:
         kernel[(t,)](x, rows, cache, x.stride(0), x.stride(1), cache.stride(0), D=d,
-                     num_warps=4, **meta)
+                     num_warps=4, **meta, **PDL_LAUNCH)
 
 
 @REGISTRY.implement("triton", "swa_write", supports=_supports_for(32, lambda d: d + d // 32))

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
@@ -54,6 +55,7 @@ def ue8m0_value(e):
 @triton.jit
 def _gather_kernel(tab_ptr, sc_ptr, ids_ptr, o_ptr, NR, N, st_r, st_c, ss_r, ss_c, si_t, si_n,
                    DH: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr):
+    pdl_wait()
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # flat (token, head) index
     gmask = g < NR
     t = g // N
@@ -94,7 +96,7 @@ def engram_gather(*, table: torch.Tensor, table_scale: torch.Tensor,
         _gather_kernel[(triton.cdiv(nr, rows),)](
             codes, table_scale, row_ids, out.view(torch.int16), nr, n, codes.stride(0),
             codes.stride(1), table_scale.stride(0), table_scale.stride(1), row_ids.stride(0),
-            row_ids.stride(1), DH=dh, BD=bd, ROWS=rows, num_warps=4)
+            row_ids.stride(1), DH=dh, BD=bd, ROWS=rows, num_warps=4, **PDL_LAUNCH)
     return out
 
 
@@ -105,6 +107,7 @@ def _mix_kernel(s_ptr, kv_ptr, qw_ptr, kw_ptr, m_ptr, o_ptr, eps, inv_sqrt_d, ss
     """One (token, stream): the stream's gate needs only its own row, its key and the weights,
     so a token's HC streams run in parallel (a one-program-per-token kernel took 21 us at
     T = 1 on the H200: 20 dependent 512-column steps)."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     sb = s_ptr + t * ss_t + h * ss_h
@@ -168,7 +171,7 @@ def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor
             stream, kv, q_weight, k_weight, mask, out.view(torch.int16), float(eps), d**-0.5,
             stream.stride(0), stream.stride(1), stream.stride(2), kv.stride(0), kv.stride(1),
             q_weight.stride(0), q_weight.stride(1), k_weight.stride(0), k_weight.stride(1),
-            mask.stride(0), HC=hc, D=d, BD=bd, HAS_MASK=has_mask, num_warps=8)
+            mask.stride(0), HC=hc, D=d, BD=bd, HAS_MASK=has_mask, num_warps=8, **PDL_LAUNCH)
     return out
 
 
@@ -181,6 +184,7 @@ def _hash_kernel(ids_ptr, pos_ptr, dead_ptr, map_ptr, mult_ptr, pr_ptr, off_ptr,
                  N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr):
     """Row ids of BT tokens for one layer (program axis 1): the n slots' compressed ids with the
     blocking rule, the rolling XOR of id x multiplier, and per order/head the modulo + offset."""
+    pdl_wait()
     toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     tm = toks < T
     layer = tl.program_id(1).to(tl.int64)
@@ -229,5 +233,5 @@ def engram_hash(*, ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tenso
         ids, positions, dead, token_map, multipliers, primes, offsets, out, t, pad_id,
         ids.stride(0), ids.stride(1), multipliers.stride(0), multipliers.stride(1),
         primes.stride(0), primes.stride(1), primes.stride(2), offsets.stride(0), L=layers, N=n,
-        H=h, HP=triton.next_power_of_2(h), BT=bt, num_warps=4)
+        H=h, HP=triton.next_power_of_2(h), BT=bt, num_warps=4, **PDL_LAUNCH)
     return out

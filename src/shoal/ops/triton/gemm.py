@@ -37,6 +37,7 @@ from shoal.ops.triton.gemm_persistent import (
     persistent_ok,
     tma_aligned,
 )
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 FP8_MAX = 448.0
 
@@ -77,6 +78,7 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk,
                       FOLD: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     nb = K // BLOCK
     offs_b = tl.arange(0, NB_P2)
@@ -114,7 +116,7 @@ def _act_quant(x: torch.Tensor, block: int, fold: bool,
         nb = k // block
         _act_quant_kernel[(t,)](x, q, s, k, x.stride(0), x.stride(1), FOLD=fold,
                                 NB_P2=triton.next_power_of_2(nb), BLOCK=block,
-                                num_warps=4 if k <= 2048 else 8)
+                                num_warps=4 if k <= 2048 else 8, **PDL_LAUNCH)
     return q, s
 
 
@@ -226,6 +228,7 @@ def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, MA, N, K, M_B
     through the MMA (reduced-precision adds on sm_90 FP8 wgmma); PROMOTED forms each BLOCK_K
     step's product from zero and adds it in fp32. M_BUCKET: the autotuning key only. MA: rows of
     a (>= M; rows beyond M are padding, read but never stored)."""
+    pdl_wait()
     pid_k = tl.program_id(1)
     offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (offs_m % MA).to(tl.int64)
@@ -276,6 +279,7 @@ _gemm_fp8_kernel = triton.autotune(
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr):
+    pdl_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -343,16 +347,16 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
 
     args = (q, w.codes, out, ws, row_scale, w.col_scale, m, ma, n, k, m_bucket)
     if tile is None:
-        _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote)
+        _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote, **PDL_LAUNCH)
     else:
         bm, bn, bk, warps, stages = tile
         _gemm_fp8_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                               SPLIT_K=split, PROMOTE=promote, num_warps=warps,
-                              num_stages=stages)
+                              num_stages=stages, **PDL_LAUNCH)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, out, row_scale, w.col_scale, m, n,
-                                                            SPLIT_K=split, BLOCK=block)
+                                                            SPLIT_K=split, BLOCK=block, **PDL_LAUNCH)
     return out
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode sizes (M_BUCKET <= 16) get 16-row tiles
 # with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): on the H200
@@ -34,6 +35,7 @@ def _grouped_prune(configs, named_args, **kwargs):
 def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_om, stride_og,
                           stride_ok, G: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -83,11 +85,12 @@ def grouped_w8a16(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         def grid(meta):
             return (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(r, meta["BLOCK_N"]), g)
 
-        _grouped_w8a16_kernel[grid](*args, G=g)
+        _grouped_w8a16_kernel[grid](*args, G=g, **PDL_LAUNCH)
     else:
         bm, bn, bk, warps, stages = tile
         _grouped_w8a16_kernel.fn[(triton.cdiv(t, bm), triton.cdiv(r, bn), g)](
-            *args, G=g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            *args, G=g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            **PDL_LAUNCH)
     return z
 
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from shoal.ops.triton.engram import bf16_rne
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 NT_BM = 16  # rows per tile, for every M (one tl.dot shape: the same MMA instruction always)
 NT_TARGET_PROGRAMS = 264  # split K until the N tiles x chunks cover ~2 waves of 132 SMs
@@ -116,6 +117,7 @@ def _nt_gemm_kernel(x_ptr, w_ptr, o_ptr, M, N, K, CHUNK, x_m, x_k, w_n, w_k,
                     BK: tl.constexpr):
     """PARTIAL: program (m, n, s) writes chunk s's partial to o_ptr [SPLIT, M, N] fp32.
     Else program (m, n) adds the SPLIT chunk partials in order and writes the output [M, N]."""
+    pdl_wait()
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     if PARTIAL:
@@ -137,6 +139,7 @@ def _nt_gemm_kernel(x_ptr, w_ptr, o_ptr, M, N, K, CHUNK, x_m, x_k, w_n, w_k,
 def _nt_reduce_kernel(p_ptr, o_ptr, MN, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr,
                       BLOCK: tl.constexpr):
     """o = sum over s = 0, 1, ... of p[s] (fp32, in that order), cast to the output dtype."""
+    pdl_wait()
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < MN
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -180,14 +183,14 @@ def gemm_nt(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     if partial:
         part = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
         _nt_gemm_kernel[(*grid, cfg.split)](*args, part, m, n, k, cfg.chunk, *strides,
-                                            PARTIAL=True, OUT_BF16=False, **meta)
+                                            PARTIAL=True, OUT_BF16=False, **meta, **PDL_LAUNCH)
         block = 1024
         _nt_reduce_kernel[(triton.cdiv(m * n, block),)](part, o_view, m * n, SPLIT=cfg.split,
                                                         OUT_BF16=out_bf16, BLOCK=block,
-                                                        num_warps=4)
+                                                        num_warps=4, **PDL_LAUNCH)
     else:
         _nt_gemm_kernel[grid](*args, o_view, m, n, k, cfg.chunk, *strides, PARTIAL=False,
-                              OUT_BF16=out_bf16, **meta)
+                              OUT_BF16=out_bf16, **meta, **PDL_LAUNCH)
     return out
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shoal.ops.triton.device import sm_count
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
 # session 11, benchmarks/results/session11_h200_2026-12-01.txt, runs 3-5): BLOCK_K 256 with
@@ -34,6 +35,11 @@ PERSISTENT_TILE = (128, 128, 256, 8, 3)
 # w13 and w2 at M = 1024, 1.21x / 1.29x) up; at 2560 and below equal or slower (wo_b M = 256
 # 0.73x, indexer wq_b M = 2048 0.97x, wq_a|wkv M = 1024 0.91x), except wq_b at M = 256 (1.23x).
 PERSISTENT_MIN_STEPS_PER_SM = 21
+# Never for decode sizes (the M <= 64 of gemm.split_k, whose split pointer kernel they keep, so
+# a token's bits are the same at every decode batch size): at M = 1 the Engram wkv (N = 25600,
+# K = 6144: 4800 steps) ran here at 81.5 us per call, 0.45 of its HBM floor, 2 calls per mini
+# step (H200 b1 profile, session 13); on the pointer kernel about 40 us (session 11 profile).
+PERSISTENT_MIN_M = 65
 
 
 def tma_aligned(n: int, k: int) -> bool:
@@ -43,10 +49,11 @@ def tma_aligned(n: int, k: int) -> bool:
 
 def persistent_ok(m: int, n: int, k: int, sms: int) -> bool:
     """Where the op runs the persistent kernel: enough tile work per SM (each program then
-    walks several tiles, so their epilogues overlap loads), TMA-aligned."""
+    walks several tiles, so their epilogues overlap loads), TMA-aligned, above decode sizes."""
     bm, bn, bk = PERSISTENT_TILE[:3]
     steps = triton.cdiv(m, bm) * triton.cdiv(n, bn) * triton.cdiv(k, bk)
-    return steps >= PERSISTENT_MIN_STEPS_PER_SM * sms and tma_aligned(n, k)
+    return (m >= PERSISTENT_MIN_M and steps >= PERSISTENT_MIN_STEPS_PER_SM * sms
+            and tma_aligned(n, k))
 
 
 @triton.jit
@@ -57,6 +64,7 @@ def _gemm_fp8_persistent(a_desc, b_desc, c_desc, rs_ptr, cs_ptr, M, N, K,
     walks the output tiles in steps of PROGRAMS, operands through TMA descriptors (zero-filled
     beyond M, N, K; the store is clipped), so one tile's epilogue overlaps the next tile's loads.
     Promoted: each BLOCK_K partial added in K order (BLOCK_K 128: `_gemm_fp8_body`'s bits)."""
+    pdl_wait()
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     steps = tl.cdiv(K, BLOCK_K)
@@ -94,4 +102,4 @@ def gemm_persistent(q: torch.Tensor, row_scale: torch.Tensor, codes: torch.Tenso
         TensorDescriptor.from_tensor(codes, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), row_scale, col_scale, m, n, q.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=programs, PROMOTE=promote,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **PDL_LAUNCH)

@@ -31,6 +31,7 @@ from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.engram import bf16_rne
 from shoal.ops.triton.gemm_nt import split_bf16x3
 from shoal.ops.triton.norm import MAX_K, on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 HC = 4
 
@@ -62,6 +63,7 @@ def _coeffs_partial_kernel(s_ptr, fn_ptr, part_ptr, T, D, st_t, st_i, st_d, fn_r
                            BK: tl.constexpr):
     """part[t, s, 0:24] = fn[:, chunk s] . f_t[chunk s]; part[t, s, 24] = sum of f^2 (fp32).
     Products exact (bf16 f times the three bf16 terms of fn), fp32 sums, K ascending."""
+    pdl_wait()
     toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     tmask = toks < T
@@ -96,6 +98,7 @@ def _coeffs_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb
                           norm_eps, hc_eps, iters, SPLIT: tl.constexpr):
     """One token: add its SPLIT partials in order, then rstd, sigmoid pre/post, the row softmax
     and the Sinkhorn normalisations, all in fp32 registers."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs_r = tl.arange(0, 32)
     acc = tl.zeros((32,), dtype=tl.float32)
@@ -161,16 +164,17 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     _coeffs_partial_kernel[(triton.cdiv(t, COEFF_BT), split)](
         stream, fn, part, t, d, stream.stride(0), stream.stride(1), stream.stride(2),
         fn.stride(0), fn.stride(1), SPLIT=split, ITERS=n_iter, BT=COEFF_BT, BK=bk,
-        num_warps=4)
+        num_warps=4, **PDL_LAUNCH)
     _coeffs_finish_kernel[(t,)](
         part, scale.contiguous(), base.contiguous(), pre, post, comb, t, d, float(norm_eps),
-        float(hc_eps), int(iters), SPLIT=split, num_warps=1)
+        float(hc_eps), int(iters), SPLIT=split, num_warps=1, **PDL_LAUNCH)
     return pre, post, comb
 
 
 @triton.jit
 def _collapse_kernel(s_ptr, pre_ptr, w_ptr, o_ptr, D, eps, st_t, st_i, st_d, pre_t, pre_i,
                      NORM: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, BD)
     dmask = dd < D
@@ -200,7 +204,7 @@ def _collapse(stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | No
     _collapse_kernel[(t,)](stream, pre, w, out, d, float(eps), stream.stride(0),
                            stream.stride(1), stream.stride(2), pre.stride(0), pre.stride(1),
                            NORM=weight is not None, BD=bd, num_warps=4 if bd <= 2048 else 8,
-                           enable_fp_fusion=False)
+                           enable_fp_fusion=False, **PDL_LAUNCH)
     return out
 
 
@@ -225,6 +229,7 @@ def hc_collapse_norm(*, stream: torch.Tensor, pre: torch.Tensor, weight: torch.T
 @triton.jit
 def _post_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, o_ptr, D, y_t, y_d, st_t, st_i, st_d,
                  po_t, po_i, cb_t, cb_i, cb_j, BD: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = dd < D
@@ -264,7 +269,7 @@ def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
     _post_kernel[(t, triton.cdiv(d, bd))](
         y, stream, post, comb, out, d, y.stride(0), y.stride(1), stream.stride(0),
         stream.stride(1), stream.stride(2), post.stride(0), post.stride(1), comb.stride(0),
-        comb.stride(1), comb.stride(2), BD=bd, num_warps=4)
+        comb.stride(1), comb.stride(2), BD=bd, num_warps=4, **PDL_LAUNCH)
     return out
 
 
@@ -274,6 +279,7 @@ def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
 @triton.jit
 def _embed_kernel(ids_ptr, tab_ptr, o_ptr, D, V, tab_v, tab_d, BD: tl.constexpr):
     """Row gather of the bf16 table on the raw 16-bit patterns (bit-exact, NaN payloads too)."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = dd < D
@@ -299,13 +305,14 @@ def embed(*, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     bd = min(2048, triton.next_power_of_2(d))
     tab = table.view(torch.int16)
     _embed_kernel[(t, triton.cdiv(d, bd))](ids, tab, out.view(torch.int16), d, v, tab.stride(0),
-                                           tab.stride(1), BD=bd, num_warps=4)
+                                           tab.stride(1), BD=bd, num_warps=4, **PDL_LAUNCH)
     return out
 
 
 @triton.jit
 def _stream_mean_kernel(s_ptr, o_ptr, D, st_t, st_i, st_d, BD: tl.constexpr):
     """bf16(fp32(mean)) with the mean of the 4 streams in fp64, as the reference."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = dd < D
@@ -335,5 +342,5 @@ def stream_mean(*, stream: torch.Tensor) -> torch.Tensor:
     bd = min(1024, triton.next_power_of_2(d))
     _stream_mean_kernel[(t, triton.cdiv(d, bd))](
         stream, out.view(torch.int16), d, stream.stride(0), stream.stride(1), stream.stride(2),
-        BD=bd, num_warps=4)
+        BD=bd, num_warps=4, **PDL_LAUNCH)
     return out

@@ -30,10 +30,12 @@ import triton.language as tl
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.cache import e2m1_value, mxfp4_block
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
 def _qquant_kernel(q_ptr, o_ptr, H, sq_t, sq_h, sq_d, DI: tl.constexpr):
+    pdl_wait()
     pid = tl.program_id(0)
     t = (pid // H).to(tl.int64)
     h = pid % H
@@ -61,7 +63,7 @@ def index_q_quant(*, q: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
     if t * h:
         _qquant_kernel[(t * h,)](q, out, h, q.stride(0), q.stride(1), q.stride(2), DI=d,
-                                 num_warps=1)
+                                 num_warps=1, **PDL_LAUNCH)
     return out
 
 
@@ -124,6 +126,7 @@ def _scores_kernel(q_ptr, w_ptr, kw_ptr, bt_ptr, req_ptr, nv_ptr, o_ptr, T, H, N
     RPB must not be specialised: Triton's axis analysis gives blk * RPB + j % RPB the
     divisibility of RPB when RPB % 16 == 0 (although the sum is not a multiple of 16), then
     emits 16-byte vector loads at 68-byte record offsets: the "misaligned address" fault."""
+    pdl_wait()
     t0 = tl.program_id(0).to(tl.int64) * TB
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     tt = t0 + tl.arange(0, TB)
@@ -181,7 +184,7 @@ def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
         q, weights, kw, block_table, req, n_visible, out, t, h, num_rows, rows_per_block,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         block_table.stride(0), block_table.stride(1), HP=hp, DI=d, BN=bn, TB=tb,
-        num_warps=num_warps)
+        num_warps=num_warps, **PDL_LAUNCH)
     return out
 
 
@@ -213,6 +216,7 @@ def _select_kernel(x_ptr, nv_ptr, o_ptr, W, k, BS, WR, sx_t, sx_w, so_t,
     """Top-k of row t of x [T, W]. Index mode: o [T, k] int32 ascending, -1 padded, with the
     n_visible <= k fast path. Mask mode: o [T, WR] uint8 (WR <= W * BS), row r kept iff block r // BS is
     selected (x holds block scores)."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     xr = x_ptr + t * sx_t
@@ -281,13 +285,14 @@ def topk_rows(*, logits: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch
     if t:
         _select_kernel[(t,)](logits, n_visible, out, w, k, 1, 0, logits.stride(0),
                              logits.stride(1), k, MASK_MODE=False, BLOCK=min(4096, triton.next_power_of_2(max(w, 1))),
-                             KP=triton.next_power_of_2(k), BSP=1, num_warps=4)
+                             KP=triton.next_power_of_2(k), BSP=1, num_warps=4, **PDL_LAUNCH)
     return out
 
 
 @triton.jit
 def _block_score_kernel(x_ptr, nv_ptr, o_ptr, W, NB, BS, sx_t, sx_w, BB: tl.constexpr,
                         BSP: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BB + tl.arange(0, BB)
     r = tl.arange(0, BSP)
@@ -318,9 +323,9 @@ def candidate_mask(*, logits: torch.Tensor, n_visible: torch.Tensor, block_size:
         bb = max(1, min(256, 2048 // bsp))
         _block_score_kernel[(t, triton.cdiv(nb, bb))](
             logits, n_visible, scores, w, nb, block_size, logits.stride(0), logits.stride(1),
-            BB=bb, BSP=bsp, num_warps=4)
+            BB=bb, BSP=bsp, num_warps=4, **PDL_LAUNCH)
         _select_kernel[(t,)](scores, n_visible, out, nb, min(topk_blocks, nb), block_size, w,
                              nb, 1, w, MASK_MODE=True,
                              BLOCK=min(1024, triton.next_power_of_2(nb)), KP=1, BSP=bsp,
-                             num_warps=4)
+                             num_warps=4, **PDL_LAUNCH)
     return out.view(torch.bool)

@@ -83,6 +83,7 @@ from shoal.ops.triton.fp4_tiles import (
 from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import route
 from shoal.ops.triton.moe_tiles import TileConfig, default_configs, w4a16_configs
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 from shoal.quant.fp8 import quant_fp8_act
 
 # --------------------------------------------------------------------------- device helpers
@@ -148,6 +149,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
     W4A8: a is folded e4m3 with row scales as_ptr; else a is bf16 and weights dequantise to bf16.
     SWAP_AB: the accumulators hold the transposed [BN, BM] tile (weights as the left operand).
     """
+    pdl_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e, row0, row_end = _expert_tile(cnt_ptr, pid_m, E, E_P2, BM)
@@ -249,6 +251,7 @@ def _combine_kernel(y_ptr, shared_ptr, out_ptr, D, KTOP: tl.constexpr, SHARED: t
                     BLOCK: tl.constexpr):
     """out[t, :] = sum_j fp32(y[t * KTOP + j, :]) in slot order (fp32 out); SHARED: plus
     fp32(shared[t, :]), rounded once to bf16."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -310,7 +313,7 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
         W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote, F16=f16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **PDL_LAUNCH)
 
 
 def _combine(y: torch.Tensor, t: int, k: int, d: int,
@@ -320,7 +323,7 @@ def _combine(y: torch.Tensor, t: int, k: int, d: int,
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](
         y, y if shared is None else shared.contiguous(), out, d, KTOP=k,
-        SHARED=shared is not None, BLOCK=block, num_warps=4)
+        SHARED=shared is not None, BLOCK=block, num_warps=4, **PDL_LAUNCH)
     return out
 
 

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
+
 
 @triton.jit
 def _route_kernel(ids_ptr, w_ptr, tok_ptr, orow_ptr, rw_ptr, cnt_ptr, R, E, KTOP: tl.constexpr,
@@ -18,6 +20,7 @@ def _route_kernel(ids_ptr, w_ptr, tok_ptr, orow_ptr, rw_ptr, cnt_ptr, R, E, KTOP
     (e(r') == e(r) and r' < r)} (exactly the position of a stable argsort), then tok[rank] =
     r // KTOP, orow[rank] = r, rw[rank] = w[r]. The remaining programs count BI experts each.
     Every output element is written by exactly one program (no atomics, no zero-fill)."""
+    pdl_wait()
     pid = tl.program_id(0)
     n_i = tl.cdiv(R, BI)
     offs_j = tl.arange(0, BJ)
@@ -70,7 +73,7 @@ def route(ids: torch.Tensor, weights: torch.Tensor, e: int,
         bi, bj = 64, 128
         grid = (triton.cdiv(rows, bi) + triton.cdiv(e, bi),)
         _route_kernel[grid](flat, weights.reshape(-1).float().contiguous(), tok, orow, rw,
-                            counts, rows, e, KTOP=k, BI=bi, BJ=bj, num_warps=4)
+                            counts, rows, e, KTOP=k, BI=bi, BJ=bj, num_warps=4, **PDL_LAUNCH)
         return tok, orow, rw, counts
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(e, dtype=torch.int32, device=ids.device)

@@ -17,11 +17,13 @@ from triton.language.extra import libdevice
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.engram import bf16_rne
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, I, limit, g_t, g_i, u_t, u_i,
                    HAS_W: tl.constexpr, LIBDEVICE: tl.constexpr, BI: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     ii = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = ii < I
@@ -61,5 +63,5 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     _swiglu_kernel[(t, triton.cdiv(inter, bi))](
         gate, up, w, out.view(torch.int16), inter, float(limit), gate.stride(0), gate.stride(1),
         up.stride(0), up.stride(1), HAS_W=weight is not None, LIBDEVICE=gate.is_cuda, BI=bi,
-        num_warps=4)
+        num_warps=4, **PDL_LAUNCH)
     return out

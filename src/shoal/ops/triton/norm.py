@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 MAX_K = 8192
 
@@ -27,6 +28,7 @@ def on_device(t: torch.Tensor) -> bool:
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, T, K, eps, stride_xt, stride_xk,
                     ROWS: tl.constexpr, BK: tl.constexpr):
+    pdl_wait()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BK)
     rmask = rows < T
@@ -52,7 +54,7 @@ def rmsnorm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     warps = 4 if bk <= 2048 else 8
     _rmsnorm_kernel[(triton.cdiv(t, rows),)](
         x, weight.contiguous(), out, t, k, float(eps), x.stride(0), x.stride(1),
-        ROWS=rows, BK=bk, num_warps=warps)
+        ROWS=rows, BK=bk, num_warps=warps, **PDL_LAUNCH)
     return out
 
 

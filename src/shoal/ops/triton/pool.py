@@ -24,6 +24,7 @@ import triton.language as tl
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.engram import bf16_rne
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 SCAN_BLOCK = 1024
 
@@ -31,6 +32,7 @@ SCAN_BLOCK = 1024
 @triton.jit
 def _close_kernel(pos_ptr, slot_ptr, rows_ptr, last_ptr, T, sp, ssl, R: tl.constexpr,
                   BLOCK: tl.constexpr):
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = i < T
     p = tl.load(pos_ptr + i * sp, mask=valid, other=0).to(tl.int64)
@@ -43,6 +45,7 @@ def _close_kernel(pos_ptr, slot_ptr, rows_ptr, last_ptr, T, sp, ssl, R: tl.const
 def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, o_ptr,
                  RING, sp, ssl, skv_t, skv_d, ssc_t, ssc_d, st_s, st_r, st_d, su_s, su_r, su_d,
                  R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
     c = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + c * sp).to(tl.int64)
     col = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -80,6 +83,7 @@ def _pool_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, o_ptr,
 def _park_kernel(kv_ptr, sc_ptr, pos_ptr, slot_ptr, skv_ptr, ssc_ptr, last_ptr, RING, sp, ssl,
                  skv_t, skv_d, ssc_t, ssc_d, st_s, st_r, st_d, su_s, su_r, su_d, D: tl.constexpr,
                  BD: tl.constexpr):
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + i * sp).to(tl.int64)
     s = tl.load(slot_ptr + i * ssl).to(tl.int64)
@@ -129,14 +133,14 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
     ring = state_kv.shape[1]
     block = min(SCAN_BLOCK, triton.next_power_of_2(t))
     _close_kernel[(triton.cdiv(t, block),)](positions, slots, rows, last, t, sp, ssl, R=ratio,
-                                            BLOCK=block, num_warps=4)
+                                            BLOCK=block, num_warps=4, **PDL_LAUNCH)
     bd = min(triton.next_power_of_2(d), 512)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), *state_kv.stride(),
                *state_score.stride())
     _pool_kernel[(t, triton.cdiv(d, bd))](
         kv, score, positions, slots, state_kv, state_score, pooled.view(torch.int16), ring, sp,
-        ssl, *strides, R=ratio, RP=triton.next_power_of_2(ratio), D=d, BD=bd, num_warps=4)
+        ssl, *strides, R=ratio, RP=triton.next_power_of_2(ratio), D=d, BD=bd, num_warps=4, **PDL_LAUNCH)
     _park_kernel[(t, triton.cdiv(d, bd))](
         kv, score, positions, slots, state_kv, state_score, last, ring, sp, ssl, *strides, D=d,
-        BD=bd, num_warps=4)
+        BD=bd, num_warps=4, **PDL_LAUNCH)
     return pooled, rows.to(positions.dtype)

@@ -23,6 +23,7 @@ from triton.language.extra import libdevice
 from shoal.ops.reference.rope import RopeParams, rope_frequencies
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,6 +35,7 @@ def _freqs(params: RopeParams, device: torch.device) -> torch.Tensor:
 def _rope_kernel(x_ptr, pos_ptr, f_ptr, o_ptr, H, N, sx_t, sx_h, sx_n, SIGN: tl.constexpr,
                  RD: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr,
                  LIBDEVICE: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = hh < H
@@ -84,5 +86,5 @@ def rope_tail(*, x: torch.Tensor, positions: torch.Tensor, params: RopeParams,
             x3, positions, _freqs(params, x.device), out, h, n, x3.stride(0), x3.stride(1),
             x3.stride(2), SIGN=-1.0 if inverse else 1.0, RD=rd, BH=bh,
             BP=min(256, triton.next_power_of_2(max(n - rd, 1))), LIBDEVICE=not interp,
-            num_warps=4)
+            num_warps=4, **PDL_LAUNCH)
     return out.view(x.shape)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.norm import on_device
+from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 
 def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> bool:
@@ -40,13 +41,16 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
 BT, BE = 16, 32  # fixed tiles and 4 warps
-DEFAULT_TILE = (BT, BE, 4)  # (tokens, experts, warps) per logits program
-# A larger (tokens, experts, warps) tile for `logit_partials` / `router_tiled`: the same K
-# order per logit (slices and groups depend on D only), so the same bits. sm_90 SASS of the
-# slice loop: 16 instructions per DMMA against 52 for the default tile (which runs at about 0.2
-# of the fp64 tensor peak at T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200
-# 2026-12-01); 190 registers, no spills. Not yet timed: `bench_ops.py --only router` runs both.
-WIDE_TILE = (128, 64, 8)
+DEFAULT_TILE = (BT, BE, 4, 3)  # (tokens, experts, warps, stages) per logits program
+# Larger tiles for `logit_partials` / `router_tiled`: the same K order per logit (slices and
+# groups depend on D only), so the same bits. sm_90 SASS of the slice loop: 15-20 instructions
+# per DMMA against 52 for the default tile (which runs at about 0.2 of the fp64 tensor peak at
+# T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200 2026-12-01). Both operands
+# go through shared memory as fp64 (128 x 128 x 8 bytes of x per stage), so the 128-token tile
+# fits the H200's 227 KB with one stage only (192 KB; three need 288 KB, which the first
+# device run of this tile hit). Not yet timed: `bench_ops.py --only router` runs both.
+WIDE_TILE = (128, 64, 8, 1)
+MID_TILE = (64, 64, 8, 2)  # 160 KB, 136 registers, 19.7 instructions per DMMA
 
 
 @triton.jit
@@ -67,6 +71,7 @@ def _logits_kernel(x_ptr, w_ptr, ws_ptr, T, E, D, stride_xt, stride_we, SLICES, 
                    ASM: tl.constexpr):
     """ws[g, t, e] = sum over the PER_PROG slices s of group g (in order) of the slice partial
     p_s = fp64 dot of x[t, slice] and w[e, slice] (exact products; x, w bf16)."""
+    pdl_wait()
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     re = tl.program_id(1) * BE + tl.arange(0, BE)
     grp = tl.program_id(2)
@@ -96,6 +101,7 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
     log(u) t / (u - 1) with u = 1 + t, in fp64), then KTOP rounds of "largest s + bias, lowest
     id among equals" (= a stable descending sort's first KTOP; NaN ranks above every number, as
     in torch's sort); weights fp32(fp64(s) / (fp64 sum s + 1e-20)) * route_scale."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_P2)
     live = offs < E
@@ -130,10 +136,11 @@ def _select_kernel(ws_ptr, bias_ptr, ids_ptr, w_ptr, T, E, temp, route_scale,
 
 
 def logit_partials(x: torch.Tensor, weight: torch.Tensor,
-                   tile: tuple[int, int, int] = DEFAULT_TILE) -> torch.Tensor:
+                   tile: tuple[int, int, int, int] = DEFAULT_TILE) -> torch.Tensor:
     """The logits kernel's fp64 workspace [G, T, E]: the logit of (t, e) is the sum of the G
-    rows in order. tile: (tokens, experts, warps) per program; the bits do not depend on it."""
-    bt, be, warps = tile
+    rows in order. tile: (tokens, experts, warps, stages) per program; the bits do not depend
+    on it."""
+    bt, be, warps, stages = tile
     t, d = x.shape
     e = weight.shape[0]
     slices = triton.cdiv(d, SLICE_K)
@@ -142,13 +149,15 @@ def logit_partials(x: torch.Tensor, weight: torch.Tensor,
     ws = torch.empty(groups, t, e, dtype=torch.float64, device=x.device)
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), groups)](
         x, weight, ws, t, e, d, x.stride(0), weight.stride(0), slices, per_group,
-        BT=bt, BE=be, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=warps)
+        BT=bt, BE=be, SLICE=SLICE_K, ASM=x.is_cuda, num_warps=warps,
+        num_stages=stages, **PDL_LAUNCH)
     return ws
 
 
 def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                  route_scale: float, gate_temp: float = 1.0,
-                 tile: tuple[int, int, int] = DEFAULT_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile: tuple[int, int, int, int] = DEFAULT_TILE
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op with the logits kernel's tile exposed (`logit_partials`; the bits do not depend
     on it)."""
     t = x.shape[0]
@@ -163,7 +172,7 @@ def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     _select_kernel[(t,)](ws, bias.float().contiguous(), ids, w, t, e, float(gate_temp),
                          float(route_scale), KTOP=k, K_P2=triton.next_power_of_2(k),
                          E_P2=triton.next_power_of_2(e), G=ws.shape[0],
-                         num_warps=4 if e <= 1024 else 8)
+                         num_warps=4 if e <= 1024 else 8, **PDL_LAUNCH)
     return ids, w
 
 
