@@ -298,9 +298,8 @@ def test_router_logit_groups_sum_to_the_fp64_logits(t) -> None:
 @pytest.mark.parametrize("t", [3, 150])
 def test_router_logit_tile_does_not_change_bits(t) -> None:
     """The logits kernel's (tokens, experts, warps, stages) tile moves rows and columns between
-    programs,
-    never the K order of a logit: the wide tile's fp64 workspace equals the default's bit for
-    bit (D 1300: a partial last slice; E 70: a partial expert tile)."""
+    programs, never the K order of a logit: the wide tile's fp64 workspace equals the default's
+    bit for bit (D 1300: a partial last slice; E 70: a partial expert tile)."""
     g = torch.Generator().manual_seed(77 + t)
     d, e = 1300, 70
     x = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16).to(DEV)
@@ -308,6 +307,23 @@ def test_router_logit_tile_does_not_change_bits(t) -> None:
     base = trouter.logit_partials(x, w)
     for tile in (trouter.WIDE_TILE, trouter.MID_TILE, (32, 64, 4, 2)):
         assert torch.equal(trouter.logit_partials(x, w, tile), base), tile
+
+
+def test_router_is_batch_invariant_across_its_tile_switch() -> None:
+    """The op takes the wide logits tile from WIDE_FROM tokens on: a token routes the same
+    (ids and weights bit for bit) alone, in a small batch and in a batch past the switch."""
+    g = torch.Generator().manual_seed(5)
+    t, d, e = trouter.WIDE_FROM + 7, 640, 70
+    x = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(e, d, generator=g) / 8).to(torch.bfloat16).to(DEV)
+    bias = (torch.randn(e, generator=g) * 0.1).to(DEV)
+    assert trouter.logits_tile(t) == trouter.WIDE_TILE != trouter.logits_tile(3)
+    big = trouter.router(x=x, weight=w, bias=bias, k=6, route_scale=1.5)
+    small = trouter.router(x=x[-3:], weight=w, bias=bias, k=6, route_scale=1.5)
+    one = trouter.router(x=x[-1:], weight=w, bias=bias, k=6, route_scale=1.5)
+    for got in (small, one):
+        n = got[0].shape[0]
+        assert torch.equal(got[0], big[0][-n:]) and torch.equal(got[1], big[1][-n:])
 
 
 @pytest.mark.parametrize("t,e,k,temp", [(1, 64, 6, 1.0), (29, 70, 6, 0.7), (5, 256, 8, 1.0),

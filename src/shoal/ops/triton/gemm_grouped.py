@@ -17,9 +17,22 @@ from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 # with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): on the H200
 # (2026-11-29) T = 1 went from 39.8 us (the wide tiles, 64 programs; 0.20 of the HBM floor) to
 # 23.2 us (0.34); T = 64 (31.2 us) and T = 4096 (649 us, 0.56) use the wide tiles as before.
+# The decode tiles load the codes as [BLOCK_N, BLOCK_K] rows (16-byte loads along K) with one
+# scale per 32-block, the wide tiles as [BLOCK_K, BLOCK_N] with a scale per element: same
+# products and MMA order, the same bits (H200, session 13, bench against the previous kernel
+# with rotated weights: T = 1 / 4 / 16 19.8 / 22.6 / 22.6 us against 28.0 / 28.1 / 28.2; the
+# row loads made the wide tiles slower, T = 64 / 512 / 4096 31.7 / 96.2 / 771 against 29.8 /
+# 83.3 / 668).
 _GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                   (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                   (16, 32, 128, 8, 4)]
+
+
+@triton.jit
+def _ue8m0(e):
+    """UE8M0 byte (int32) -> fp32 2^(e - 127); 0 reads as 2^-127, 255 as NaN."""
+    return tl.where(e == 255, float("nan"),
+                    tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True)))
 
 
 def _grouped_prune(configs, named_args, **kwargs):
@@ -45,17 +58,27 @@ def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_
     offs_k = tl.arange(0, BLOCK_K)
     rm = (offs_m % M).to(tl.int64)
     rows = (g * R + offs_n % R).to(tl.int64)  # weight rows
+    offs_b = tl.arange(0, BLOCK_K // 32)  # the K blocks of one step
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         a = tl.load(o_ptr + rm[:, None] * stride_om + g * stride_og + kk[None, :] * stride_ok,
                     mask=kk[None, :] < K, other=0.0)
-        wq = tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=kk[:, None] < K, other=0.0)
-        e = tl.load(s_ptr + (rows // 32)[None, :] * kb + (kk // 32)[:, None],
-                    mask=kk[:, None] < K, other=127).to(tl.int32)
-        scale = tl.where(e == 255, float("nan"),
-                         tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True)))
-        b = (wq.to(tl.float32) * scale).to(tl.bfloat16)
+        if BLOCK_M == 16:  # decode tiles: [BLOCK_N, BLOCK_K] code rows, one scale per 32-block
+            wq = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=kk[None, :] < K,
+                         other=0.0)
+            kbs = k0 // 32 + offs_b
+            e = tl.load(s_ptr + (rows // 32)[:, None] * kb + kbs[None, :],
+                        mask=kbs[None, :] < kb, other=127).to(tl.int32)
+            scale = tl.reshape(tl.broadcast_to(_ue8m0(e)[:, :, None],
+                                               (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+            b = tl.trans((wq.to(tl.float32) * scale).to(tl.bfloat16))
+        else:  # [BLOCK_K, BLOCK_N] tiles, a scale per element
+            wq = tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=kk[:, None] < K,
+                         other=0.0)
+            e = tl.load(s_ptr + (rows // 32)[None, :] * kb + (kk // 32)[:, None],
+                        mask=kk[:, None] < K, other=127).to(tl.int32)
+            b = (wq.to(tl.float32) * _ue8m0(e)).to(tl.bfloat16)
         acc = tl.dot(a.to(tl.bfloat16), b, acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < R)
     z = z_ptr + offs_m[:, None].to(tl.int64) * (G * R) + g * R + offs_n[None, :]

@@ -3,9 +3,10 @@
 1. `_logits_kernel`: gate logits with exact bf16 products summed in fp64 in one fixed order that
    depends on D only, so a token's logits do not depend on the batch: K is cut into slices of
    SLICE_K columns and the slices into GROUPS groups of consecutive slices, one program per
-   (16 tokens, 32 experts, group). A slice's partial is one fp64 `tl.dot` (FP64 tensor-core
-   MMA, its K chain in ascending order), added in slice order to the group's sum, written to
-   an fp64 workspace [G, T, E] (fixed tiles and 4 warps).
+   (tokens, experts, group) tile: 16 x 32 below WIDE_FROM tokens, 128 x 64 from there
+   (`logits_tile`; the tile never changes the K order, so not the bits). A slice's partial is
+   one fp64 `tl.dot` (FP64 tensor-core MMA, its K chain in ascending order), added in slice
+   order to the group's sum, written to an fp64 workspace [G, T, E].
 2. `_select_kernel`: one token per program: the G group sums added in order and rounded to
    fp32 (the reference's fp32(fp64 dot)), sqrt-softplus in fp64 then rounded to fp32 (as the
    reference), the biased top-k (ties to the lower expert id, as a stable descending sort) and
@@ -43,13 +44,15 @@ GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the modu
 BT, BE = 16, 32  # fixed tiles and 4 warps
 DEFAULT_TILE = (BT, BE, 4, 3)  # (tokens, experts, warps, stages) per logits program
 # Larger tiles for `logit_partials` / `router_tiled`: the same K order per logit (slices and
-# groups depend on D only), so the same bits. sm_90 SASS of the slice loop: 15-20 instructions
-# per DMMA against 52 for the default tile (which runs at about 0.2 of the fp64 tensor peak at
-# T = 8192: 2.4 ms per call, 8.4% of a mini 8K prefill chunk, H200 2026-12-01). Both operands
+# groups depend on D only), so the same bits, and the op may pick the tile by T. sm_90 SASS of
+# the slice loop: 15-20 instructions per DMMA against 52 for the default tile. Both operands
 # go through shared memory as fp64 (128 x 128 x 8 bytes of x per stage), so the 128-token tile
-# fits the H200's 227 KB with one stage only (192 KB; three need 288 KB, which the first
-# device run of this tile hit). Not yet timed: `bench_ops.py --only router` runs both.
+# fits the H200's 227 KB with one stage only (192 KB; three need 288 KB). H200 (session 13,
+# bench_ops --only router, whole op): default / wide / mid tile at T = 1 18.2 / 50.6 / 36.5 us,
+# T = 64 31.5 / 52.7 / 37.5, T = 256 91.6 / 59.1 / 66.0, T = 2048 646 / 286 / 336,
+# T = 8192 2523 / 1092 / 1246 (wide: 29.5 TF/s, 0.44 of the 67 TF/s fp64 tensor peak).
 WIDE_TILE = (128, 64, 8, 1)
+WIDE_FROM = 160  # tokens from which the op takes WIDE_TILE (linear estimate of the crossing)
 MID_TILE = (64, 64, 8, 2)  # 160 KB, 136 registers, 19.7 instructions per DMMA
 
 
@@ -154,12 +157,17 @@ def logit_partials(x: torch.Tensor, weight: torch.Tensor,
     return ws
 
 
+def logits_tile(t: int) -> tuple[int, int, int, int]:
+    """The op's logits tile for T tokens (any tile gives the same bits)."""
+    return WIDE_TILE if t >= WIDE_FROM else DEFAULT_TILE
+
+
 def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                  route_scale: float, gate_temp: float = 1.0,
-                 tile: tuple[int, int, int, int] = DEFAULT_TILE
+                 tile: tuple[int, int, int, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op with the logits kernel's tile exposed (`logit_partials`; the bits do not depend
-    on it)."""
+    """The op with the logits kernel's tile exposed (default `logits_tile(T)`; the bits do not
+    depend on it)."""
     t = x.shape[0]
     e = weight.shape[0]
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
@@ -168,7 +176,7 @@ def router_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
         return ids, w
     xc = x if x.stride(1) == 1 else x.contiguous()
     wc = weight if weight.stride(1) == 1 else weight.contiguous()
-    ws = logit_partials(xc, wc, tile)
+    ws = logit_partials(xc, wc, logits_tile(t) if tile is None else tile)
     _select_kernel[(t,)](ws, bias.float().contiguous(), ids, w, t, e, float(gate_temp),
                          float(route_scale), KTOP=k, K_P2=triton.next_power_of_2(k),
                          E_P2=triton.next_power_of_2(e), G=ws.shape[0],
