@@ -6,6 +6,12 @@ then profile as many with torch.profiler and print the top ops by device time an
 time against the sum of its kernel times shows the launch gaps between kernels.
 
     PYTHONPATH=src python3 benchmarks/profile_decode.py --batch 1 --batch 64 [--graphs] [--out DIR]
+
+The Triton kernels run with programmatic dependent launch (ops/triton/pdl.py): each may start
+before the kernel ahead of it has finished and waits inside, so torch.profiler's per-kernel
+times include that wait and overlap (their sum can exceed the wall time). Run with SHOAL_PDL=0 for
+per-kernel times (session 13: a mini 8K prefill chunk's kernels sum to 238 ms with PDL on,
+217 ms off; rope 411 against 219 us per call).
 """
 
 from __future__ import annotations
