@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.tokenizer.encoding import EffortTable, encode_messages
-from shoal.tokenizer.render import render_dsml_tool_calls
 from shoal.tokenizer.special import IMAGE_PLACEHOLDER
+from support.chat import WEATHER, user
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -56,20 +56,6 @@ Otherwise, output directly after </think> with tool calls or final response.
 
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-
-
-def user(text: str, **kw) -> dict:
-    return {"role": "user", "content": text, **kw}
-
 
 def test_single_turn_thinking_default_effort():
     assert encode_messages([user("Hi")]) == BOS + E75 + USR + "Hi" + AST + "<think>"
@@ -318,57 +304,6 @@ def test_images():
     assert got == BOS + USR + "look\n\n<｜deepseek_image｜>" + AST + "</think>"
     with pytest.raises(ValueError, match="deepseek_image"):
         encode_messages([user("<｜deepseek_image｜>")])
-
-
-@pytest.mark.parametrize(
-    "msgs, field",
-    [
-        ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role"),
-        ([user("a"), {"role": "developer", "content": ""}], r"messages\[1\]\.content"),
-        (
-            [
-                user("a"),
-                {
-                    "role": "assistant",
-                    "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}],
-                },
-            ],
-            r"messages\[1\]\.tool_calls\[0\]\.function\.arguments",
-        ),
-        (
-            [
-                user("a"),
-                {
-                    "role": "assistant",
-                    "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}],
-                },
-            ],
-            r"messages\[1\]\.tool_calls\[0\]\.function\.arguments",
-        ),
-        (
-            [user("a"), {"role": "assistant", "tool_calls": [{"function": {}}]}],
-            r"messages\[1\]\.tool_calls\[0\]\.function\.name",
-        ),
-        ([user(5)], r"messages\[0\]\.content"),
-        ([user([{"type": "audio"}])], r"messages\[0\]\.content\[0\]"),
-        (["hello"], r"messages\[0\]"),
-        ([{"role": "user", "content": "a", "tools": [WEATHER]}], r"messages\[0\]\.tools"),
-    ],
-)
-def test_validation_errors_name_index_and_field(msgs, field):
-    with pytest.raises(ValueError, match=field):
-        encode_messages(msgs)
-
-
-def test_render_dsml_tool_calls_unicode_and_nested():
-    got = render_dsml_tool_calls([("f", {"s": "héllo <b>", "n": None, "l": [1, {"k": "v"}]})])
-    assert got == (
-        '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
-        '<｜DSML｜ parameter name="s" string="true">héllo <b></｜DSML｜ parameter>\n'
-        '<｜DSML｜ parameter name="n" string="false">null</｜DSML｜ parameter>\n'
-        '<｜DSML｜ parameter name="l" string="false">[1, {"k": "v"}]</｜DSML｜ parameter>\n'
-        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
-    )
 
 
 def _texts(max_size: int):
