@@ -110,7 +110,8 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])
                 record(f"gemm_fp8 ({mode})", shape, t, flops, nbytes, FP8_PEAK,
                        vs_scaled_mm=round(t / t_ref, 3), scaled_mm_us=round(t_ref * 1e3, 1))
-            if tri_pers.persistent_ok(m, n, k, sm_count(torch.device("cuda"))):  # the default above is the persistent kernel
+            # the default above is the persistent kernel
+            if tri_pers.persistent_ok(m, n, k, sm_count(torch.device("cuda"))):
                 t = bench([lambda q=q, p=p: tri_gemm.gemm_fp8_folded(q[0], q[1], p,
                                                                     persistent=False)
                            for q, p in zip(itertools.cycle(qf), prepared, strict=False)])

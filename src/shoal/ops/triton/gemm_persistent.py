@@ -38,7 +38,8 @@ PERSISTENT_MIN_STEPS_PER_SM = 21
 # Never for decode sizes (the M <= 64 of gemm.split_k, whose split pointer kernel they keep, so
 # a token's bits are the same at every decode batch size): at M = 1 the Engram wkv (N = 25600,
 # K = 6144: 4800 steps) ran here at 81.5 us per call, 0.45 of its HBM floor, 2 calls per mini
-# step (H200 b1 profile, session 13); on the pointer kernel about 40 us (session 11 profile).
+# step (H200 b1 profile, session 13); on the pointer kernel 47.7 us (0.78; bench, rotated
+# weights), and mini's b1 TPOT went 2.85 -> 2.75 ms.
 PERSISTENT_MIN_M = 65
 
 

@@ -41,7 +41,7 @@ def _supports_router(*, x: torch.Tensor, weight: torch.Tensor, k: int, **_) -> b
 
 SLICE_K = 128  # K columns of one slice partial
 GROUPS = 8  # slice groups (the fp64 order is a function of D only; see the module docstring)
-BT, BE = 16, 32  # fixed tiles and 4 warps
+BT, BE = 16, 32  # the default logits tile (tokens x experts)
 DEFAULT_TILE = (BT, BE, 4, 3)  # (tokens, experts, warps, stages) per logits program
 # Larger tiles for `logit_partials` / `router_tiled`: the same K order per logit (slices and
 # groups depend on D only), so the same bits, and the op may pick the tile by T. sm_90 SASS of
