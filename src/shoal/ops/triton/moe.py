@@ -13,12 +13,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    8-byte LUT per 32-block (`prmt` byte permutes via `inline asm`, 4 codes at a time), so the
    main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. The LUT words are computed in closed
    form for blocks within 5 (word 0) / 7 (word 1) binades of their row's largest and read from a
-   256-entry table only beyond (`fp4_tiles.w_e4m3`; H200, 2026-11-29: gathering every block's
-   words from the table made MXFP4-of-randn weights 1.3-1.46x slower than random-nibble ones,
-   2.5x more shared-memory bank conflicts at equal instructions; with the closed form both run
-   at 0.112 / 2.95-2.97 ms at T = 1 / 64, against 0.129 / 3.74 ms and 0.098 / 2.57 ms
-   before). Epilogue: row x column scales, g/u rounded to bf16 (as the reference), clamped
-   SwiGLU, routing weight, bf16 h.
+   256-entry table only beyond (`fp4_tiles.w_e4m3`; H200, 2026-11-29: the table for every block
+   made MXFP4-of-randn weights 1.3-1.46x slower, from shared-memory bank conflicts). Epilogue:
+   row x column scales, g/u rounded to bf16 (as the reference), clamped SwiGLU, routing weight.
    Conversions (`w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
    `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
    1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
@@ -28,17 +25,11 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    (`fp4_tiles.w_f16_perm` / `a_f16_perm`, which say how): sm_90 w13 loop 991 against 1080
    instructions per K step, fewer on the throttled integer pipe; same bits as 1 at T = 1..256;
    H200 2026-12-01 0.082 / 1.98 / 3.30 ms at T = 1 / 64 / 256 against 0.089 / 2.21 / 3.47.
-   Tiles (`moe_tiles.default_configs`, by routed rows per expert): up to 40, plain 16-row tiles (the
-   operands go through mma.sync as fp16, so their weights decode straight to fp16,
-   `fp4_tiles.w_f16`, same values as the e4m3 path: exact products, fp32 accumulation; H200
-   2026-12-01: 0.094 / 2.38 ms at T = 1 / 64 against 0.114 / 2.96 for e4m3; with 64-column
-   tiles and the block scales loaded a step ahead 0.089 / 2.22 ms); above, plain
-   128-row wgmma tiles with promoted accumulation. Swap-AB tiles (W . A^T, converted weights as the wgmma register operand)
-   are 1.08-1.17x faster at decode on the H200 but FP8 wgmma adds in reduced precision:
-   relative error 9.4e-3 against 1.7e-4 for the 16-row tiles (bench_moe correctness, realistic
-   weights, 2026-11-29), so they are opt-in (`configs=`). Every program sums the full K of its
-   rows (split-K was built and measured on the H200: 2 slices 1% faster at T = 1 and 10%
-   slower at T = 64, 4 and 8 slices slower at both; removed).
+   Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the H200 numbers behind
+   each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact products, fp32
+   sums); above, 128-row wgmma tiles with promoted accumulation. Swap-AB wgmma tiles (faster,
+   less accurate) and K slices per warp (`TileConfig.k_slices`) are opt-in; split-K across
+   programs was measured on the H200 and removed.
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -81,27 +72,12 @@ from shoal.ops.triton.fp4_tiles import (
     w_f16_perm,
 )
 from shoal.ops.triton.gemm import _act_quant
-from shoal.ops.triton.moe_route import route
+from shoal.ops.triton.moe_route import expert_tile, route
 from shoal.ops.triton.moe_tiles import TileConfig, default_configs, w4a16_configs
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 from shoal.quant.fp8 import quant_fp8_act
 
 # --------------------------------------------------------------------------- device helpers
-
-
-@triton.jit
-def _expert_tile(cnt_ptr, pid_m, E, E_P2: tl.constexpr, BM: tl.constexpr):
-    """Row block pid_m of the expert-sorted rows -> (expert, first row, end row of expert)."""
-    idx = tl.arange(0, E_P2)
-    cnt = tl.load(cnt_ptr + idx, mask=idx < E, other=0)
-    tiles = (cnt + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
-    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-    sel = idx == e
-    t0 = tl.sum(tl.where(sel, cum - tiles, 0), 0)
-    n_e = tl.sum(tl.where(sel, cnt, 0), 0)
-    start = tl.sum(tl.where(idx < e, cnt, 0), 0)
-    return e, start + (pid_m - t0) * BM, start + n_e
 
 
 @triton.jit
@@ -135,13 +111,27 @@ def _mma(x, y, acc, PROMOTE: tl.constexpr):
 
 
 @triton.jit
+def _mma_nt(a, b, acc, PROMOTE: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr):
+    """acc + a [BM, BK] @ b [BN, BK]^T; KS > 1 (TileConfig.k_slices): acc is [KS, BM, BN] and
+    slice s takes the s-th BK / KS columns of the step."""
+    if KS == 1:
+        out = _mma(a, tl.trans(b), acc, PROMOTE)
+    else:
+        a3 = tl.permute(tl.reshape(a, (BM, KS, BK // KS)), (1, 0, 2))
+        b3 = tl.permute(tl.reshape(b, (BN, KS, BK // KS)), (1, 2, 0))
+        out = _mma(a3, b3, acc, PROMOTE)
+    return out
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, ws_ptr, cnt_ptr,
                      lut_ptr, N, E, limit, K: tl.constexpr, E_P2: tl.constexpr,
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
                      CONVERT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr,
-                     F16: tl.constexpr):
+                     F16: tl.constexpr, KS: tl.constexpr = 1):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
@@ -152,7 +142,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
     pdl_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    e, row0, row_end = _expert_tile(cnt_ptr, pid_m, E, E_P2, BM)
+    e, row0, row_end = expert_tile(cnt_ptr, pid_m, E, E_P2, BM)
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     if GATHER_A:
@@ -176,6 +166,9 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
         if SWAP_AB:
             acc_g = tl.zeros((BN, BM), dtype=tl.float32)
             acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        elif KS > 1:
+            acc_g = tl.zeros((KS, BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((KS, BM, BN), dtype=tl.float32)
         else:
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -211,7 +204,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             if SWAP_AB:
                 acc_g = _mma(bg, tl.trans(a), acc_g, PROMOTE)
             else:
-                acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
+                acc_g = _mma_nt(a, bg, acc_g, PROMOTE, KS, BM, BN, BK)
             if SWIGLU:
                 if F16 and CONVERT == 3:
                     bu = w_f16_perm(w_ptr, sc_u, wrow_u, wmax_u, k0, K2, BN, BK)
@@ -224,12 +217,15 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                 if SWAP_AB:
                     acc_u = _mma(bu, tl.trans(a), acc_u, PROMOTE)
                 else:
-                    acc_u = _mma(a, tl.trans(bu), acc_u, PROMOTE)
+                    acc_u = _mma_nt(a, bu, acc_u, PROMOTE, KS, BM, BN, BK)
                 sc_u = sc_u_next
             sc_g = sc_g_next
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
+        elif KS > 1:  # the slices added once (the same order for every batch)
+            acc_g = tl.sum(acc_g, 0)
+            acc_u = tl.sum(acc_u, 0)
         omask = rmask[:, None] & nmask[None, :]
         if W4A8:
             rs = tl.load(as_ptr + arow, mask=rmask, other=0.0)
@@ -303,6 +299,10 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     bk = cfg.block_k
     while k % bk:
         bk //= 2
+    if cfg.k_slices > 1 and not (f16 and cfg.num_warps == cfg.k_slices):
+        raise ValueError(f"k_slices={cfg.k_slices}: f16 tiles with one warp per slice, "
+                         f"got {cfg}")
+    ks = cfg.k_slices if bk % (16 * cfg.k_slices) == 0 else 1  # (a K too short to slice)
     m_tiles = triton.cdiv(rows, cfg.block_m) + min(e, rows)
     grid = (triton.cdiv(n, cfg.block_n), m_tiles)
     dummy = counts
@@ -312,6 +312,7 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
         W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote, F16=f16,
+        KS=ks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **PDL_LAUNCH)
 

@@ -1,5 +1,6 @@
 """Token permutation for the grouped MoE GEMMs (moe.py): the T * k (token, slot) rows sorted by
-expert id (stable), with per-expert counts, on device and without host synchronisation.
+expert id (stable), with per-expert counts, on device and without host synchronisation;
+`expert_tile` maps a GEMM program's row block to its expert and rows from those counts.
 """
 
 from __future__ import annotations
@@ -9,6 +10,21 @@ import triton
 import triton.language as tl
 
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
+
+
+@triton.jit
+def expert_tile(cnt_ptr, pid_m, E, E_P2: tl.constexpr, BM: tl.constexpr):
+    """Row block pid_m of the expert-sorted rows -> (expert, first row, end row of expert)."""
+    idx = tl.arange(0, E_P2)
+    cnt = tl.load(cnt_ptr + idx, mask=idx < E, other=0)
+    tiles = (cnt + BM - 1) // BM
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    sel = idx == e
+    t0 = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    n_e = tl.sum(tl.where(sel, cnt, 0), 0)
+    start = tl.sum(tl.where(idx < e, cnt, 0), 0)
+    return e, start + (pid_m - t0) * BM, start + n_e
 
 
 @triton.jit

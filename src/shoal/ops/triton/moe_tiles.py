@@ -33,6 +33,16 @@ class TileConfig:
     128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
     maxnreg: int | None = None
     """Cap ptxas's registers per thread (None: its own choice), to fit more programs per SM."""
+    k_slices: int = 1
+    """Split every BLOCK_K step into this many K slices, one per warp (a 3-D `tl.dot` whose
+    batch dimension Triton gives the warps: warpsPerCTA [k_slices, 1, 1] in the sm_90 IR), each
+    accumulated on its own and added once after the loop. For the 16-row f16 decode tiles
+    (num_warps == k_slices): twice the warps per SM at T = 1, where one warp per scheduler
+    runs at 52% issue (ncu, session 12), for about the same instructions per weight element
+    (sm_90 SASS of the w13 loop, session 13: 4 slices on 4 warps 492 instructions per warp per
+    step against 961 on 2 warps). A different sum order, so other bits than k_slices = 1 (the
+    same for every batch). A step with fewer than 16 K per slice runs unsliced. Not yet timed
+    on the H200: `bench_moe.py --sweep decode-plain` has the candidates (`f16_*_ks*`)."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
