@@ -144,6 +144,30 @@ def test_grouped_w8a16_matches_reference(monkeypatch, t: int) -> None:
         assert not bad.any(), f"{tile}: {int(bad.sum())} of {bad.numel()} elements off"
 
 
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 40])
+def test_grouped_w8a16_scale_bytes_decode_like_the_reference(monkeypatch, t: int) -> None:
+    """Both tile families of the grouped projection (16-row decode tiles with one scale per
+    32-block, wide tiles with a scale per element) read UE8M0 byte 0 as 2^-127 and 255 as NaN,
+    as the reference: exact equality, NaN where the reference has NaN."""
+    from shoal.ops.triton import gemm_grouped as tgg
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    groups, rank, k = 2, 64, 128
+    o = torch.ones(t, groups, k).to(torch.bfloat16)
+    wc = torch.ones(groups * rank, k).to(torch.float8_e4m3fn)
+    ws = torch.tensor([[0, 127, 200, 120], [127, 255, 127, 127], [130, 0, 1, 127],
+                       [127, 127, 127, 127]], dtype=torch.uint8)  # [row blocks, K blocks]
+    ref = ref_gemm.gemm_grouped_w8a16(o=o, weight=wc, weight_scale=ws).float()
+    small = min(triton.next_power_of_2(t), 4096) <= 16
+    tiles = [c for c in tgg._GROUPED_TILES if (c[0] == 16) == small] if INTERP else [None]
+    for tile in tiles:
+        got = tgg.grouped_w8a16(o.to(DEV), wc.to(DEV), ws.to(DEV), tile=tile).float().cpu()
+        assert torch.equal(got.isnan(), ref.isnan()) and ref.isnan().any(), tile
+        assert torch.equal(got.nan_to_num(), ref.nan_to_num()), tile
+
+
 @pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="sm_90 wgmma bits")
 @pytest.mark.parametrize("m", [5, 200])
 def test_promoted_tiles_agree_bitwise(m: int) -> None:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.engram import ue8m0_value
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode sizes (M_BUCKET <= 16) get 16-row tiles
@@ -26,13 +27,6 @@ from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 _GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                   (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                   (16, 32, 128, 8, 4)]
-
-
-@triton.jit
-def _ue8m0(e):
-    """UE8M0 byte (int32) -> fp32 2^(e - 127); 0 reads as 2^-127, 255 as NaN."""
-    return tl.where(e == 255, float("nan"),
-                    tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True)))
 
 
 def _grouped_prune(configs, named_args, **kwargs):
@@ -70,7 +64,7 @@ def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_
             kbs = k0 // 32 + offs_b
             e = tl.load(s_ptr + (rows // 32)[:, None] * kb + kbs[None, :],
                         mask=kbs[None, :] < kb, other=127).to(tl.int32)
-            scale = tl.reshape(tl.broadcast_to(_ue8m0(e)[:, :, None],
+            scale = tl.reshape(tl.broadcast_to(ue8m0_value(e)[:, :, None],
                                                (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
             b = tl.trans((wq.to(tl.float32) * scale).to(tl.bfloat16))
         else:  # [BLOCK_K, BLOCK_N] tiles, a scale per element
@@ -78,7 +72,7 @@ def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_
                          other=0.0)
             e = tl.load(s_ptr + (rows // 32)[None, :] * kb + (kk // 32)[:, None],
                         mask=kk[:, None] < K, other=127).to(tl.int32)
-            b = (wq.to(tl.float32) * _ue8m0(e)).to(tl.bfloat16)
+            b = (wq.to(tl.float32) * ue8m0_value(e)).to(tl.bfloat16)
         acc = tl.dot(a.to(tl.bfloat16), b, acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < R)
     z = z_ptr + offs_m[:, None].to(tl.int64) * (G * R) + g * R + offs_n[None, :]

@@ -39,8 +39,8 @@ class TileConfig:
     accumulated on its own and added once after the loop. For the 16-row f16 decode tiles
     (num_warps == k_slices): twice the warps per SM at T = 1, where one warp per scheduler
     runs at 52% issue (ncu, session 12), for about the same instructions per weight element
-    (sm_90 SASS of the w13 loop, session 13: 4 slices on 4 warps 492 instructions per warp per
-    step against 961 on 2 warps). A different sum order, so other bits than k_slices = 1 (the
+    (sm_90 SASS of the w13 loop, session 13: 4 slices on 4 warps 503 instructions per warp per
+    step against 991 on 2 warps, 213 registers, no spills). A different sum order, so other bits than k_slices = 1 (the
     same for every batch). A step with fewer than 16 K per slice runs unsliced. Not yet timed
     on the H200: `bench_moe.py --sweep decode-plain` has the candidates (`f16_*_ks*`)."""
 
