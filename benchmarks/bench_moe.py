@@ -133,10 +133,9 @@ DECODE_CFGS = {
 # decode-plain` (the e4m3-weight candidates of 2026-11-29 chose the 2-warp 16 x 32 x 128 tile)
 
 
-def _f16(bn: int, bk: int, warps: int, stages: int, maxnreg: int | None = None,
-         k_slices: int = 1) -> tiles.TileConfig:
-    return tiles.TileConfig(16, bn, bk, warps, stages, f16=True, maxnreg=maxnreg,
-                            k_slices=k_slices)
+def _f16(bn: int, bk: int, warps: int, stages: int,
+         maxnreg: int | None = None) -> tiles.TileConfig:
+    return tiles.TileConfig(16, bn, bk, warps, stages, f16=True, maxnreg=maxnreg)
 
 
 PLAIN_DECODE_CFGS = {
@@ -160,13 +159,6 @@ PLAIN_DECODE_CFGS = {
     "f16_n64_r168_r128": (_f16(64, 128, 2, 4, 168), _f16(64, 128, 2, 4, 128)),
     "f16_n64_r160_r128": (_f16(64, 128, 2, 4, 160), _f16(64, 128, 2, 4, 128)),
     "f16_n64_r128w2": (_f16(64, 128, 2, 4), _f16(64, 128, 2, 4, 128)),
-    # K slices, one per warp (TileConfig.k_slices; sm_90 w13 loop 503 instructions per warp per
-    # step on 4 warps against 991 on 2, 213 registers, no spills; other bits than k_slices 1)
-    "f16_n64_ks4": (_f16(64, 128, 4, 4, k_slices=4),) * 2,
-    "f16_n64_ks2": (_f16(64, 128, 2, 4, k_slices=2),) * 2,
-    "f16_n32_ks4": (_f16(32, 128, 4, 4, k_slices=4),) * 2,
-    "f16_n64k256_ks4": (_f16(64, 256, 4, 4, k_slices=4),) * 2,
-    "f16_n64_ks4_w2n64": (_f16(64, 128, 4, 4, k_slices=4), _f16(64, 128, 2, 4)),
 }
 # promoted wgmma prefill tiles around the default (`--sweep prefill`; sm_90 builds without
 # spills: 128 x 64 / 128 x 128 at 3 or 4 stages; 128 x 128 w13, 256-row and 4-warp tiles spill)

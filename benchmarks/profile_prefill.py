@@ -15,7 +15,9 @@ per-kernel times (session 13: a mini 8K prefill chunk's kernels sum to 238 ms wi
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 import time
 
 import torch
@@ -64,12 +66,46 @@ def main() -> None:
         ms = e.self_device_time_total / 1e3
         lines.append(f"{e.key[:70]:70s} {ms:9.2f} {ms / total:6.1%} {e.count:6d} "
                      f"{e.self_device_time_total / max(e.count, 1):9.1f}")
+    lines += idle_report(prof)
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
         with open(os.path.join(args.out, f"profile_prefill_{args.mode}_{args.length}.txt"),
                   "w") as f:
             f.write(text + "\n")
+
+
+def idle_report(prof, gap_us: float = 20.0, rows: int = 8) -> list[str]:
+    """Where the GPU waits for the host: gaps of more than `gap_us` between consecutive kernels
+    of the profiled chunk (kernel names either side), and the host-blocking runtime calls."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not ks:
+        return ["no kernels in the trace"]
+    gaps = []
+    for a, b in zip(ks, ks[1:], strict=False):
+        g = b["ts"] - (a["ts"] + a["dur"])
+        if g > gap_us:
+            gaps.append((g, a["name"], b["name"]))
+    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+    busy = sum(e["dur"] for e in ks)
+    lines = [f"GPU span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms; "
+             f"{len(gaps)} gaps > {gap_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e3:.1f} ms"]
+    for g, a, b in sorted(gaps, reverse=True)[:rows]:
+        lines.append(f"  gap {g:9.1f} us after {a[:50]} before {b[:50]}")
+    blocking = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in name or "Memcpy" in name):
+            n, t = blocking.get(name, (0, 0.0))
+            blocking[name] = (n + 1, t + e.get("dur", 0.0))
+    for name, (n, t) in sorted(blocking.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  host call {name:40s} {n:6d} calls {t / 1e3:9.2f} ms")
+    return lines
 
 
 if __name__ == "__main__":

@@ -89,8 +89,6 @@ SWAP_PROMOTED = (tiles.TileConfig(16, 64, 256, 4, 4, swap_ab=True, promote=True)
 BIG_PROMOTED = (tiles.TileConfig(128, 64, 128, 8, 3, promote=True),
                 tiles.TileConfig(128, 128, 128, 8, 3, promote=True))
 PREFILL_DEFAULT = tiles.default_configs(8192 * 6, 384)  # w13 at BLOCK_K 256
-K_SLICED = (tiles.TileConfig(16, 64, 128, 4, 4, f16=True, k_slices=4),
-            tiles.TileConfig(16, 32, 128, 2, 4, f16=True, k_slices=2))
 
 
 @pytest.mark.parametrize("t,d,inter,e,k,spread", [(1, 64, 32, 4, 2, 0), (7, 128, 64, 8, 2, 0),
@@ -129,13 +127,12 @@ def test_w4a8_with_shared_addend_rounds_once(t: int) -> None:
 @pytest.mark.parametrize("name,configs", [("swap", SWAP), ("plain", PLAIN), ("big", BIG),
                                           ("big_swap", BIG_SWAP), ("swap_promoted", SWAP_PROMOTED),
                                           ("big_promoted", BIG_PROMOTED),
-                                          ("prefill_default", PREFILL_DEFAULT),
-                                          ("k_sliced", K_SLICED)])
+                                          ("prefill_default", PREFILL_DEFAULT)])
 def test_w4a8_tile_families_match_reference(name: str, configs: tuple) -> None:
     """Every tile orientation (swap-AB or plain) and size, with N and K not multiples of the
     tile and several row blocks per expert (D 512 for the default prefill pair, so that its
-    w13 steps K by 256, and for the K-sliced tiles, so that their steps split)."""
-    d = 512 if name in ("prefill_default", "k_sliced") else 160
+    w13 steps K by 256)."""
+    d = 512 if name == "prefill_default" else 160
     kw = _case(2000 + len(name), 25, d, 96, 4, 3, spread=4)
     want = ref.moe_mxfp4(**_cpu(kw))
     _check(tmoe.moe_experts(**kw, configs=configs), want)
@@ -232,21 +229,6 @@ def test_batch_invariance() -> None:
         part = {n: (v[:t] if n in ("x", "ids", "weights") else v) for n, v in kw.items()}
         got = tmoe.moe_experts(**part)
         assert torch.equal(got, full[:t]), (t, float((got - full[:t]).abs().max()))
-
-
-def test_k_sliced_tiles_are_batch_invariant() -> None:
-    """`TileConfig.k_slices` (one K slice per warp, added after the loop) sums in another order
-    than the plain tiles, but the same for every batch: a token's output alone (T = 1, 3) equals
-    its output in a T = 40 batch bit for bit. A slice count without one warp per slice is
-    refused."""
-    kw = _case(21, 40, 512, 256, 16, 6, spread=3)
-    full = tmoe.moe_experts(**kw, configs=K_SLICED)
-    for t in (1, 3):
-        part = {n: (v[:t] if n in ("x", "ids", "weights") else v) for n, v in kw.items()}
-        assert torch.equal(tmoe.moe_experts(**part, configs=K_SLICED), full[:t]), t
-    with pytest.raises(ValueError, match="k_slices"):
-        bad = dataclasses.replace(K_SLICED[0], num_warps=2)
-        tmoe.moe_experts(**kw, configs=(bad, bad))
 
 
 def test_w4a16_matches_fp32_bf16_computation() -> None:

@@ -28,8 +28,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the H200 numbers behind
    each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact products, fp32
    sums); above, 128-row wgmma tiles with promoted accumulation. Swap-AB wgmma tiles (faster,
-   less accurate) and K slices per warp (`TileConfig.k_slices`) are opt-in; split-K across
-   programs was measured on the H200 and removed.
+   less accurate) are opt-in. Split-K across programs, and K slices across the warps of one
+   program (a 3-D `tl.dot`), were measured on the H200 and removed (K slices: 0.086 against
+   0.081 ms at T = 1, 0.87 against 0.71 at T = 16; moe_tiles.default_configs).
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -111,27 +112,13 @@ def _mma(x, y, acc, PROMOTE: tl.constexpr):
 
 
 @triton.jit
-def _mma_nt(a, b, acc, PROMOTE: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr):
-    """acc + a [BM, BK] @ b [BN, BK]^T; KS > 1 (TileConfig.k_slices): acc is [KS, BM, BN] and
-    slice s takes the s-th BK / KS columns of the step."""
-    if KS == 1:
-        out = _mma(a, tl.trans(b), acc, PROMOTE)
-    else:
-        a3 = tl.permute(tl.reshape(a, (BM, KS, BK // KS)), (1, 0, 2))
-        b3 = tl.permute(tl.reshape(b, (BN, KS, BK // KS)), (1, 2, 0))
-        out = _mma(a3, b3, acc, PROMOTE)
-    return out
-
-
-@triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, ws_ptr, cnt_ptr,
                      lut_ptr, N, E, limit, K: tl.constexpr, E_P2: tl.constexpr,
                      KB_P2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SWIGLU: tl.constexpr, GATHER_A: tl.constexpr, W4A8: tl.constexpr,
                      CONVERT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr,
-                     F16: tl.constexpr, KS: tl.constexpr = 1):
+                     F16: tl.constexpr):
     """One (row block of one expert, BN output columns) tile.
 
     SWIGLU: out[r, n] = bf16(w_r * silu(min(g, L)) * clamp(u, -L, L)) with g, u the bf16 outputs
@@ -166,9 +153,6 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
         if SWAP_AB:
             acc_g = tl.zeros((BN, BM), dtype=tl.float32)
             acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        elif KS > 1:
-            acc_g = tl.zeros((KS, BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((KS, BM, BN), dtype=tl.float32)
         else:
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -204,7 +188,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
             if SWAP_AB:
                 acc_g = _mma(bg, tl.trans(a), acc_g, PROMOTE)
             else:
-                acc_g = _mma_nt(a, bg, acc_g, PROMOTE, KS, BM, BN, BK)
+                acc_g = _mma(a, tl.trans(bg), acc_g, PROMOTE)
             if SWIGLU:
                 if F16 and CONVERT == 3:
                     bu = w_f16_perm(w_ptr, sc_u, wrow_u, wmax_u, k0, K2, BN, BK)
@@ -217,15 +201,12 @@ def _moe_gemm_kernel(a_ptr, as_ptr, arow_ptr, out_ptr, orow_ptr, rw_ptr, w_ptr, 
                 if SWAP_AB:
                     acc_u = _mma(bu, tl.trans(a), acc_u, PROMOTE)
                 else:
-                    acc_u = _mma_nt(a, bu, acc_u, PROMOTE, KS, BM, BN, BK)
+                    acc_u = _mma(a, tl.trans(bu), acc_u, PROMOTE)
                 sc_u = sc_u_next
             sc_g = sc_g_next
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        elif KS > 1:  # the slices added once (the same order for every batch)
-            acc_g = tl.sum(acc_g, 0)
-            acc_u = tl.sum(acc_u, 0)
         omask = rmask[:, None] & nmask[None, :]
         if W4A8:
             rs = tl.load(as_ptr + arow, mask=rmask, other=0.0)
@@ -299,10 +280,6 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     bk = cfg.block_k
     while k % bk:
         bk //= 2
-    if cfg.k_slices > 1 and not (f16 and cfg.num_warps == cfg.k_slices):
-        raise ValueError(f"k_slices={cfg.k_slices}: f16 tiles with one warp per slice, "
-                         f"got {cfg}")
-    ks = cfg.k_slices if bk % (16 * cfg.k_slices) == 0 else 1  # (a K too short to slice)
     m_tiles = triton.cdiv(rows, cfg.block_m) + min(e, rows)
     grid = (triton.cdiv(n, cfg.block_n), m_tiles)
     dummy = counts
@@ -312,7 +289,6 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         E_P2=triton.next_power_of_2(e), KB_P2=triton.next_power_of_2(k // 32),
         BM=cfg.block_m, BN=cfg.block_n, BK=bk, SWIGLU=swiglu, GATHER_A=gather,
         W4A8=w4a8, CONVERT=convert, SWAP_AB=cfg.swap_ab, PROMOTE=cfg.promote, F16=f16,
-        KS=ks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **PDL_LAUNCH)
 

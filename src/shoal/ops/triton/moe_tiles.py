@@ -33,16 +33,6 @@ class TileConfig:
     128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
     maxnreg: int | None = None
     """Cap ptxas's registers per thread (None: its own choice), to fit more programs per SM."""
-    k_slices: int = 1
-    """Split every BLOCK_K step into this many K slices, one per warp (a 3-D `tl.dot` whose
-    batch dimension Triton gives the warps: warpsPerCTA [k_slices, 1, 1] in the sm_90 IR), each
-    accumulated on its own and added once after the loop. For the 16-row f16 decode tiles
-    (num_warps == k_slices): twice the warps per SM at T = 1, where one warp per scheduler
-    runs at 52% issue (ncu, session 12), for about the same instructions per weight element
-    (sm_90 SASS of the w13 loop, session 13: 4 slices on 4 warps 503 instructions per warp per
-    step against 991 on 2 warps, 213 registers, no spills). A different sum order, so other bits than k_slices = 1 (the
-    same for every batch). A step with fewer than 16 K per slice runs unsliced. Not yet timed
-    on the H200: `bench_moe.py --sweep decode-plain` has the candidates (`f16_*_ks*`)."""
 
 
 def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
@@ -71,7 +61,11 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     prefill: 13.73 against 14.19 ms at T = 8192; 256 for w2 as well 15.30 ms, with 2 stages
     17.93). Register caps on the decode tiles (maxnreg 160 / 168 for w13, 128 for w2: one more
     warp per scheduler, no loop spills) measured no faster at T = 1, 16, 64 (0.094 against
-    0.082 ms at T = 1)."""
+    0.082 ms at T = 1). Neither were K slices across the warps of a program (a 3-D `tl.dot`
+    whose batch dimension Triton gives the warps; sm_90 w13 loop 503 instructions per warp per
+    step on 4 warps against 991 on 2; H200 2026-12-01, 4 weight sets: 16 x 64 x 128 on 4
+    warps 0.086 / 0.485 / 0.870 / 2.45 ms at T = 1 / 8 / 16 / 64 against 0.081 / 0.408 /
+    0.710 / 1.98 ms; 2 slices, a 32-column or a 256-deep step slower still): removed."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
     return (TileConfig(128, 64, 256, 8, 3, promote=True),
