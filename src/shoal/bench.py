@@ -92,11 +92,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def decode_prefill_steps(batch: int, prompt_len: int, budget: int) -> int:
+    """Steps the prompts of a decode batch take at most: the requests already decoding take up
+    to one budgeted token each per step (so a budget of at most `batch` is degenerate)."""
+    return -(-batch * prompt_len // max(budget - batch, 1))
+
+
 def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     # every request must still be running when the last one finishes its (budgeted) prefill
-    budget = llm.config.scheduler.max_num_batched_tokens
-    prefill_steps = -(-batch * prompt_len // budget)
+    prefill_steps = decode_prefill_steps(batch, prompt_len,
+                                         llm.config.scheduler.max_num_batched_tokens)
     params = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0.0,
                             ignore_eos=True)
     groups = [llm.engine.add_request(None, params, prompt_token_ids=random_prompt(
@@ -225,14 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling}
     t0 = time.perf_counter()
-    longest = args.prompt_len + args.steps + 16
+    budget = max(args.prefill_budget, max(args.batches))
+    # bench_decode's max_tokens: steps + 2 + the steps the largest batch's prefill may take
+    longest = (args.prompt_len + args.steps + 2 + 16
+               + decode_prefill_steps(max(args.batches), args.prompt_len, budget))
     if not args.skip_prefill:
         longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
               async_scheduling=args.async_scheduling,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
-              max_num_batched_tokens=max(args.prefill_budget, max(args.batches)),
+              max_num_batched_tokens=budget,
               max_model_len=longest)
     origins = dict(llm.engine.runner.ops.origin)
     fallback = sorted(op for op, backend in origins.items() if backend == "reference")

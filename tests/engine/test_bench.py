@@ -31,6 +31,18 @@ def test_bench_tiny_json_line(tmp_path, capsys):
     assert result["declined_calls"] == {}
 
 
+def test_bench_sizes_max_model_len_for_a_budgeted_decode_prefill(tmp_path, capsys):
+    """--skip-prefill with a small budget: a batch's prompts take several prefill steps, which
+    its requests' max_tokens covers; max_model_len must cover it too (it did not: 2026-12-01 on
+    the H200, batch 16 x 256 tokens with a 256-token budget failed every request)."""
+    rc = main(["--model", "tiny", "--device", "cpu", "--batches", "4", "--prompt-len", "32",
+               "--steps", "2", "--skip-prefill", "--prefill-budget", "8", "--prefill-prompts", "4",
+               "--plot", str(tmp_path / "p.png")])
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode"]
+    assert "error" not in row and row["tpot_ms"] > 0
+
+
 def test_bench_decode_reports_a_batch_that_never_runs_whole():
     """More requests than slots: no step decodes them all, and the entry says so (no number)."""
     from shoal import LLM
