@@ -222,6 +222,11 @@ def w_f16(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
 # bits of e2m1 * 2^-14), so each fp16 pair is 2-3 integer ops without a LUT; the block scale
 # is then an fp16x2 multiply by 2^(14 - sh) (FMA pipe, not the integer pipe the LUT
 # conversion saturates). r >> 3 and r << 1 put the magnitudes at bits 9-11 / 25-27.
+# Nothing cheaper exists in this form (session 14): one rotate + one mask per fp16 pair would
+# need the code fields' fp16 positions {9, 10, 11, 15} (bf16: {6, 7, 8, 15}) to tile 16 bits by
+# 4 translates, and no 4 translates do (exhaustive check), so a weight repacking cannot give it.
+# At T = 1 the decode tiles are issue-bound on this (4 programs of 2 warps per SM, ~1000
+# instructions per warp per K step, about 60% of them the conversion).
 F16P_ASM = tl.constexpr("""{
             .reg .b32 t, m0, m1, o0, o1;
             shl.b32 t, $2, 4;
