@@ -52,6 +52,10 @@ class DeepseekV41:
         self.ops = ops
         self.engram_consts: EngramConstants | None = None
         self.token_map = token_map
+        # the first block's pre_prev (one-hot on stream 0), expanded per step: no launches
+        self.first_pre = torch.zeros(config.hc_mult, dtype=torch.float32,
+                                     device=params["embed.weight"].device)
+        self.first_pre[0] = 1.0
         if config.engram_layer_ids:
             if token_map is None:
                 raise ValueError("an Engram model needs the token map (engram_hash.token_map_for)")
@@ -81,8 +85,7 @@ class DeepseekV41:
         hc = cfg.hc_mult
         emb = ops.embed(ids=batch.input_ids, table=p["embed.weight"])
         stream = emb.unsqueeze(1).expand(t, hc, cfg.hidden_size).contiguous()
-        pre_prev = torch.zeros(t, hc, dtype=torch.float32, device=emb.device)
-        pre_prev[:, 0] = 1.0
+        pre_prev = self.first_pre.expand(t, hc)  # [T, hc] fp32, row stride 0
         erows = self.engram_rows(batch)
         captures = []
         for spec in cfg.backbone:
