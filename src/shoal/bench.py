@@ -94,7 +94,8 @@ def sync() -> None:
 
 def decode_prefill_steps(batch: int, prompt_len: int, budget: int) -> int:
     """Steps the prompts of a decode batch take at most: the requests already decoding take up
-    to one budgeted token each per step (so a budget of at most `batch` is degenerate)."""
+    to one budgeted token each per step (`main` asks for a budget of at least 2 x batch, so
+    this stays at most 2 x prompt_len there)."""
     return -(-batch * prompt_len // max(budget - batch, 1))
 
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=8192)
-    ap.add_argument("--prefill-budget", type=int, default=8192)
+    ap.add_argument("--prefill-budget", type=int, default=8192,
+                    help="max_num_batched_tokens (at least 2 x the largest batch)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--modes", nargs="+", default=["full", "bounded", "staircase"],
                     help="prefill modes to time (the first is the baseline)")
@@ -231,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling}
     t0 = time.perf_counter()
-    budget = max(args.prefill_budget, max(args.batches))
+    budget = args.prefill_budget
+    if budget < 2 * max(args.batches):  # decode_prefill_steps would grow to batch x prompt
+        ap.error(f"--prefill-budget {budget} must be at least twice the largest of --batches "
+                 f"({max(args.batches)}): each decoding request takes one budgeted token per "
+                 "step, and the prompts still prefilling share the rest")
     # bench_decode's max_tokens: steps + 2 + the steps the largest batch's prefill may take
     longest = (args.prompt_len + args.steps + 2 + 16
                + decode_prefill_steps(max(args.batches), args.prompt_len, budget))

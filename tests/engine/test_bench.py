@@ -43,6 +43,14 @@ def test_bench_sizes_max_model_len_for_a_budgeted_decode_prefill(tmp_path, capsy
     assert "error" not in row and row["tpot_ms"] > 0
 
 
+def test_bench_refuses_a_budget_the_decoding_requests_would_fill(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--device", "cpu", "--batches", "1", "8",
+              "--prefill-budget", "15", "--skip-prefill"])
+    assert "--prefill-budget 15 must be at least twice the largest of --batches (8)" in (
+        capsys.readouterr().err)
+
+
 def test_bench_decode_reports_a_batch_that_never_runs_whole():
     """More requests than slots: no step decodes them all, and the entry says so (no number)."""
     from shoal import LLM
