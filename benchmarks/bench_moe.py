@@ -175,6 +175,27 @@ PREFILL_CFGS = {
     "p_k256": (_PP(128, 64, 256, 8, 3, promote=True), _PP(128, 64, 256, 8, 3, promote=True)),
     "p_k256s2": (_PP(128, 64, 256, 8, 2, promote=True), _PP(128, 64, 256, 8, 2, promote=True)),
     "p_k256w13": (_PP(128, 64, 256, 8, 3, promote=True), _PP(128, 64, 128, 8, 3, promote=True)),
+    # two CTAs per SM (session 15; ncu of p_k256w13's w13 at T = 8192: one 8-warp CTA per SM,
+    # 2 warps per scheduler, issue slots 31% busy: each step's conversion and its wgmma run one
+    # after the other). sm_90 SASS: w13 128 x 32 x 256 at 2 stages 142 registers (1 CTA),
+    # capped at 128 16 B of stack, 86 KB smem, 6.08 loop instructions per element (5.39)
+    "p_n32": (_PP(128, 32, 256, 8, 2, promote=True), _PP(128, 64, 128, 8, 3, promote=True)),
+    "p_n32_2cta": (_PP(128, 32, 256, 8, 2, promote=True, maxnreg=128),
+                   _PP(128, 64, 128, 8, 3, promote=True)),
+    "p_w2k256_2cta": (_PP(128, 64, 256, 8, 3, promote=True),
+                      _PP(128, 64, 256, 8, 2, promote=True, maxnreg=128)),
+    "p_w2s2": (_PP(128, 64, 256, 8, 3, promote=True), _PP(128, 64, 128, 8, 2, promote=True)),
+    "p_2cta_both": (_PP(128, 32, 256, 8, 2, promote=True, maxnreg=128),
+                    _PP(128, 64, 256, 8, 2, promote=True, maxnreg=128)),
+    # gate and up in one weight tile and one MMA chain per step (TileConfig.fused_gate_up;
+    # sm_90 SASS at 128 x 64 x 256: 616 loop instructions per step against 690, one wgmma wait
+    # per step against two, 246 registers, 180 KB smem)
+    "p_fused": (_PP(128, 64, 256, 8, 3, promote=True, fused_gate_up=True),
+                _PP(128, 64, 128, 8, 3, promote=True)),
+    "p_fused_k128s4": (_PP(128, 64, 128, 8, 4, promote=True, fused_gate_up=True),
+                       _PP(128, 64, 128, 8, 3, promote=True)),
+    "p_fused_n32s4": (_PP(128, 32, 256, 8, 4, promote=True, fused_gate_up=True),
+                      _PP(128, 64, 128, 8, 3, promote=True)),
 }
 
 

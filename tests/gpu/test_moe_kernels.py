@@ -180,6 +180,24 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
     _check(a, ref.moe_mxfp4(**_cpu(kw)))
 
 
+@pytest.mark.parametrize("bk", [128, 256])
+def test_fused_gate_up_gives_the_split_tiles_bits(bk: int) -> None:
+    """`TileConfig.fused_gate_up` (gate and up rows interleaved in one weight tile, one MMA
+    chain per step) forms every output from the same products in the same K order as the split
+    gate / up chains, so h and y are bit-equal; N (96) is not a multiple of BLOCK_N and experts
+    span several 128-row blocks. Only plain W4A8 w13 tiles take it."""
+    split = (tiles.TileConfig(128, 64, bk, 8, 3, promote=True),
+             tiles.TileConfig(128, 64, 128, 8, 3, promote=True))
+    fused = (dataclasses.replace(split[0], fused_gate_up=True), split[1])
+    kw = _case(4000 + bk, 300, 512, 96, 3, 2, spread=4)
+    got = tmoe.moe_experts(**kw, configs=fused)
+    assert torch.equal(got, tmoe.moe_experts(**kw, configs=split))
+    _check(got, ref.moe_mxfp4(**_cpu(kw)))
+    with pytest.raises(ValueError, match="fused_gate_up"):
+        tmoe.moe_experts(**kw, configs=(dataclasses.replace(SWAP[0], fused_gate_up=True),
+                                        SWAP[1]))
+
+
 @needs_kernels
 @pytest.mark.parametrize("use_asm", [False, True])
 def test_f16_tiles_give_the_e4m3_tiles_bits(use_asm: bool) -> None:

@@ -95,7 +95,8 @@ def moe_gemm(cfg: tiles.TileConfig, swiglu: bool, k: int, convert: int, *, w4a8:
     consts = {"K": k, "E_P2": triton.next_power_of_2(experts),
               "KB_P2": triton.next_power_of_2(k // 32), "BM": cfg.block_m, "BN": cfg.block_n,
               "BK": bk, "SWIGLU": swiglu, "GATHER_A": swiglu, "W4A8": w4a8, "CONVERT": convert,
-              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote, "F16": cfg.f16 and w4a8}
+              "SWAP_AB": cfg.swap_ab, "PROMOTE": cfg.promote, "F16": cfg.f16 and w4a8,
+              "FUSED_GU": cfg.fused_gate_up and swiglu}
     args = dict(MOE_GEMM_ARGS, a_ptr="*fp8e4nv" if w4a8 else "*bf16")
     return build(tmoe._moe_gemm_kernel, args, consts, cfg.num_warps, cfg.num_stages, ("N", "E"),
                  cfg.maxnreg)

@@ -31,6 +31,9 @@ class TileConfig:
     chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
     chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
     128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
+    fused_gate_up: bool = False
+    """w13 only (plain W4A8 tiles): gate and up rows interleaved in one [2 BLOCK_N, BLOCK_K]
+    weight tile and one MMA chain per step instead of two (same products, same K order)."""
     maxnreg: int | None = None
     """Cap ptxas's registers per thread (None: its own choice), to fit more programs per SM."""
 
@@ -65,10 +68,21 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     whose batch dimension Triton gives the warps; sm_90 w13 loop 503 instructions per warp per
     step on 4 warps against 991 on 2; H200 2026-12-01, 4 weight sets: 16 x 64 x 128 on 4
     warps 0.086 / 0.485 / 0.870 / 2.45 ms at T = 1 / 8 / 16 / 64 against 0.081 / 0.408 /
-    0.710 / 1.98 ms; 2 slices, a 32-column or a 256-deep step slower still): removed."""
+    0.710 / 1.98 ms; 2 slices, a 32-column or a 256-deep step slower still): removed.
+
+    The prefill w13 tile interleaves gate and up rows in one [128, 256] weight tile
+    (`fused_gate_up`): one MMA chain and one wgmma wait per step instead of two, the A tile
+    read from shared memory once (sm_90 SASS: 616 loop instructions per step against 690).
+    ncu of the split tile (H200, 2026-12-02, T = 8192): one 8-warp CTA per SM (255 registers,
+    164 KB smem), 2 warps per scheduler, issue slots 31% busy, L1/shared 59% busy: each step's
+    conversion and its wgmma run one after the other (the promotion waits for the product at
+    once). Fused, bench_moe --sweep prefill: 12.97 / 22.08 ms against 13.77 / 23.45 ms at
+    T = 8192 / 16384 (same bits, GPU test). Two CTAs per SM (w13 128 x 32 x 256 at 2 stages
+    capped at 128 registers; w2 at BLOCK_K 256 capped at 128) measured slower: 14.36 / 14.40
+    ms at T = 8192."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
-    return (TileConfig(128, 64, 256, 8, 3, promote=True),
+    return (TileConfig(128, 64, 256, 8, 3, promote=True, fused_gate_up=True),
             TileConfig(128, 64, 128, 8, 3, promote=True))
 
 
