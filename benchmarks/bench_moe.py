@@ -170,8 +170,9 @@ PREFILL_CFGS = {
     "p_w2n64s4": (_PP(128, 64, 128, 8, 4, promote=True), _PP(128, 64, 128, 8, 4, promote=True)),
     "p_s2": (_PP(128, 64, 128, 8, 2, promote=True), _PP(128, 128, 128, 8, 2, promote=True)),
     # BLOCK_K 256: one promotion add per 256 K (sm_90 SASS: 6.39 -> 5.39 loop instructions per
-    # converted w13 element; 255 registers, no spills). p_k256w13 is `default_configs`' prefill
-    # pair since session 12 ("p_default" is the session-9 pair, its w2 at BLOCK_N 128)
+    # converted w13 element; 255 registers, no spills). p_k256w13 was `default_configs`' prefill
+    # pair in sessions 12-14, p_fused is since session 15 ("p_default" is the session-9 pair,
+    # its w2 at BLOCK_N 128)
     "p_k256": (_PP(128, 64, 256, 8, 3, promote=True), _PP(128, 64, 256, 8, 3, promote=True)),
     "p_k256s2": (_PP(128, 64, 256, 8, 2, promote=True), _PP(128, 64, 256, 8, 2, promote=True)),
     "p_k256w13": (_PP(128, 64, 256, 8, 3, promote=True), _PP(128, 64, 128, 8, 3, promote=True)),

@@ -27,7 +27,9 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    H200 2026-12-01 0.082 / 1.98 / 3.30 ms at T = 1 / 64 / 256 against 0.089 / 2.21 / 3.47.
    Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the H200 numbers behind
    each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact products, fp32
-   sums); above, 128-row wgmma tiles with promoted accumulation. Swap-AB wgmma tiles (faster,
+   sums); above, 128-row wgmma tiles with promoted accumulation, the w13 tile with gate and
+   up rows interleaved in one weight tile (`_fused_gu_tile`; H200 2026-12-02: 13.03 ms at
+   T = 8192, 1.64x W4A16's 21.40). Swap-AB wgmma tiles (faster,
    less accurate) are opt-in. Split-K across programs, and K slices across the warps of one
    program (a 3-D `tl.dot`), were measured on the H200 and removed (K slices: 0.086 against
    0.081 ms at T = 1, 0.87 against 0.71 at T = 16; moe_tiles.default_configs).
