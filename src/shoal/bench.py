@@ -163,15 +163,19 @@ def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
     swapped in its runner config between runs so the weights are built once). The warm-up is
     one prompt of the same length in the same mode: the decoder layers' row counts differ by
     mode and length, and a kernel shape first met inside the timed run would be compiled there
-    (the engine's prefill warm-up runs one mode). Triton compilations inside the timed run are
-    counted (`compiled_in_run`, 0 when the number is clean; None without Triton)."""
+    (the engine's prefill warm-up runs one mode). The warm-up prefills as many prompts as one
+    step's token budget holds (one when a prompt fills the budget), so that a step of the timed
+    run meets no batch composition the warm-up did not. Triton compilations inside the timed
+    run are counted (`compiled_in_run`, 0 when the number is clean; None without Triton)."""
     runner = llm.engine.runner
     runner.config = dataclasses.replace(
         runner.config, runner=dataclasses.replace(runner.config.runner, prefill_mode=mode))
     g = torch.Generator().manual_seed(0)
-    batch = [random_prompt(llm.config.model_config, length, g) for _ in range(prompts + 1)]
+    per_step = min(prompts, max(1, llm.config.scheduler.max_num_batched_tokens // length))
+    batch = [random_prompt(llm.config.model_config, length, g) for _ in range(prompts + per_step)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate([{"prompt_token_ids": batch[-1]}], params, use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": b} for b in batch[prompts:]], params,
+                 use_tqdm=False)  # warm-up
     s = llm.engine.stats
     skipped0, total0 = s.decoder_rows_skipped, s.decoder_rows_total
     sync()
