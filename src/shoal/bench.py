@@ -160,13 +160,14 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
 
 def bench_prefill(llm: LLM, prompts: int, length: int, mode: str) -> dict:
     """Prefill `prompts` x `length` tokens with the given tail-only mode (one engine, the mode
-    swapped in its runner config between runs so the weights are built once). The warm-up is
-    one prompt of the same length in the same mode: the decoder layers' row counts differ by
-    mode and length, and a kernel shape first met inside the timed run would be compiled there
-    (the engine's prefill warm-up runs one mode). The warm-up prefills as many prompts as one
-    step's token budget holds (one when a prompt fills the budget), so that a step of the timed
-    run meets no batch composition the warm-up did not. Triton compilations inside the timed
-    run are counted (`compiled_in_run`, 0 when the number is clean; None without Triton)."""
+    swapped in its runner config between runs so the weights are built once). The warm-up
+    prefills, in the same mode, as many prompts of the same length as one step's token budget
+    holds (one when a prompt fills it): the decoder layers' row counts differ by mode, length
+    and prompts per step, and a step first met inside the timed run would pay for it there (the
+    engine's prefill warm-up runs one mode; one warm-up prompt under a 16K budget measured
+    bounded at 48K instead of 77K tok/s on the H200, 2026-12-02). Triton compilations inside
+    the timed run are counted (`compiled_in_run`, 0 when the number is clean; None without
+    Triton)."""
     runner = llm.engine.runner
     runner.config = dataclasses.replace(
         runner.config, runner=dataclasses.replace(runner.config.runner, prefill_mode=mode))
