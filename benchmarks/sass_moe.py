@@ -14,6 +14,7 @@ import dataclasses
 import re
 
 import bench_moe
+import moe_tile_sweeps
 
 from shoal.ops.triton import aot
 from shoal.ops.triton import moe_tiles as tiles
@@ -57,8 +58,8 @@ def report(log=print) -> None:
                                            for c in tiles.SWAP_DECODE)),
             ("prefill promoted", tuple(dataclasses.replace(c, promote=True)
                                        for c in tiles.default_configs(6 * 8192, e))),
-            *bench_moe.DECODE_CFGS.items(), *bench_moe.PLAIN_DECODE_CFGS.items(),
-            *bench_moe.PREFILL_CFGS.items()]
+            *moe_tile_sweeps.DECODE_CFGS.items(), *moe_tile_sweeps.PLAIN_DECODE_CFGS.items(),
+            *moe_tile_sweeps.PREFILL_CFGS.items()]
     for name, (c13, c2) in rows:
         for conv in ((2, 1) if c13.swap_ab else (1, 2)):
             for label, cfg, swiglu, k in (("w13", c13, True, bench_moe.D),

@@ -320,9 +320,8 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
         raise ValueError("conversion 3 (K-permuted fp16 shifts) needs f16 tiles")
     fused = cfg.fused_gate_up and swiglu
     if fused and (cfg.swap_ab or f16 or not w4a8 or not gather):
-        raise ValueError("fused_gate_up: plain W4A8 e4m3 (not f16) tiles of w13 only: on the "
-                         "f16 decode tiles it saves nothing (sm_90 SASS: 3.98 loop instructions "
-                         "per element against 3.87)")
+        raise ValueError("fused_gate_up: plain W4A8 e4m3 tiles of w13 only (not swap-AB, f16 "
+                         "or W4A16)")
     bk = cfg.block_k
     while k % bk:
         bk //= 2
