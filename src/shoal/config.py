@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.model.batch import PREFILL_MODES
 from shoal.model.config import ModelConfig
 from shoal.model.presets import PRESETS
+from shoal.model.tail_prefill import PREFILL_MODES
 from shoal.scheduler.config import SchedulerConfig
 
 

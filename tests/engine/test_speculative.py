@@ -57,7 +57,7 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
     seed = random.randrange(1 << 30)
     prompts = _prompts(seed)
     expected, _ = _run(plain, prompts, params)
-    k = TINY.dspark_block_size
+    k = TINY.dspark_draft_len
     plain_steps = LLM("tiny", **OPTS)
     _run(plain_steps, prompts, params)
 
@@ -120,7 +120,7 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
         params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
                                  stop_token_ids=[seq[3]]) for seq in long]
     expected, _ = _run(plain, prompts, params)
-    k = TINY.dspark_block_size
+    k = TINY.dspark_draft_len
 
     def oracle(model, caches, batch, captures, plan, rows, out):
         for item in plan.scheduled:

@@ -26,7 +26,7 @@ from shoal.quant.fp8 import qdq_fp8_act
 from support.tiny import new_caches
 
 W = TINY.sliding_window
-K = TINY.dspark_block_size
+K = TINY.dspark_draft_len
 SLOTS = (0, 2)
 LENGTHS = (19, 6)  # one longer than the ring (16: its keys wrap), one shorter than the window
 

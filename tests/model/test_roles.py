@@ -86,13 +86,13 @@ def test_reindex_topk_lies_inside_the_candidates(tiny_model, monkeypatch, seed):
     def check(ctx, spec, x, qr, rows):
         original(ctx, spec, x, qr, rows)
         if spec.uses_candidates:
-            top = ctx.topk[spec.layer_id]
-            cand = ctx.candidates
+            top = ctx.shared.topk[spec.layer_id]
+            cand = ctx.shared.candidates
             for t in range(top.shape[0]):
                 picked = top[t][top[t] >= 0].long()
                 assert bool(cand[t, picked].all()), (spec.layer_id, t, picked.tolist())
                 n_vis = int(ctx.batch.positions[t]) + 1
-                if n_vis > TINY.candidate_topk_blocks * TINY.candidate_block_size:
+                if n_vis > TINY.candidate_topk_blocks * TINY.candidate_group_rows:
                     assert int(cand[t].sum()) < n_vis  # the filter really bites here
             checked.append(spec.layer_id)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from shoal.model.batch import LayerRows
 from shoal.model.compressor import run_compressor
 from shoal.model.config import LayerRole, LayerSpec
 from shoal.model.context import StepContext, rope_params, select
 from shoal.model.indexer import run_indexer
+from shoal.model.tail_prefill import LayerRows
 
 
 def _local(sub: torch.Tensor | None, sup: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,12 +1,6 @@
 """The per-step input of the model: `ForwardBatch` (flat token rows plus per-request metadata)
-and `build_forward_batch`, which turns plain per-request chunks into it.
-
-Owns the decoder tail-only prefill plan (model.md §3): for every decoder layer, which rows run in
-full, which only produce their SWA kv, and the SWA floor of `bounded` replay. Invariant: row sets
-shrink monotonically through the decoder (full(L+1) and kv(L+1) are inside full(L)); the last
-row of every prefill and every decode row run in full everywhere, so `full` and `staircase`
-produce exactly the reference's logits and caches, and `bounded` only changes what the floor
-hides.
+and `build_forward_batch`, which turns plain per-request chunks into it. The decoder layers'
+row sets come from the tail-only prefill plan (`model/tail_prefill.py`).
 """
 
 from __future__ import annotations
@@ -17,8 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.model.config import ModelConfig
-
-PREFILL_MODES = ("full", "staircase", "bounded")
+from shoal.model.tail_prefill import ALL_ROWS, LayerRows, decoder_layer_rows, decoder_thresholds
 
 
 @dataclass(frozen=True)
@@ -53,17 +46,6 @@ class RequestChunk:
         return len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class LayerRows:
-    """Rows (indices into the step's tokens) of one decoder layer: `prod` need the layer input
-    (all rows at the first decoder layer, whose compressor runs everywhere), `kv` write SWA kv,
-    `full` run the whole layer. None means every row."""
-
-    prod: torch.Tensor | None
-    kv: torch.Tensor | None
-    full: torch.Tensor | None
-
-
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -87,38 +69,7 @@ class ForwardBatch:
         return int(self.slots.shape[0])
 
     def rows(self, layer: int) -> LayerRows:
-        return self.layer_rows.get(layer, _ALL)
-
-
-_ALL = LayerRows(None, None, None)
-
-
-def decoder_thresholds(config: ModelConfig, prefill_len: int, mode: str,
-                       replay_window: int) -> tuple[list[tuple[int, int]], int]:
-    """Per decoder layer (in order): (full_start, kv_start) positions, and the SWA floor.
-
-    full: every position runs every layer. staircase (exact): the last decoder layer runs in
-    full on the last row and writes kv on the last `window` rows; each layer below runs in full
-    where the layer above needs kv: full_start(k) = N - (W + (m - 2 - k) * (W - 1)).
-    bounded(W_b): every decoder layer runs in full on the last W_b rows, and decoder SWA reads
-    are floored at N - W_b (approximate).
-    """
-    n = prefill_len
-    dec = list(range(config.decoder_start, config.num_layers))
-    m = len(dec)
-    w = config.sliding_window
-    if mode == "full" or n == 0:
-        return [(0, 0)] * m, 0
-    if mode == "staircase":
-        out = []
-        for k in range(m):
-            full_start = max(0, n - (w + (m - 2 - k) * (w - 1)))
-            out.append((full_start, max(0, full_start - (w - 1))))
-        return out, 0
-    if mode == "bounded":
-        start = max(0, n - replay_window)
-        return [(start, start)] * m, start
-    raise ValueError(f"prefill_mode: got {mode!r}, expected one of {PREFILL_MODES}")
+        return self.layer_rows.get(layer, ALL_ROWS)
 
 
 def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
@@ -133,7 +84,6 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
         raise ValueError(f"replay_window: got {replay_window}, expected >= sliding_window "
                          f"({config.sliding_window})")
     n_hist = max(config.engram_max_ngram_size - 1, 0)
-    dec_layers = list(range(config.decoder_start, config.num_layers))
     known: list[int] = []  # per request: history ids then new ids, concatenated
     known_base, lo_pos, starts, lengths, slots, floors = [], [], [], [], [], []
     thresholds, logits_mode, tables = [], [], []
@@ -179,16 +129,7 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
     back = positions.unsqueeze(1) - torch.arange(1, n_hist + 1)  # [T, n_hist] positions p - s
     hist = torch.where(back >= 0, known_t[(base.unsqueeze(1) + back).clamp_min(0)]
                        if t else back, -1)
-    layer_rows: dict[int, LayerRows] = {}
-    if dec_layers and num_req:
-        limits = torch.tensor(thresholds, dtype=torch.int64)[req]  # [T, m, 2]
-        for k, layer in enumerate(dec_layers):
-            full = positions >= limits[:, k, 0]
-            if bool(full.all()):
-                continue
-            kv = torch.nonzero(positions >= limits[:, k, 1]).flatten().to(device)
-            layer_rows[layer] = LayerRows(None if k == 0 else kv, kv,
-                                          torch.nonzero(full).flatten().to(device))
+    layer_rows = decoder_layer_rows(config, positions, req, thresholds, device)
     last = first_row + length_t - 1
     logit_rows = [list(range(int(first_row[r]), int(last[r]) + 1)) if m == "all"
                   else [int(last[r])] if m == "last" else [] for r, m in enumerate(logits_mode)]

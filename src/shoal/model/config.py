@@ -1,8 +1,8 @@
 """Model configuration: one frozen `ModelConfig` and one `LayerSpec` per layer.
 
 Owns: the config's fields, its validation (errors name the field, the value and what was
-expected), and the derivation of every layer's role from the **raw** ratio list and the source
-lists (model.md §1.2). Invariant: the engine is driven only by this config; nothing downstream
+expected), and the layers it derives (`kv_sharing.derive_layers`: every layer's CSA2 role from the
+**raw** ratio list and the source lists, model.md §1.2). Invariant: the engine is driven only by this config; nothing downstream
 hard-codes Flash's layer ids. The on-disk forms (HF nested, reference flat) are parsed in
 config_formats.py.
 """
@@ -10,7 +10,6 @@ config_formats.py.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,43 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from shoal.model.config_formats import ConfigError, from_flat, from_hf, to_hf_dict
+from shoal.model.kv_sharing import LayerRole, LayerSpec, derive_layers
 
 __all__ = ["ConfigError", "LayerRole", "LayerSpec", "ModelConfig", "engram_primes"]
-
-
-class LayerRole(enum.Enum):
-    SWA_ONLY = "swa_only"  # ratio 0: only the sliding window
-    FULL = "full"  # kv source: owns compressor, index keys and (if an index source) top-k
-    REUSE = "reuse"  # reads compressed KV and top-k of earlier sources
-    REINDEX = "reindex"  # own index query over its kv source's keys, inside the candidates
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Everything the model and the caches need to know about one layer (backbone or draft)."""
-
-    layer_id: int
-    compress_ratio: int  # 0 = SWA only; 1 = full-resolution sparse rows; >= 2 pooled groups
-    role: LayerRole
-    kv_source: int | None  # layer whose compressed KV / index keys this layer reads
-    topk_source: int | None  # layer whose top-k this layer reads (itself for index sources)
-    owns_compressor: bool  # role FULL
-    owns_index_query: bool  # FULL that is an index source, or REINDEX
-    is_candidate_source: bool  # publishes the block candidates (layer 20 in Flash)
-    uses_candidates: bool  # REINDEX layers restrict their scores to the candidates
-    has_engram: bool
-    is_draft: bool  # DSpark stage
-    is_decoder: bool  # runs only on the decoder rows in tail-only prefill
-    compressor_gated: bool  # ratio >= 2: softmax gate and carried partial group
-
-    @property
-    def uses_compress_rope(self) -> bool:
-        """Ratio != 0 layers rotate with compress_rope_theta + YaRN (Reuse/Reindex included)."""
-        return self.compress_ratio != 0
-
-    @property
-    def is_kv_source(self) -> bool:
-        return self.role is LayerRole.FULL
 
 
 def _is_prime(n: int) -> bool:
@@ -133,7 +98,8 @@ class ModelConfig:
     index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
     candidate_source_layer: int | None = 20
     candidate_topk_blocks: int = 2048
-    candidate_block_size: int = 8
+    # compressed index rows per level-1 candidate group (on disk: candidate_block_size)
+    candidate_group_rows: int = 8
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 512
@@ -151,7 +117,8 @@ class ModelConfig:
     # "tokenizer": the normalised map built from tokenizer.json (the release);
     # "modulo": id mod engram_compressed_vocab_size (synthetic test configs only).
     engram_token_map: str = "tokenizer"
-    dspark_block_size: int = 5
+    # tokens per DSpark draft block, anchor included (on disk: dspark_block_size)
+    dspark_draft_len: int = 5
     dspark_noise_token_id: int = 128799
     dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
     dspark_markov_rank: int = 256
@@ -172,7 +139,7 @@ class ModelConfig:
                     "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             object.__setattr__(self, key, tuple(int(v) for v in getattr(self, key)))
         _validate(self)
-        object.__setattr__(self, "layers", tuple(_derive_layers(self)))
+        object.__setattr__(self, "layers", tuple(derive_layers(self)))
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -254,7 +221,7 @@ def _validate(c: ModelConfig) -> None:
                 "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts",
                 "num_experts_per_tok", "moe_intermediate_size", "sliding_window",
                 "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
-                "hc_sinkhorn_iters", "candidate_topk_blocks", "candidate_block_size")
+                "hc_sinkhorn_iters", "candidate_topk_blocks", "candidate_group_rows")
     for name in positive:
         value = getattr(c, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -315,9 +282,9 @@ def _validate(c: ModelConfig) -> None:
         if cand not in c.kv_source_layers:
             _fail("candidate_source_layer", cand, f"one of kv_source_layers "
                   f"{list(c.kv_source_layers)}")
-        if (c.candidate_topk_blocks - 1) * c.candidate_block_size + 1 < c.index_topk:
+        if (c.candidate_topk_blocks - 1) * c.candidate_group_rows + 1 < c.index_topk:
             _fail("candidate_topk_blocks", c.candidate_topk_blocks,
-                  f"(blocks - 1) * candidate_block_size + 1 >= index_topk={c.index_topk}")
+                  f"(blocks - 1) * candidate_group_rows + 1 >= index_topk={c.index_topk}")
         for layer in c.index_source_layers:
             if layer not in c.kv_source_layers and layer > cand:
                 src = max(s for s in c.kv_source_layers if s <= layer)
@@ -348,8 +315,8 @@ def _validate(c: ModelConfig) -> None:
         if not 0 <= c.engram_pad_id < c.engram_compressed_vocab_size:
             _fail("engram_pad_id", c.engram_pad_id, "an id of the compressed vocabulary")
     if c.num_draft_layers:
-        if c.dspark_block_size < 1:
-            _fail("dspark_block_size", c.dspark_block_size, ">= 1 when draft layers exist")
+        if c.dspark_draft_len < 1:
+            _fail("dspark_draft_len", c.dspark_draft_len, ">= 1 when draft layers exist")
         for layer in c.dspark_target_layer_ids:
             if not 0 <= layer < c.num_layers:
                 _fail("dspark_target_layer_ids", list(c.dspark_target_layer_ids),
@@ -366,34 +333,3 @@ def _validate(c: ModelConfig) -> None:
             _fail(name, getattr(c, name), f"a token id < vocab_size={c.vocab_size}")
     if c.expert_dtype != "fp4":
         _fail("expert_dtype", c.expert_dtype, "'fp4'")
-
-
-def _derive_layers(c: ModelConfig) -> list[LayerSpec]:
-    specs = []
-    dec = c.decoder_start
-    for layer in range(c.num_layers + c.num_draft_layers):
-        r = c.compress_ratios[layer]
-        draft = layer >= c.num_layers
-        kv_src = topk_src = None
-        role = LayerRole.SWA_ONLY
-        if r > 0:
-            kv_src = max(s for s in c.kv_source_layers if s <= layer)
-            topk_src = max(s for s in c.index_source_layers if s <= layer)
-            if layer in c.kv_source_layers:
-                role = LayerRole.FULL
-            elif layer in c.index_source_layers:
-                role = LayerRole.REINDEX
-            else:
-                role = LayerRole.REUSE
-        specs.append(LayerSpec(
-            layer_id=layer, compress_ratio=r, role=role, kv_source=kv_src,
-            topk_source=topk_src, owns_compressor=role is LayerRole.FULL,
-            owns_index_query=role in (LayerRole.FULL, LayerRole.REINDEX),
-            is_candidate_source=layer == c.candidate_source_layer,
-            uses_candidates=(role is LayerRole.REINDEX and c.candidate_source_layer is not None
-                             and kv_src == c.candidate_source_layer),
-            has_engram=layer in c.engram_layer_ids, is_draft=draft,
-            is_decoder=not draft and layer >= dec, compressor_gated=role is LayerRole.FULL
-            and r >= 2,
-        ))
-    return specs

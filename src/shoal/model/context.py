@@ -1,10 +1,6 @@
 """Per-step context shared by all layers of one forward: the batch, the caches, the op table,
-precomputed index metadata (SWA rows for encoder/decoder layers, visible compressed rows) and
-the CSA2 shared state (top-k per index source, the published candidates).
-
-Invariant (model.md §2.8): sources write before consumers read; top-k and candidates are kept as
-full-size [T, ...] tensors so a consumer running on a subset of rows (tail-only prefill) reads
-exactly the rows its source computed.
+precomputed index metadata (SWA rows for encoder/decoder layers, visible compressed rows), the
+deferred SWA commits, and the CSA2 shared state (`model/kv_sharing.py`'s SharedIndex).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.model.config import LayerSpec, ModelConfig
+from shoal.model.kv_sharing import SharedIndex
 from shoal.model.params import ModelParams
 from shoal.model.state import KVCaches
 from shoal.ops.reference.rope import RopeParams
@@ -44,8 +41,7 @@ class StepContext:
     swa_rows_encoder: torch.Tensor  # [T, W] int32 physical SWA rows (floor 0)
     swa_rows_decoder: torch.Tensor  # [T, W] int32 (floored at the decoder floor)
     token_slot: torch.Tensor  # [T] request slot of each row
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [T, K] int32
-    candidates: torch.Tensor | None = None  # [T, Nmax] bool (candidate source)
+    shared: SharedIndex = field(default_factory=SharedIndex)  # CSA2 top-k and candidates
     # index tensors that depend only on the step (not on the layer), computed once per step and
     # shared by the layers: key -> (the row-set tensor the key's id() refers to, the result)
     _memo: dict[tuple, tuple[torch.Tensor | None, object]] = field(default_factory=dict)
@@ -104,7 +100,7 @@ class StepContext:
         """Physical compressed rows [F, K] int32 of the top-k of `topk_source` for `rows`, in
         `kv_source`'s cache (-1 where the top-k or the block is empty)."""
         def make() -> torch.Tensor:
-            top = select(self.topk[topk_source], rows)  # [F, K] logical rows, -1 padded
+            top = self.shared.topk_of(topk_source, rows)  # [F, K] logical rows, -1 padded
             return self.paged_rows(kv_source, top, select(self.batch.req_index, rows))
         return self._once(("compressed", topk_source, kv_source), rows, make)
 

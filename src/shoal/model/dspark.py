@@ -3,7 +3,7 @@
     context (per kept target row q):  main_x = main_norm(main_proj . capture_q)
         for each stage s:  ring_s[q] = MXFP8(RoPE_q(kv_norm_s(wkv_s . main_x)))
     draft (per request, after the target sampled the anchor for p+1):
-        ids [anchor, noise x (k-1)] at positions p+1 .. p+k          (k = dspark_block_size)
+        ids [anchor, noise x (k-1)] at positions p+1 .. p+k          (k = dspark_draft_len)
         embed -> 4 streams, one-hot pre
         each stage: a full mHC block; attention keys = ring_s (window positions <= p)
                     + the k block keys, non-causally (block keys are NOT written to the ring);
@@ -48,7 +48,7 @@ def greedy(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DraftOutput:
-    """One draft block per request (B requests, k = dspark_block_size)."""
+    """One draft block per request (B requests, k = dspark_draft_len)."""
 
     draft_ids: torch.Tensor  # [B, k] int64: d_1..d_k for positions p+2 .. p+k+1
     logits: torch.Tensor  # [B, k, V] fp32: base + Markov bias, the distribution d_i came from
@@ -181,9 +181,9 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
         raise ValueError(f"dspark_draft: anchor_ids, positions and slots must all be [B]; got "
                          f"{tuple(anchor_ids.shape)}, {tuple(positions.shape)}, "
                          f"{tuple(slots.shape)}")
-    k = cfg.dspark_block_size
+    k = cfg.dspark_draft_len
     if k < 1:
-        raise ValueError(f"dspark_draft: dspark_block_size is {k}, expected >= 1")
+        raise ValueError(f"dspark_draft: dspark_draft_len is {k}, expected >= 1")
     n = b * k
     if n > caches.max_tokens:
         raise ValueError(f"dspark_draft: {b} requests x block {k} = {n} rows, more than the "

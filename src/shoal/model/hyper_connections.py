@@ -12,11 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from shoal.model.batch import LayerRows
 from shoal.model.context import StepContext, select
 from shoal.model.moe import moe
-
-ALL_ROWS = LayerRows(None, None, None)
+from shoal.model.tail_prefill import ALL_ROWS, LayerRows
 
 
 def _coeffs(ctx: StepContext, prefix: str, which: str, stream: torch.Tensor):

@@ -14,8 +14,8 @@ from shoal.model.context import StepContext, rope_params, select
 def run_indexer(ctx: StepContext, spec: LayerSpec, x: torch.Tensor, qr: torch.Tensor,
                 rows: torch.Tensor | None) -> None:
     """x [F, D] (normed input), qr [F, q_lora] of the full rows `rows`; publishes
-    ctx.topk[layer] ([T, index_topk] int32 logical rows, -1 padded; rows outside `rows`
-    stay -1) and, at the candidate source, ctx.candidates."""
+    the layer's top-k ([index_topk] int32 logical rows, -1 padded) and, at the candidate
+    source, the block candidates into ctx.shared (model/kv_sharing.py)."""
     ops, p, cfg, b = ctx.ops, ctx.params, ctx.config, ctx.batch
     layer, src, r = spec.layer_id, spec.kv_source, spec.compress_ratio
     pre = f"layers.{layer}.attn.indexer."
@@ -34,19 +34,10 @@ def run_indexer(ctx: StepContext, spec: LayerSpec, x: torch.Tensor, qr: torch.Te
                               num_rows=width, rows_per_block=ctx.caches.rows_per_block(src))
     if spec.is_candidate_source:
         mask = ops.candidate_mask(logits=logits, n_visible=n_vis,
-                                  block_size=cfg.candidate_block_size,
+                                  block_size=cfg.candidate_group_rows,
                                   topk_blocks=cfg.candidate_topk_blocks)
-        if rows is None:  # every row (decode): the op's output is the full-size tensor
-            ctx.candidates = mask
-        else:
-            ctx.candidates = torch.zeros(b.num_tokens, width, dtype=torch.bool,
-                                         device=mask.device).index_put_((rows,), mask)
+        ctx.shared.publish_candidates(mask, rows, b.num_tokens)
     elif spec.uses_candidates:
-        assert ctx.candidates is not None, "candidate source must run before reindex layers"
-        logits = ops.mask_logits(logits=logits, mask=select(ctx.candidates, rows)[:, :width])
+        logits = ops.mask_logits(logits=logits, mask=ctx.shared.candidates_of(rows)[:, :width])
     top = ops.topk_rows(logits=logits, n_visible=n_vis, k=cfg.index_topk)
-    if rows is None:
-        ctx.topk[layer] = top
-    else:
-        ctx.topk[layer] = torch.full((b.num_tokens, cfg.index_topk), -1, dtype=torch.int32,
-                                     device=top.device).index_put_((rows,), top)
+    ctx.shared.publish_topk(layer, top, rows, b.num_tokens)

@@ -15,10 +15,10 @@ TINY = ModelConfig(
     moe_intermediate_size=64, sliding_window=8,
     compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0),
     kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8, 10), candidate_source_layer=6,
-    candidate_topk_blocks=5, candidate_block_size=2, index_n_heads=4, index_head_dim=32,
+    candidate_topk_blocks=5, candidate_group_rows=2, index_n_heads=4, index_head_dim=32,
     index_topk=8, engram_layer_ids=(1, 4), engram_num_embeddings=(384, 552),
     engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=50,
-    engram_compressed_vocab_size=301, engram_token_map="modulo", dspark_block_size=3,
+    engram_compressed_vocab_size=301, engram_token_map="modulo", dspark_draft_len=3,
     dspark_noise_token_id=511, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=16,
     dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, image_token_id=None,
 )

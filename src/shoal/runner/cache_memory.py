@@ -17,7 +17,7 @@ Two kinds of KV memory (model.md §4):
   head_dim x 4 B (token p in row p % rows), so that a rejected speculative token never
   overwrites an accepted one's entry. Engram history (3 ids) lives in the request, not here.
 
-Invariant: `block_size` is a multiple of 128 and of lcm(source ratios) * candidate_block_size, so
+Invariant: `block_size` is a multiple of 128 and of lcm(source ratios) * candidate_group_rows, so
 every source's rows and every 8-row candidate block stay whole inside a page.
 """
 
@@ -87,20 +87,20 @@ class CacheLayout:
     def from_model_config(cls, config: ModelConfig, block_size: int = 256,
                           swa_slack: int | None = None,
                           compressor_state_rows: int | None = None) -> CacheLayout:
-        """Derive the layout. `swa_slack` defaults to `dspark_block_size` when the model has
+        """Derive the layout. `swa_slack` defaults to `dspark_draft_len` when the model has
         draft layers (room for verified drafts), else 0. `compressor_state_rows` defaults to
         r + swa_slack: a ring of the last tokens, so a rejected draft never overwrites an
         accepted token's entry (token p lives in entry p % rows)."""
         sources = [spec for spec in config.layers if spec.is_kv_source]
         ratios = sorted({spec.compress_ratio for spec in sources})
-        align = math.lcm(BLOCK_ALIGN, math.lcm(*ratios) * config.candidate_block_size) \
+        align = math.lcm(BLOCK_ALIGN, math.lcm(*ratios) * config.candidate_group_rows) \
             if ratios else BLOCK_ALIGN
         if block_size < 1 or block_size % align:
             raise ValueError(f"block_size={block_size}: expected a positive multiple of {align} "
                              f"(lcm of {BLOCK_ALIGN} and lcm(source ratios {ratios}) x "
-                             f"candidate_block_size {config.candidate_block_size})")
+                             f"candidate_group_rows {config.candidate_group_rows})")
         if swa_slack is None:
-            swa_slack = config.dspark_block_size if config.num_draft_layers else 0
+            swa_slack = config.dspark_draft_len if config.num_draft_layers else 0
         if swa_slack < 0:
             raise ValueError(f"swa_slack={swa_slack}: expected >= 0")
         if compressor_state_rows is not None and compressor_state_rows < 1:

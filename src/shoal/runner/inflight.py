@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.model.batch import ForwardBatch, LayerRows
+from shoal.model.batch import ForwardBatch
+from shoal.model.tail_prefill import LayerRows
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

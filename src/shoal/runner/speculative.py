@@ -73,4 +73,4 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
                          torch.tensor(positions, dtype=torch.int64, device=device),
                          torch.tensor(slots, dtype=torch.int64, device=device))
     for rid, drafted in zip(ids, draft.draft_ids.tolist(), strict=True):
-        out.spec_tokens[rid] = drafted[: cfg.dspark_block_size]
+        out.spec_tokens[rid] = drafted[: cfg.dspark_draft_len]

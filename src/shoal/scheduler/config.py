@@ -13,7 +13,7 @@ class SchedulerConfig:
     - `max_num_seqs`: most requests running at once (also capped by the number of slots).
     - `max_model_len`: most tokens (prompt + output) per request.
     - `block_size`: context tokens per KV block. The model's constraints (a multiple of 128 and
-      of lcm(ratios) * candidate_block_size) are checked by `runner.cache_memory.CacheLayout`;
+      of lcm(ratios) * candidate_group_rows) are checked by `runner.cache_memory.CacheLayout`;
       the scheduler itself accepts any size >= 1 (tests use small ones).
     - `enable_chunked_prefill`: split prompts over steps; when False a prompt is admitted only
       whole, so `max_num_batched_tokens >= max_model_len` is required.
