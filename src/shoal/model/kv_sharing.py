@@ -3,8 +3,8 @@ few source layers only, and every other compressed layer reads theirs.
 
 Owns the roles (`derive_layers`: which layer owns a compressor, runs its own index query, reads
 the block candidates, or reuses an earlier top-k) and the per-step shared state (`SharedIndex`:
-the top-k rows and candidates the sources publish for their consumers). Torch-free at import
-(the scheduler side reads layer specs too); the state works on the tensors it is given.
+the top-k rows and candidates the sources publish for their consumers). Imports no torch at run
+time, so model/config.py stays torch-free; the state works on the tensors it is given.
 """
 
 from __future__ import annotations
