@@ -3,8 +3,8 @@
 Owns: the config's fields, its validation (errors name the field, the value and what was
 expected), and the layers it derives (`kv_sharing.derive_layers`: every layer's CSA2 role from
 the **raw** ratio list and the source lists, model.md §1.2). Invariant: the engine is driven
-only by this config; nothing downstream hard-codes Flash's layer ids. The on-disk forms (HF nested, reference flat) are parsed in
-config_formats.py.
+only by this config; nothing downstream hard-codes Flash's layer ids. The on-disk forms (HF
+nested, reference flat) are parsed in config_formats.py.
 """
 
 from __future__ import annotations
