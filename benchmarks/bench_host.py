@@ -34,7 +34,7 @@ def main() -> None:
     cfg = get_preset(args.model)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=args.batch * args.prompt_len,
                                       max_num_seqs=args.batch, max_model_len=4096),
-                      num_blocks=args.batch * 8, num_slots=args.batch)
+                      num_blocks=args.batch * 8, num_slots=args.batch, block_size=256)
     for i in range(args.batch):
         sched.add_request(Request(str(i), list(range(3, 3 + args.prompt_len)),
                                   max_tokens=args.steps + 5, eos_token_id=1))

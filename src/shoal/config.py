@@ -51,11 +51,9 @@ class RunnerConfig:
     speculative: draft with the DSpark block and verify by exact match (outputs identical to
     plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
-    speculative). On by default: replay equals eager bitwise and nothing compiles after
-    warm-up (H200 tests); mini batch-1 TPOT 3.75 ms (3.20 with async_scheduling) against
-    29.8 ms per eager step (H200, 2026-12-01 / 2026-11-29). Start-up cost on
-    the H200 (mini, 2026-11-29): a prefill warm-up that compiles the prefill kernels up front
-    (110 s; eager engines pay it lazily during their first steps) and 18 graphs in 5 s.
+    speculative). On by default: replay equals eager bitwise, nothing compiles after warm-up,
+    and decode is several times faster; start-up pays a prefill warm-up that compiles the
+    prefill kernels up front (numbers: docs/perf/cuda_graphs.md).
     cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;
     a step with more requests than the largest runs eagerly); empty: the powers of two below
     min(max_num_seqs, 256), then that bound. Fewer sizes capture faster.
@@ -116,7 +114,7 @@ class EngineConfig:
             if key not in valid:
                 raise ShoalError(f"unknown engine option {key!r}; valid options: "
                                  f"{', '.join(sorted(valid))}")
-            for group in valid[key]:  # a shared field (block_size) goes to every owner
+            for group in valid[key]:
                 groups[group][key] = value
         if "backends" in groups["runner"] and groups["runner"]["backends"] is not None:
             groups["runner"]["backends"] = tuple(groups["runner"]["backends"])

@@ -142,9 +142,9 @@ def test_async_steps_overlap(monkeypatch) -> None:
     runner = engines[1].engine.runner
     launch, finish = runner.launch, runner.finish
 
-    def spy_launch(plan, rows, previous=None):
+    def spy_launch(plan, grammar_masks):
         events.append(("launch", plan.step_id))
-        return launch(plan, rows, previous)
+        return launch(plan, grammar_masks)
 
     def spy_finish(step):
         events.append(("finish", step.plan.step_id))

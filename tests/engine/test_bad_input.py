@@ -13,6 +13,7 @@ import pytest
 from engine.refloop import assert_greedy, main_prompts, shared_llm
 from shoal import LLM, SamplingParams
 from shoal.config import CacheConfig, EngineConfig, RunnerConfig, ShoalError
+from shoal.engine.engine import Engine
 from shoal.model.presets import TINY
 from shoal.sampling.structured import StructuredOutputSpec
 from shoal.scheduler.config import SchedulerConfig
@@ -107,10 +108,13 @@ def test_empty_text_prompt_is_an_error() -> None:
 
 
 def test_block_size_option_sizes_the_kv_cache() -> None:
-    """block_size is a field of both CacheConfig and SchedulerConfig: both must get it (the
-    runner pages the caches with one, the scheduler hands out block ids with the other)."""
-    config = EngineConfig.create("tiny", device="cpu", block_size=128)
-    assert config.cache.block_size == config.scheduler.block_size == 128
+    """block_size is CacheConfig's; the runner's cache layout pages the caches with it and
+    hands it to the scheduler, which gives out block ids of that size."""
+    config = EngineConfig.create("tiny", device="cpu", block_size=128,
+                                 kv_cache_memory_gb=0.05)
+    engine = Engine(config)
+    assert config.cache.block_size == engine.scheduler.block_size == 128
+    assert engine.runner.layout.block_size == engine.runner.caches.block_size == 128
     with pytest.raises(ShoalError, match="block_size"):
         EngineConfig.create("tiny", device="cpu", block_size=100)
 

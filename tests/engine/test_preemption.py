@@ -3,8 +3,8 @@ two greedy requests of 127 prompt tokens + 3 outputs (each needs a 2nd block at 
 One request must be preempted and recomputed (prompt + outputs so far); both must still return
 exactly the tokens of the plain reference loop, i.e. of running alone.
 
-Driven through the Engine API (add_request / step / output) with an EngineConfig whose cache and
-scheduler agree on block_size=128 (see test_bad_input.test_block_size_option_sizes_the_kv_cache).
+Driven through the Engine API (add_request / step / output) with an EngineConfig of
+block_size=128 (see test_bad_input.test_block_size_option_sizes_the_kv_cache).
 """
 
 from __future__ import annotations

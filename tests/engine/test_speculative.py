@@ -63,7 +63,7 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
 
     def oracle(model, caches, batch, captures, plan, rows, out):
         for item in plan.scheduled:
-            tokens = out.sampled.get(item.request_id)
+            tokens = out.sampled_token_ids.get(item.request_id)
             if not item.sample or not tokens:
                 continue
             done = list(rows[item.request_id].output_token_ids) + tokens
@@ -71,7 +71,7 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
             if wrong_at is not None and len(future) > wrong_at:
                 future[wrong_at] = (future[wrong_at] + 1) % TINY.vocab_size
             if future:
-                out.spec_tokens[item.request_id] = future
+                out.spec_token_ids[item.request_id] = future
 
     monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
     spec = LLM("tiny", speculative=True, **OPTS)
@@ -124,12 +124,12 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
 
     def oracle(model, caches, batch, captures, plan, rows, out):
         for item in plan.scheduled:
-            tokens = out.sampled.get(item.request_id)
+            tokens = out.sampled_token_ids.get(item.request_id)
             if item.sample and tokens:
                 done = len(rows[item.request_id].output_token_ids) + len(tokens)
                 future = long[int(item.request_id)][done: done + k]
                 if future:
-                    out.spec_tokens[item.request_id] = future
+                    out.spec_token_ids[item.request_id] = future
 
     monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
     spec = LLM("tiny", speculative=True, **OPTS)

@@ -90,13 +90,14 @@ def test_decode_launch_makes_no_synchronising_call(graphs: bool) -> None:
     launch = runner.launch
     checked = []
 
-    def strict_launch(plan, rows, previous=None):
-        decode = previous is not None and all(i.num_new_tokens == 1 for i in plan.scheduled)
+    def strict_launch(plan, grammar_masks):
+        decode = engine.executor.num_in_flight and plan.scheduled and all(
+            i.num_new_tokens == 1 for i in plan.scheduled)
         if not decode or engine.stats.steps < 3:  # prefill steps and warm-up: unchecked
-            return launch(plan, rows, previous)
+            return launch(plan, grammar_masks)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            step = launch(plan, rows, previous)
+            step = launch(plan, grammar_masks)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         checked.append(plan.step_id)

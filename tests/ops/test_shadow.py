@@ -66,7 +66,7 @@ def test_tiny_model_under_shadow_of_an_exact_backend() -> None:
     for table in (ref, shadow_table(relabelled, log)):
         model = DeepseekV41(TINY, params, table, token_map_for(TINY))
         caches = KVCaches.allocate(TINY, num_blocks=4, num_slots=1, max_tokens=64,
-                                   block_size=64, device="cpu")
+                                   block_size=128, device="cpu")
         seq = prompt + [7, 9]
         logits = []
         for start, n in ((0, 40), (40, 1), (41, 1)):

@@ -33,7 +33,7 @@ def run_step(scheduler: Scheduler) -> tuple[StepPlan, list[Request]]:
     plan = scheduler.schedule()
     result = StepResult({item.request_id: [fake_token(item.request_id, item.end_position)]
                          for item in plan.scheduled if item.sample})
-    finished = scheduler.update(plan, result)
+    finished = scheduler.update(plan, result).finished
     scheduler.check_invariants()
     return plan, finished
 
@@ -44,9 +44,9 @@ def chunks(plan: StepPlan) -> list[tuple[str, int, int, tuple[int, ...], bool]]:
 
 
 def make(block_size: int = 4, num_blocks: int = 16, num_slots: int = 4, **kw: object) -> Scheduler:
-    fields = {"max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 64,
-              "block_size": block_size} | kw
-    return Scheduler(SchedulerConfig(**fields), num_blocks=num_blocks, num_slots=num_slots)
+    fields = {"max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 64} | kw
+    return Scheduler(SchedulerConfig(**fields), num_blocks=num_blocks, num_slots=num_slots,
+                     block_size=block_size)
 
 
 def test_single_request_exact_plans() -> None:
@@ -185,7 +185,7 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert plan.finished_ids == ("c", "a")
     assert chunks(plan) == [("b", 2, 4, (2, 0), True)]
     assert s.abort_request("b")  # between schedule and update
-    finished = s.update(plan, StepResult({"b": [42]}))
+    finished = s.update(plan, StepResult({"b": [42]})).finished
     assert [(r.request_id, r.finish_reason) for r in finished] == \
         [("c", FINISH_ABORT), ("a", FINISH_ABORT), ("b", FINISH_ABORT)]
     assert finished[2].output_token_ids == []  # the in-flight token is dropped
@@ -234,7 +234,7 @@ def test_stop_checks() -> None:
     s.add_request(Request("cap", [3], eos_token_id=1))  # stops at max_model_len
     plan = s.schedule()
     finished = s.update(plan, StepResult({"eos": [5, 1, 6], "min": [1], "ign": [1, 1, 1],
-                                          "sid": [8, 7], "cap": list(range(20, 83))}))
+                                          "sid": [8, 7], "cap": list(range(20, 83))})).finished
     got = {r.request_id: (r.finish_reason, r.output_token_ids, r.stop_token_id)
            for r in finished}
     assert got == {"eos": (FINISH_STOP, [5, 1], 1), "ign": (FINISH_LENGTH, [1, 1], None),
@@ -270,7 +270,7 @@ def test_protocol_errors_and_config_validation() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8)
     with pytest.raises(ValueError, match="block_size"):
-        SchedulerConfig(block_size=0)
+        Scheduler(SchedulerConfig(), num_blocks=4, num_slots=1, block_size=0)
 
 
 def test_plans_and_results_pickle() -> None:
@@ -297,8 +297,8 @@ def test_advance_then_resolve_pipelined() -> None:
     plan1 = s.schedule()  # every request decodes its unknown first output
     assert all(i.token_ids == (UNRESOLVED,) and i.history_token_ids == (3, 4)
                and i.start_position == 2 for i in plan1.scheduled)
-    assert s.resolve(plan0, {"len": [7], "eos": [8], "min": [1], "abort": [9],
-                             "bad": [9]}) == []
+    assert s.resolve(plan0, StepResult({"len": [7], "eos": [8], "min": [1], "abort": [9],
+                                        "bad": [9]})).finished == []
     assert s.get_request("min").output_token_ids == [1]  # eos below min_tokens
     s.advance(plan1)  # len and eos reach max_tokens: finished now, reason still open
     assert [r.request_id for r in s.running] == ["min", "abort", "bad"]
@@ -307,7 +307,8 @@ def test_advance_then_resolve_pipelined() -> None:
     assert [i.request_id for i in plan2.scheduled] == ["min", "abort", "bad"]
     assert s.abort_request("abort")  # while its token is in flight
     assert s.finish_request("bad", FINISH_ERROR)  # e.g. its row had no valid token
-    finished = s.resolve(plan1, {"len": [5], "eos": [1], "min": [1], "abort": [1]})
+    finished = s.resolve(plan1, StepResult({"len": [5], "eos": [1], "min": [1],
+                                            "abort": [1]})).finished
     got = {r.request_id: (r.finish_reason, r.output_token_ids, r.stop_token_id)
            for r in finished}
     assert got == {"len": (FINISH_LENGTH, [7, 5], None), "eos": (FINISH_STOP, [8, 1], 1),
@@ -315,7 +316,7 @@ def test_advance_then_resolve_pipelined() -> None:
                    "min": (FINISH_STOP, [1, 1], 1)}
     assert s.get_request("eos") is None and s.get_request("len") is None
     s.advance(plan2)  # everything in it finished at resolve(plan1): its results are dropped
-    assert s.resolve(plan2, {"min": [4], "abort": [4], "bad": [4]}) == []
+    assert s.resolve(plan2, StepResult({"min": [4], "abort": [4], "bad": [4]})).finished == []
     assert not s.has_unfinished() and s.usage().num_free_blocks == 16
     s.check_invariants()
 
@@ -325,18 +326,18 @@ def test_pipelined_protocol_errors() -> None:
     s.add_request(Request("a", [1, 2], max_tokens=5))
     plan0 = s.schedule()
     with pytest.raises(RuntimeError, match="not the advanced"):
-        s.resolve(plan0, {"a": [3]})
+        s.resolve(plan0, StepResult({"a": [3]}))
     s.advance(plan0)
     assert s.has_unfinished()
     plan1 = s.schedule()
     with pytest.raises(RuntimeError, match="before resolve"):
         s.advance(plan1)  # at most one advanced plan is unresolved
     with pytest.raises(RuntimeError, match="no sampled token"):
-        s.resolve(plan0, {})
+        s.resolve(plan0, StepResult({}))
     t = make()
     t.add_request(Request("b", [1, 2], max_tokens=5))
     t.update(t.schedule(), StepResult({"b": [3]}))
-    t.get_request("b").spec_token_ids = [4, 5]
+    t.set_drafts("b", [4, 5])
     plan = t.schedule()  # verifies 2 drafts: its progress depends on how many are accepted
     assert plan.scheduled[0].num_spec_tokens == 2
     with pytest.raises(RuntimeError, match="verifies drafts"):

@@ -63,12 +63,13 @@ def random_setup(rng: random.Random) -> tuple[SchedulerConfig, int, int]:
     budget = rng.randint(max_num_seqs, 48)
     if not chunked:
         budget = max(budget, max_model_len)
+    block_size = rng.choice([1, 2, 4, 8, 16])
     config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        block_size=rng.choice([1, 2, 4, 8, 16]), enable_chunked_prefill=chunked,
+        enable_chunked_prefill=chunked,
         long_prefill_token_threshold=rng.choice([0, 0, rng.randint(1, 16)]),
     )
-    return config, rng.randint(1, 40), rng.randint(1, 6)
+    return config, block_size, rng.randint(1, 40), rng.randint(1, 6)
 
 
 def random_request(rng: random.Random, index: int, max_model_len: int) -> Request:
@@ -88,8 +89,9 @@ def simulation_setup(seed: int) -> tuple[random.Random, SchedulerConfig, Schedul
                                          list[Request]]:
     """The seeded random configuration, its scheduler and 30 requests still to arrive."""
     rng = random.Random(seed)
-    config, num_blocks, num_slots = random_setup(rng)
-    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots)
+    config, block_size, num_blocks, num_slots = random_setup(rng)
+    scheduler = Scheduler(config, num_blocks=num_blocks, num_slots=num_slots,
+                          block_size=block_size)
     return rng, config, scheduler, [random_request(rng, i, config.max_model_len)
                                     for i in range(30)]
 
@@ -132,7 +134,7 @@ def check_plan(scheduler: Scheduler, plan, shadow: dict[str, list[int]],
             tuple(tokens[max(0, item.start_position - 3):item.start_position])
         assert item.sample == (item.end_position == len(tokens))
         assert item.is_new_in_slot == (item.start_position == 0)
-        assert len(item.block_ids) == -(-item.end_position // config.block_size)
+        assert len(item.block_ids) == -(-item.end_position // scheduler.block_size)
         assert seen_blocks.isdisjoint(item.block_ids)
         seen_blocks.update(item.block_ids)
         if not config.enable_chunked_prefill:
@@ -166,7 +168,7 @@ def test_random_simulation(seed: int) -> None:
                 result.sampled_token_ids[item.request_id] = [token]
                 if item.request_id not in externally_finished:
                     shadow[item.request_id].append(token)
-        finished = scheduler.update(plan, result)
+        finished = scheduler.update(plan, result).finished
         scheduler.check_invariants()
         if plan.is_empty and not plan.finished_ids and not finished:
             assert not scheduler.has_unfinished(), "a step made no progress"
@@ -189,7 +191,7 @@ def test_random_simulation(seed: int) -> None:
         if rid in externally_finished:
             assert request.finish_reason == FINISH_ABORT
             continue
-        reason, outputs = expected_outcome(request, num_blocks, config.block_size,
+        reason, outputs = expected_outcome(request, num_blocks, scheduler.block_size,
                                            config.max_model_len)
         assert (request.finish_reason, request.output_token_ids) == (reason, outputs), rid
         assert request.output_token_ids == shadow[rid][request.num_prompt_tokens:]
@@ -219,11 +221,11 @@ def test_random_simulation_async(seed: int) -> None:
             computed[item.request_id] = item.end_position
         finished = []
         if previous is not None:
-            finished = scheduler.resolve(previous, {
+            finished = scheduler.resolve(previous, StepResult({
                 i.request_id: [fake_token(i.request_id, i.end_position)]
-                for i in previous.scheduled if i.sample})
+                for i in previous.scheduled if i.sample})).finished
         if plan.is_empty:  # nothing to launch: applied at once (as the engine does)
-            finished += scheduler.update(plan, StepResult({}))
+            finished += scheduler.update(plan, StepResult({})).finished
         else:
             scheduler.advance(plan)
         for item in plan.scheduled:  # what advance() appended is what the model will sample
@@ -251,7 +253,7 @@ def test_random_simulation_async(seed: int) -> None:
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
     assert len(done) == 30
     for rid, request in done.items():
-        reason, outputs = expected_outcome(request, num_blocks, config.block_size,
+        reason, outputs = expected_outcome(request, num_blocks, scheduler.block_size,
                                            config.max_model_len)
         assert request.output_token_ids == shadow[rid][request.num_prompt_tokens:], rid
         if rid in aborted and request.finish_reason == FINISH_ABORT:

@@ -1,32 +1,22 @@
-"""The engine step loop.
+"""The engine: requests in, outputs out, one step at a time.
 
-One step:
+One step (`Engine.step`, synchronous form):
 1. `Scheduler.schedule() -> StepPlan`: every request's num_computed_tokens catches up with its
    known tokens under a token budget (chunked prefill, continuous batching, preemption by
-   recompute, block and slot allocation).
-2. `ModelRunner.launch(plan, rows)`: one ForwardBatch, the model through the op table, logits
-   only for sampled rows (and prompt-logprob rows), sampling; the tokens stay on the device.
-   `ModelRunner.finish(launched) -> RunnerOutput` reads them back.
-3. `Scheduler.update(plan, result)` (= `advance` + `resolve`): append tokens, eos / stop ids /
-   max_tokens, free finished requests. The engine then detokenises incrementally and checks
-   stop strings.
+   recompute, block and slot allocation); requests new to the runner come with their
+   sampling parameters (`plan.new_requests`).
+2. `Executor.execute(plan, grammar_masks) -> RunnerOutput`: one ForwardBatch, the model
+   through the op table, logits only for sampled rows (and prompt-logprob rows), sampling.
+3. `Scheduler.update(plan, output) -> StepOutcome`: tokens appended, eos / stop ids /
+   max_tokens checked, finished requests freed; one plain `RequestDelta` per request.
+4. `Engine.report`: the deltas detokenised incrementally, stop strings and matchers checked,
+   logprobs and finishes recorded.
 
-Async scheduling (`RunnerConfig.async_scheduling`, default on) keeps one step in flight: a call
-of `step()` schedules and launches step n+1, then finishes step n (waiting only for n's
-tokens while the device runs n+1) and processes its outputs, then advances n+1:
-`schedule(n+1) -> launch(n+1) -> finish(n), resolve(n), outputs of n -> advance(n+1)`. Step n+1
-was planned from `advance(n)`'s counts, with step n's tokens as placeholders; its decode rows
-read their input ids from step n's sampled tensor on the device. Results of step n+1 for a
-request that step n finished are dropped. Before scheduling, the step in flight is finished
-first when a request sampled in it needs that token's value on the host to be sampled again
-(penalties read the output ids, a structured-output matcher must accept the token first);
-speculative decoding never overlaps. Outputs (tokens, text, finish reasons, logprobs) equal
-the synchronous loop's: samples depend on (seed, position) and the forward is batch-invariant,
-so the plans may differ (a request stopping at step n still occupies step n+1's batch and
-blocks) without changing any output; only metrics such as preemption counts can differ.
+Async scheduling (`RunnerConfig.async_scheduling`, default on) runs the same calls with one
+step in flight: `engine/overlap.py`.
 
-Invariant: a bad request never reaches the runner (it finishes with `error` set), and every
-request added ends with exactly one output.
+Invariant: a bad request never reaches the runner (it finishes with `error` set), every request
+added ends with exactly one output, and only plain data crosses engine, scheduler and executor.
 """
 
 from __future__ import annotations
@@ -37,15 +27,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from shoal.config import EngineConfig, ShoalError
 from shoal.engine.outputs import Logprob, RequestOutput
+from shoal.engine.overlap import OverlappedSteps
 from shoal.engine.request import EngineRequest
-from shoal.runner.model_runner import ModelRunner
-from shoal.runner.step_io import LaunchedStep, RunnerOutput, SampleRow
+from shoal.runner.executor import Executor
+from shoal.runner.step_io import RunnerOutput
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
-from shoal.scheduler.step_plan import StepResult
+from shoal.scheduler.step_plan import StepOutcome, StepPlan
 from shoal.tokenizer.synthetic import build_synthetic_tokenizer
 from shoal.tokenizer.tokenizer import Tokenizer
 
@@ -86,16 +79,17 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.runner = ModelRunner(config, self.tokenizer)
-        self.scheduler = Scheduler(config.scheduler, self.runner.memory.num_blocks,
-                                   self.runner.memory.num_slots)
+        self.executor = Executor(config, self.tokenizer)
+        self.runner = self.executor.runner  # in-process introspection (bench, tests)
+        self.scheduler = Scheduler(config.scheduler, self.executor.num_blocks,
+                                   self.executor.num_slots, self.executor.block_size)
         self.requests: dict[str, EngineRequest] = {}
         self.groups: dict[str, list[str]] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._structured = None
-        self.overlap = config.runner.async_scheduling and not self.runner.speculative
-        self._inflight: LaunchedStep | None = None  # launched and advanced, not yet finished
+        self.overlap = OverlappedSteps(self) if (
+            config.runner.async_scheduling and not self.executor.speculative) else None
 
     # ---- requests ---------------------------------------------------------------------------
     def structured_backend(self):
@@ -145,7 +139,8 @@ class Engine:
             self.scheduler.add_request(Request(
                 rid, ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                 eos_token_id=self.config.model_config.eos_token_id,
-                ignore_eos=params.ignore_eos, stop_token_ids=tuple(params.stop_token_ids)))
+                ignore_eos=params.ignore_eos, stop_token_ids=tuple(params.stop_token_ids),
+                sampling=params, seed=seed))
         if error is not None:
             self.stats.num_errors += 1
         else:
@@ -192,64 +187,41 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         """True while a request waits, runs or is not yet reported, or a step is in flight."""
-        return self._inflight is not None or self.scheduler.has_unfinished()
+        return self.in_flight or self.scheduler.has_unfinished()
 
     @property
     def in_flight(self) -> bool:
-        """A launched step's results are not yet processed (async scheduling)."""
-        return self._inflight is not None
+        """A submitted step's results are not yet reported (async scheduling)."""
+        return self.overlap is not None and self.overlap.inflight is not None
 
     def flush(self) -> list[str]:
         """Finish the step in flight, if any, without launching another; return the user
         requests it completed (`LLM` calls it once all of its requests are done, so no device
         work or unread result outlives a generate call)."""
-        newly: set[str] = set()
-        if self._inflight is not None:
-            step, self._inflight = self._inflight, None
-            self._complete(step, newly)
-        return self._completed_groups(newly)
+        return self.overlap.flush() if self.overlap is not None else []
 
     def step(self) -> list[str]:
-        """Run one step; return the ids of user requests that completed in it (with async
-        scheduling: in the step finished here, normally the one launched by the previous call;
-        when a request in that step needs its token on the host, it is finished before this
-        call schedules, and the step launched here stays in flight)."""
-        newly: set[str] = set()
-        previous, self._inflight = self._inflight, None
-        if previous is not None and self._needs_tokens_on_host(previous.plan):
-            self.stats.resolved_first += 1
-            self._complete(previous, newly)
-            previous = None
+        """Run one step; return the ids of user requests that completed in it (async
+        scheduling: `engine/overlap.py`)."""
+        if self.overlap is not None:
+            return self.overlap.step()
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            if previous is not None:
-                self._complete(previous, newly)
-            self._report(self.scheduler.update(plan, StepResult()), newly)
-            return self._completed_groups(newly)
-        launched = self.runner.launch(plan, self._sample_rows(plan), previous)
-        if previous is not None:
-            self.stats.overlapped_steps += 1
-            self._complete(previous, newly)
-        if self.overlap:
-            self.scheduler.advance(plan)
-            self._inflight = launched
-        else:
-            self._complete(launched, newly, advanced=False)
-        return self._completed_groups(newly)
+        output = self.executor.execute(plan, self.grammar_masks(plan))
+        outcome = self.scheduler.update(plan, output)
+        return self.completed_groups(self.report(plan, output, outcome))
 
-    def _sample_rows(self, plan) -> dict[str, SampleRow]:
-        rows = {}
+    def grammar_masks(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """[V] bool per sampled structured-output request: the tokens its matcher allows."""
+        masks = {}
         for item in plan.scheduled:
-            req = self.requests[item.request_id]
-            if item.sample or req.params.prompt_logprobs is not None:
-                sreq = self.scheduler.get_request(item.request_id)
-                assert sreq is not None, item.request_id
-                # the scheduler's outputs: they count the token in flight (positions, min_tokens)
-                rows[item.request_id] = SampleRow(req.params, req.seed, req.prompt_token_ids,
-                                                  sreq.output_token_ids, req.matcher)
-        return rows
+            req = self.requests.get(item.request_id)
+            if item.sample and req is not None and req.matcher is not None:
+                mask = torch.ones(self.config.model_config.vocab_size, dtype=torch.bool)
+                req.matcher.fill_mask(mask)
+                masks[item.request_id] = mask
+        return masks
 
-    def _needs_tokens_on_host(self, plan) -> bool:
+    def needs_tokens_on_host(self, plan: StepPlan) -> bool:
         """A live request sampled in `plan` reads its outputs' values when it is sampled next
         (penalties over the output ids; a matcher that must accept the token first)."""
         for item in plan.scheduled:
@@ -259,51 +231,13 @@ class Engine:
                 return True
         return False
 
-    def _complete(self, step: LaunchedStep, newly: set[str], advanced: bool = True) -> None:
-        """Read a launched step's results and process them: `resolve` them when the plan was
-        advanced at launch (async), `update` otherwise. Rows of requests that finished while
-        the step ran (they were scheduled before it was known) are dropped."""
-        plan = step.plan
-        result = self.runner.finish(step)
-        self._account(plan, result)
-        for rid in result.invalid:
-            req = self.requests.get(rid)
-            if req is None or req.finished:
-                continue
-            self.scheduler.finish_request(rid, "error")
-            req.finish("error", "the model produced no valid token (NaN logits or every "
-                       "token masked)")
-            newly.add(rid)
-        if advanced:
-            finished = self.scheduler.resolve(plan, result.sampled)
-        else:
-            finished = self.scheduler.update(plan, StepResult(sampled_token_ids=result.sampled))
-        kept = {r.request_id: r for r in finished}
-        for rid, tokens in result.sampled.items():
-            req = self.requests.get(rid)
-            if req is None:  # finished and released while the step ran
-                continue
-            sreq = kept.get(rid) or self.scheduler.get_request(rid)
-            if len(tokens) > 1 and sreq is not None:
-                # verified drafts: the scheduler keeps them up to a stop token id or the
-                # length limit; what it dropped is past the request's end
-                tokens = tokens[:max(0, len(sreq.output_token_ids)
-                                     - len(req.output_token_ids))]
-            for index, token in enumerate(tokens):
-                if req.finished:
-                    break
-                self._record_logprobs(req, token, result, index)
-                self.stats.output_tokens += 1
-                if req.append_token(token) or (req.matcher is not None and
-                                               req.matcher.is_finished()):
-                    self.scheduler.finish_request(rid, "stop")
-                    req.finish("stop")
-                    newly.add(rid)
-        for rid, drafts in result.spec_tokens.items():
-            sreq = self.scheduler.get_request(rid)
-            if sreq is not None and not sreq.is_finished and not self.requests[rid].finished:
-                sreq.spec_token_ids = list(drafts)
-        for rid, entries in result.prompt_logprobs.items():
+    def report(self, plan: StepPlan, output: RunnerOutput, outcome: StepOutcome) -> set[str]:
+        """The engine's side of a step: statistics, prompt logprobs, then per request delta its
+        tokens (logprobs, detokenising, stop strings, the matcher) and its finish. Returns the
+        sequences that finished."""
+        if plan.scheduled:
+            self._account(plan, output)
+        for rid, entries in output.prompt_logprobs.items():
             req = self.requests.get(rid)
             if req is None:
                 continue
@@ -313,19 +247,28 @@ class Engine:
                 d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}  # after preemption
                 d[target] = Logprob(logprob, rank)  # rewrites, never duplicates
                 req.prompt_logprobs[position] = d
-        self._report(finished, newly)
-
-    def _report(self, finished, newly: set[str]) -> None:
-        """Finish the engine side of requests the scheduler returned as finished."""
-        for sreq in finished:
-            req = self.requests.get(sreq.request_id)
-            if req is None or req.finished:  # already reported (stop string, invalid row)
+        newly: set[str] = set()
+        for delta in outcome.deltas:
+            rid = delta.request_id
+            req = self.requests.get(rid)
+            if req is None or req.finished:  # released, or ended by a stop string / matcher
                 continue
-            req.metrics.num_preemptions = sreq.num_preemptions
-            req.finish(sreq.finish_reason or "stop", sreq.error, sreq.stop_token_id)
-            newly.add(sreq.request_id)
+            for index, token in enumerate(delta.new_token_ids):
+                self._record_logprobs(req, token, output, index)
+                self.stats.output_tokens += 1
+                if req.append_token(token) or (req.matcher is not None and
+                                               req.matcher.is_finished()):
+                    self.scheduler.finish_request(rid, "stop")
+                    req.finish("stop")
+                    newly.add(rid)
+                    break
+            if delta.finished and not req.finished:
+                req.metrics.num_preemptions = delta.num_preemptions
+                req.finish(delta.finish_reason or "stop", delta.error, delta.stop_token_id)
+                newly.add(rid)
+        return newly
 
-    def _completed_groups(self, newly: set[str]) -> list[str]:
+    def completed_groups(self, newly: set[str]) -> list[str]:
         groups = {self.requests[r].group_id for r in newly if r in self.requests}
         return sorted(g for g in groups if all(self.requests[c].finished
                                                 for c in self.groups[g]))
@@ -340,7 +283,7 @@ class Engine:
         req.logprobs.append(entry)
         req.cumulative_logprob += logprob
 
-    def _account(self, plan, result: RunnerOutput) -> None:
+    def _account(self, plan: StepPlan, result: RunnerOutput) -> None:
         s = self.stats
         s.steps += 1
         s.forward_time += result.forward_time
@@ -350,7 +293,7 @@ class Engine:
         cfg = self.config.model_config
         s.decoder_rows_total += plan.num_scheduled_tokens * (cfg.num_layers - cfg.decoder_start)
         for item in plan.scheduled:
-            tokens = result.sampled.get(item.request_id)
+            tokens = result.sampled_token_ids.get(item.request_id)
             if item.num_spec_tokens and tokens:
                 s.drafts_proposed += item.num_spec_tokens
                 s.drafts_accepted += len(tokens) - 1

@@ -1,8 +1,9 @@
-"""EngineRequest: one sequence's user-facing state (text, detokenizer, stop strings, logprobs,
-structured-output matcher), next to the scheduler's `Request`, which owns progress and KV.
+"""EngineRequest: what the engine keeps of one sequence: its output as the user sees it (text,
+detokenizer, stop strings, logprobs, structured-output matcher, finish). The scheduler's
+`Request` owns the request itself (tokens, progress, KV).
 
-Invariant: the scheduler's output_token_ids are the source of truth for tokens; this object
-only turns them into text exactly once each (incremental detokenisation + stop strings).
+Invariant: `output_token_ids` are exactly the tokens of the scheduler's `RequestDelta`s, each
+turned into text once (incremental detokenisation + stop strings), cut at a stop string.
 """
 
 from __future__ import annotations

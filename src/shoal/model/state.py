@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.model.config import LayerRole, ModelConfig
-from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, swa_record_bytes
+from shoal.model.cache_layout import CacheLayout
+from shoal.model.config import ModelConfig
 
 
 @dataclass
@@ -45,33 +45,36 @@ class KVCaches:
         return self.block_size // self.ratios[source]
 
     @classmethod
+    def from_layout(cls, layout: CacheLayout, *, num_blocks: int, num_slots: int,
+                    max_tokens: int, device: torch.device | str = "cpu") -> KVCaches:
+        """Zeroed caches of `layout`: `num_blocks` pages, `num_slots` request slots and a
+        scratch of `max_tokens` SWA rows for one step."""
+        ring = layout.swa_ring_len
+        stack = torch.zeros(len(layout.swa_layer_ids), num_slots * ring + max_tokens,
+                            layout.swa_record_bytes, dtype=torch.uint8, device=device)
+        compressed, index_k, state, ratios = {}, {}, {}, {}
+        for source in layout.sources:
+            rows = num_blocks * source.rows_per_block
+            ratios[source.layer_id] = source.compress_ratio
+            compressed[source.layer_id] = torch.zeros(
+                rows, source.compressed_record_bytes, dtype=torch.uint8, device=device)
+            index_k[source.layer_id] = torch.zeros(
+                rows, source.index_record_bytes, dtype=torch.uint8, device=device)
+        for spec in layout.compressor_states:  # a ring of the last rows tokens (p % rows)
+            shape = (num_slots, spec.rows, spec.head_dim)
+            state[spec.layer_id] = (
+                torch.zeros(shape, dtype=torch.float32, device=device),
+                torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
+        return cls(list(stack.unbind(0)), compressed, index_k, state, ratios, num_slots, ring,
+                   layout.block_size, max_tokens, stack)
+
+    @classmethod
     def allocate(cls, config: ModelConfig, *, num_blocks: int, num_slots: int, max_tokens: int,
                  block_size: int = 256, ring_slack: int = 8,
                  device: torch.device | str = "cpu") -> KVCaches:
-        ring = config.sliding_window + ring_slack
-        swa_rec = swa_record_bytes(config.head_dim)
-        stack = torch.zeros(config.num_total_layers, num_slots * ring + max_tokens, swa_rec,
-                            dtype=torch.uint8, device=device)
-        swa = list(stack.unbind(0))
-        compressed, index_k, state, ratios = {}, {}, {}, {}
-        for spec in config.backbone:
-            if spec.role is not LayerRole.FULL:
-                continue
-            r = spec.compress_ratio
-            if block_size % r:
-                raise ValueError(f"block_size: got {block_size}, expected a multiple of the "
-                                 f"compress ratio {r} of layer {spec.layer_id}")
-            rows = num_blocks * (block_size // r)
-            ratios[spec.layer_id] = r
-            compressed[spec.layer_id] = torch.zeros(
-                rows, compressed_record_bytes(config.head_dim), dtype=torch.uint8, device=device)
-            index_k[spec.layer_id] = torch.zeros(
-                rows, index_k_record_bytes(config.index_head_dim), dtype=torch.uint8,
-                device=device)
-            if spec.compressor_gated:  # a ring of the last r + ring_slack tokens (p % rows)
-                shape = (num_slots, r + ring_slack, config.head_dim)
-                state[spec.layer_id] = (
-                    torch.zeros(shape, dtype=torch.float32, device=device),
-                    torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
-        return cls(swa, compressed, index_k, state, ratios, num_slots, ring, block_size,
-                   max_tokens, stack)
+        """`from_layout` of the layout of `config` with `ring_slack` rows of SWA and
+        compressor-ring slack (tests and benchmarks)."""
+        layout = CacheLayout.from_model_config(config, block_size=block_size,
+                                               swa_slack=ring_slack)
+        return cls.from_layout(layout, num_blocks=num_blocks, num_slots=num_slots,
+                               max_tokens=max_tokens, device=device)

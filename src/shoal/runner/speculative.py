@@ -27,20 +27,20 @@ def accept_drafts(plan: StepPlan, out) -> None:
     """Cut each verifying request's samples at the first one that differs from its draft."""
     for item in plan.scheduled:
         k = item.num_spec_tokens
-        samples = out.sampled.get(item.request_id)
+        samples = out.sampled_token_ids.get(item.request_id)
         if not k or samples is None:
             continue
         drafts = item.token_ids[len(item.token_ids) - k:]
         accepted = 0
         while accepted < k and samples[accepted] == drafts[accepted]:
             accepted += 1
-        out.sampled[item.request_id] = samples[:accepted + 1]
+        out.sampled_token_ids[item.request_id] = samples[:accepted + 1]
         if item.request_id in out.logprobs:
             out.logprobs[item.request_id] = out.logprobs[item.request_id][:accepted + 1]
 
 
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
-                   plan: StepPlan, rows: Mapping, out) -> None:
+                   plan: StepPlan, states: Mapping, out) -> None:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
     follow the drafts)."""
@@ -49,7 +49,7 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     anchors, positions, slots, ids = [], [], [], []
     for item in plan.scheduled:
         n = item.num_new_tokens
-        tokens = out.sampled.get(item.request_id)
+        tokens = out.sampled_token_ids.get(item.request_id)
         computed = len(tokens) if (item.num_spec_tokens and tokens) else n
         if item.num_spec_tokens and not tokens:
             computed = 0  # invalid row: the request ends
@@ -57,8 +57,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
         hi = item.start_position + computed  # exclusive
         keep.extend(range(at + lo - item.start_position, at + hi - item.start_position))
         at += n
-        row = rows.get(item.request_id)
-        if item.sample and tokens and row is not None and row.matcher is None:
+        state = states.get(item.request_id)
+        if item.sample and tokens and state is not None and not state.structured:
             anchors.append(tokens[-1])
             positions.append(hi - 1)
             slots.append(item.slot)
@@ -73,4 +73,4 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
                          torch.tensor(positions, dtype=torch.int64, device=device),
                          torch.tensor(slots, dtype=torch.int64, device=device))
     for rid, drafted in zip(ids, draft.draft_ids.tolist(), strict=True):
-        out.spec_tokens[rid] = drafted[: cfg.dspark_draft_len]
+        out.spec_token_ids[rid] = drafted[: cfg.dspark_draft_len]

@@ -1,46 +1,33 @@
-"""What flows in and out of `ModelRunner` for one step: `SampleRow` (a request's sampling inputs,
-from the engine), `LaunchedStep` (a step whose device work is queued, between `launch` and
-`finish`) and `RunnerOutput` (what the host reads back)."""
+"""What flows out of `ModelRunner` for one step: `RunnerOutput` (plain data: the scheduler's
+`StepResult` plus logprobs and timings; it pickles) and `LaunchedStep` (the runner's handle on a
+step whose device work is queued, between `launch` and `finish`; it never leaves the runner
+process)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.runner.inflight import HostReadback
-from shoal.sampling import SamplingParams
-from shoal.scheduler.step_plan import StepPlan
+from shoal.scheduler.step_plan import StepPlan, StepResult
 
-
-@dataclass(frozen=True)
-class SampleRow:
-    """Per-request sampling inputs for a step (built by the engine for requests with
-    sample=True, and for requests asking for prompt logprobs).
-
-    output_token_ids: the scheduler's outputs so far; with async scheduling the last may be
-    `UNRESOLVED` (in flight). Its length gives the sampled position and the min_tokens count;
-    only rows with penalties read the values, and those are never launched unresolved."""
-
-    params: SamplingParams
-    seed: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    matcher: Any = None  # a structured-output matcher (fill_mask / accept), or None
+if TYPE_CHECKING:
+    from shoal.runner.sampling_step import Draw
 
 
 @dataclass
-class RunnerOutput:
-    # request -> tokens to append: one, or (verifying drafts) the accepted drafts + one more
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    invalid: list[str] = field(default_factory=list)  # NaN logits / no allowed token
+class RunnerOutput(StepResult):
+    """sampled_token_ids: request -> tokens to append (one, or the accepted drafts + one
+    more); invalid_ids: NaN logits / no allowed token; spec_token_ids: drafts for the next
+    step."""
+
     # request -> per appended token (chosen logprob, rank, top-N)
     logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(
         default_factory=dict)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
     # request -> [(prompt position, target id, logprob, rank, top-N)]
     prompt_logprobs: dict[str, list[tuple[int, int, float, int, list[tuple[int, float]]]]] = (
         field(default_factory=dict))
@@ -58,20 +45,20 @@ class LaunchedStep:
     """A step whose device work is queued (`ModelRunner.launch`) and whose results the host
     has not read yet (`ModelRunner.finish`).
 
-    draws: (request, sampling row, drafts before it) per sampled logits row, in order.
-    token_ids: [len(draws)] int64 on the device, the sampled tokens (None: nothing sampled);
-    the next step's decode rows read their input id there (`TokenPatch`). draw_index: request
-    -> its draw, in steps without drafts. readback: the host copies of the sampler's output.
-    batch / captures: what `propose_drafts` needs (speculative decoding).
+    draws: one per sampled logits row, in order. token_ids: [len(draws)] int64 on the device,
+    the sampled tokens (None: nothing sampled); the next step's decode rows read their input id
+    there (`TokenPatch`). draw_index: request -> its draw, in steps without drafts. readback:
+    the host copies of the sampler's output. batch / captures: what `propose_drafts` needs
+    (speculative decoding).
     """
 
     plan: StepPlan
-    rows: Mapping[str, SampleRow]
     out: RunnerOutput  # timings, prompt logprobs and skipped rows already filled in
-    draws: list[tuple[str, SampleRow, list[int]]]
-    span: tuple[torch.cuda.Event, torch.cuda.Event] | None
-    batch: ForwardBatch
-    captures: torch.Tensor | None
+    draws: list[Draw] = field(default_factory=list)
+    grammar_masks: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    batch: ForwardBatch | None = None
+    captures: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     draw_index: dict[str, int] = field(default_factory=dict)
     readback: HostReadback | None = None

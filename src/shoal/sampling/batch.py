@@ -79,6 +79,7 @@ class SamplingBatch:
         seeds: Sequence[int],
         positions: Sequence[int],
         output_token_ids: Sequence[Sequence[int]],
+        num_output_tokens: Sequence[int] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
@@ -91,7 +92,9 @@ class SamplingBatch:
             params: one `SamplingParams` per row (already validated).
             seeds: per-row resolved seed (`rng.request_seed`), any int in [-2**63, 2**64).
             positions: per-row position of the token being sampled (prompt_len + num_output).
-            output_token_ids: per-row tokens generated so far (penalties and min_tokens).
+            output_token_ids: per-row tokens generated so far (penalties; min_tokens unless
+                `num_output_tokens` is given, and then rows without penalties may be empty).
+            num_output_tokens: per-row count of tokens generated so far (min_tokens).
             prompt_token_ids: per-row prompt tokens; needed only for repetition_penalty rows.
             vocab_size: V, the logits width.
             eos_token_ids: the model's EOS ids; banned below min_tokens unless ignore_eos.
@@ -122,9 +125,14 @@ class SamplingBatch:
         repeated = [p.repetition_penalty != 1.0 for p in params]
         if any(repeated) and prompt_token_ids is None:
             raise ValueError("SamplingBatch: repetition_penalty needs prompt_token_ids")
+        if num_output_tokens is None:
+            num_output_tokens = [len(out) for out in output_token_ids]
+        elif len(num_output_tokens) != num_rows:
+            raise ValueError(f"SamplingBatch: num_output_tokens has {len(num_output_tokens)} "
+                             f"rows, expected {num_rows}")
         suppressed: list[Sequence[int]] = []
-        for p, out in zip(params, output_token_ids, strict=True):
-            if len(out) < p.min_tokens:
+        for p, count in zip(params, num_output_tokens, strict=True):
+            if count < p.min_tokens:
                 eos = () if p.ignore_eos else tuple(eos_token_ids)
                 suppressed.append(tuple(p.stop_token_ids) + eos)  # type: ignore[arg-type]
             else:

@@ -12,9 +12,6 @@ class SchedulerConfig:
     - `max_num_batched_tokens`: token budget per step (sum of new tokens over requests).
     - `max_num_seqs`: most requests running at once (also capped by the number of slots).
     - `max_model_len`: most tokens (prompt + output) per request.
-    - `block_size`: context tokens per KV block. The model's constraints (a multiple of 128 and
-      of lcm(ratios) * candidate_group_rows) are checked by `runner.cache_memory.CacheLayout`;
-      the scheduler itself accepts any size >= 1 (tests use small ones).
     - `enable_chunked_prefill`: split prompts over steps; when False a prompt is admitted only
       whole, so `max_num_batched_tokens >= max_model_len` is required.
     - `long_prefill_token_threshold`: with chunked prefill, at most this many tokens per request
@@ -25,13 +22,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     max_model_len: int = 65536
-    block_size: int = 256
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     num_history_tokens: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 1")
         for name in ("long_prefill_token_threshold", "num_history_tokens"):

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.scheduler.step_plan import UNRESOLVED  # noqa: F401  (the plan contract's sentinel)
 
 # Finish reasons (plain strings so that they travel in plans and outputs as-is).
 FINISH_STOP = "stop"  # eos, a stop token id, or (via the engine) a stop string
@@ -24,11 +27,6 @@ FINISH_LENGTH = "length"  # max_tokens reached, or max_model_len reached
 FINISH_ABORT = "abort"  # abort_request()
 FINISH_ERROR = "error"  # rejected at add_request (invalid input); see Request.error
 FINISH_KV_CAPACITY = "kv_capacity"  # needs more KV blocks than the whole pool holds
-
-# An output token that a step sampled on the device and the host has not read yet (async
-# scheduling): `Scheduler.advance` appends it, `Scheduler.resolve` replaces it by the real id.
-UNRESOLVED = -1
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never admitted yet
@@ -66,8 +64,9 @@ def status_for_reason(reason: str) -> RequestStatus:
 class Request:
     """One generation request as the scheduler sees it.
 
-    The engine builds it from the user's prompt and SamplingParams (only the fields that affect
-    scheduling live here; temperature, seeds etc. stay with the engine/runner).
+    The engine builds it from the user's prompt and SamplingParams: the fields that affect
+    scheduling are spelled out; `sampling` (the SamplingParams) and `seed` only travel to the
+    runner, once, in the first plan that schedules the request (`NewRequest`).
 
     `max_tokens=None` means "until eos/stop or max_model_len". `min_tokens` suppresses the eos and
     stop-id checks until that many tokens were generated (the sampler is expected to mask them too).
@@ -80,12 +79,15 @@ class Request:
     eos_token_id: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    sampling: Any = None
+    seed: int = 0
 
     # ---- progress (scheduler-owned) ---------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     # draft tokens proposed for the positions after the last output (speculative decoding);
-    # set by the engine, consumed by the next schedule() of a decode step
+    # set by Scheduler.set_drafts, consumed by the next schedule() of a decode step
     spec_token_ids: list[int] = field(default_factory=list)
+    sent_to_runner: bool = False  # a plan has carried its NewRequest
     num_computed_tokens: int = 0  # positions whose KV has been written (== next position)
     status: RequestStatus = RequestStatus.WAITING
     arrival_index: int = -1  # order of add_request(), set by the scheduler

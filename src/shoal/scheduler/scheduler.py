@@ -19,7 +19,9 @@ with `kv_capacity` instead of spinning; invalid input finishes with `error` at `
 
 Applying a step is two halves: `advance(plan)` (progress, one `UNRESOLVED` placeholder per
 sampled row, and the stops that need no token value: max_tokens, max_model_len) and
-`resolve(plan, tokens)` (the placeholders replaced by the sampled ids, then eos / stop ids).
+`resolve(plan, result)` (invalid rows finished with `error`, the placeholders replaced by the
+sampled ids, then eos / stop ids, then the proposed drafts stored). Both answer with plain
+`RequestDelta`s (new token ids, finish reason), the only way tokens leave the scheduler.
 `update(plan, result)` is both at once (the synchronous loop). Async scheduling calls
 `schedule()` for step n+1 between `advance(n)` and `resolve(n)`: every count the plan needs
 (positions, lengths, blocks) is already right, and the only unknown is the input token of a
@@ -37,12 +39,13 @@ the reason becomes `stop`, as it would have been had the step been resolved firs
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from shoal.scheduler.config import SchedulerConfig
 from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
 from shoal.scheduler.request import (
     FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_KV_CAPACITY,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -51,22 +54,35 @@ from shoal.scheduler.request import (
     RequestStatus,
     status_for_reason,
 )
-from shoal.scheduler.step_plan import ScheduledRequest, StepPlan, StepResult
+from shoal.scheduler.step_plan import (
+    NewRequest,
+    RequestDelta,
+    ScheduledRequest,
+    StepOutcome,
+    StepPlan,
+    StepResult,
+)
 from shoal.scheduler.validation import capacity_message, validate
+
+INVALID_ROW_ERROR = "the model produced no valid token (NaN logits or every token masked)"
 
 
 class Scheduler:
-    """Plans steps over a fixed pool of `num_blocks` KV blocks and `num_slots` request slots."""
+    """Plans steps over a fixed pool of `num_blocks` KV blocks of `block_size` tokens (the
+    cache layout's page size) and `num_slots` request slots."""
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int, num_slots: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, num_slots: int,
+                 block_size: int) -> None:
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size, num_slots)
+        self.block_size = block_size
+        self.kv = KVCacheManager(num_blocks, block_size, num_slots)
         self.max_running = min(config.max_num_seqs, num_slots)
         self.requests: dict[str, Request] = {}  # every request not yet returned by update()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self._finished_for_plan: list[str] = []  # ids for the next plan's finished_ids
         self._finished_for_update: list[Request] = []  # returned by the next update()
+        self._new: list[NewRequest] = []  # the plan being built: requests new to the runner
         self._outstanding: StepPlan | None = None  # scheduled, not yet advanced
         self._unresolved: StepPlan | None = None  # advanced, its tokens not yet resolved
         self._next_arrival = 0
@@ -127,6 +143,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._new = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -161,23 +178,24 @@ class Scheduler:
             step_id=self._next_step, scheduled=tuple(scheduled),
             preempted_ids=tuple(preempted), finished_ids=tuple(self._finished_for_plan),
             num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
-            block_size=self.config.block_size,
+            new_requests=tuple(self._new),
         )
         self._finished_for_plan = []
         self._next_step += 1
         self._outstanding = plan
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply the runner's result: `advance(plan)` then `resolve(plan, tokens)` in one go.
+    def update(self, plan: StepPlan, result: StepResult) -> StepOutcome:
+        """Apply the runner's result: `advance(plan)` then `resolve(plan, result)` in one go.
 
         A row verifying drafts advances by as many tokens as it produced (the anchor's sample
         and the accepted drafts). Returns what `resolve` returns.
         """
+        self._finish_invalid(result)
         counts = {item.request_id: len(result.sampled_token_ids.get(item.request_id) or ())
                   for item in plan.scheduled if item.sample}
         self._advance(plan, counts)
-        return self.resolve(plan, result.sampled_token_ids)
+        return self.resolve(plan, result)
 
     def advance(self, plan: StepPlan) -> None:
         """Count the step as computed before its tokens are known (async scheduling).
@@ -235,22 +253,25 @@ class Scheduler:
                     self._finish(request, FINISH_LENGTH)
                     break
 
-    def resolve(self, plan: StepPlan, sampled_token_ids: Mapping[str, Sequence[int]]
-                ) -> list[Request]:
-        """Replace the placeholders of the advanced `plan` by its sampled tokens, then check eos
-        and stop ids (not below min_tokens; a stop ends the request at that token, and replaces
-        any reason it finished with since `advance`).
+    def resolve(self, plan: StepPlan, result: StepResult) -> StepOutcome:
+        """Finish `result.invalid_ids` with `error`, replace the placeholders of the advanced
+        `plan` by its sampled tokens, then check eos and stop ids (not below min_tokens; a stop
+        ends the request at that token, and replaces any reason it finished with since
+        `advance`), then store the proposed drafts of the requests still running.
 
-        A request whose row has no tokens must have been finished meanwhile (the engine ends a
-        row without a valid token with `error`): its placeholders are dropped. Returns every
-        request finished since the previous update() / resolve() (stopped here, at advance,
-        or aborted / rejected / out of KV capacity in between), in finishing order; the
-        scheduler forgets them afterwards.
+        A request whose row has no tokens must have been finished meanwhile (an invalid row, an
+        abort): its placeholders are dropped. Returns one delta per request that gained tokens
+        (plan order) or finished since the previous update() / resolve() (stopped here, at
+        advance, or aborted / rejected / out of KV capacity in between; finishing order), and
+        the finished records; the scheduler forgets them afterwards.
         """
         if plan is not self._unresolved:
             raise RuntimeError(f"resolve() for plan {plan.step_id}, which is not the advanced, "
                                "unresolved plan")
+        self._finish_invalid(result)
         self._unresolved = None
+        sampled_token_ids = result.sampled_token_ids
+        appended: dict[str, list[int]] = {}
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or not item.sample:
@@ -276,10 +297,38 @@ class Scheduler:
                     del out[index + 1:]
                     self._stop(request, token)
                     break
+            appended[item.request_id] = out[first:]
+        for request_id, drafts in result.spec_token_ids.items():
+            self.set_drafts(request_id, drafts)
         finished, self._finished_for_update = self._finished_for_update, []
+        ended = {request.request_id: request for request in finished}
+        deltas = [self._delta(self.requests[rid], tokens, rid in ended)
+                  for rid, tokens in appended.items()]
+        deltas += [self._delta(request, (), True) for request in finished
+                   if request.request_id not in appended]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        return finished
+        return StepOutcome(deltas, finished)
+
+    def set_drafts(self, request_id: str, drafts: Sequence[int]) -> None:
+        """Drafts (speculative decoding) for the positions after a running request's last
+        output; the next schedule() verifies them. Ignored for a finished or unknown request."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            request.spec_token_ids = [int(t) for t in drafts]
+
+    def _finish_invalid(self, result: StepResult) -> None:
+        for request_id in result.invalid_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, FINISH_ERROR, INVALID_ROW_ERROR)
+
+    @staticmethod
+    def _delta(request: Request, tokens: Sequence[int], finished: bool) -> RequestDelta:
+        if not finished:
+            return RequestDelta(request.request_id, tuple(tokens))
+        return RequestDelta(request.request_id, tuple(tokens), request.finish_reason,
+                            request.stop_token_id, request.error, request.num_preemptions)
 
     # ---- internals -------------------------------------------------------------------------
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
@@ -334,6 +383,10 @@ class Scheduler:
             history_token_ids=history,
             num_spec_tokens=num_spec,
         )
+        if not request.sent_to_runner:
+            request.sent_to_runner = True
+            self._new.append(NewRequest(request.request_id, tuple(request.prompt_token_ids),
+                                        request.sampling, request.seed))
         request.needs_slot_reset = False
         request.spec_token_ids = []
         return item

@@ -8,13 +8,35 @@ Invariant (per scheduled request r): `r.token_ids` are the tokens at positions
 `[r.start_position, r.start_position + r.num_new_tokens)`; `r.block_ids` cover at least
 `r.start_position + r.num_new_tokens` positions; `r.sample` is True iff that end equals the
 number of tokens known for the request, i.e. this chunk produces the next token. With async
-scheduling a token may be known by position only (`request.UNRESOLVED`, sampled by the step
-still in flight): it is then the single token of a decode chunk, never a history id.
+scheduling a token may be known by position only (`UNRESOLVED`, sampled by the step still in
+flight): it is then the single token of a decode chunk, never a history id.
+
+A request reaches the runner once, as a `NewRequest` in the first plan that schedules it (its
+prompt, sampling parameters and seed); later plans name it by id, and `finished_ids` tell the
+runner when to forget it. `Scheduler.update` answers a `StepResult` with one `RequestDelta` per
+request that gained tokens or finished.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+# An output token that a step sampled on the device and the host has not read yet (async
+# scheduling): `Scheduler.advance` appends it, `Scheduler.resolve` replaces it by the real id.
+UNRESOLVED = -1
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What the runner keeps about a request for as long as it lives: sent once, in the first
+    plan that schedules it. `sampling` is the request's `SamplingParams` (plain data; the
+    scheduler does not read it) and `seed` its resolved sampling seed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Any
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ class StepPlan:
     - `finished_ids`: requests that finished since the previous plan (stop, abort, error); their
       slots and blocks are already free.
     - `num_scheduled_tokens`: sum of `num_new_tokens` (<= max_num_batched_tokens).
+    - `new_requests`: the scheduled requests that no earlier plan scheduled.
     """
 
     step_id: int
@@ -85,7 +108,7 @@ class StepPlan:
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()
     num_scheduled_tokens: int = 0
-    block_size: int = 0
+    new_requests: tuple[NewRequest, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -99,13 +122,42 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """The runner's answer for one plan.
+    """The runner's answer for one plan, as the scheduler reads it.
 
-    `sampled_token_ids[request_id]` holds the tokens produced for each scheduled request with
-    `sample=True`: one token normally, several when speculative decoding accepts drafts. A
-    request absent from the dict gets no tokens (only legal for `sample=False`).
-    `logprobs` is an optional, opaque per-request payload the scheduler does not read.
+    - `sampled_token_ids[request_id]`: the tokens produced for each scheduled request with
+      `sample=True`: one normally, several when speculative decoding accepts drafts. A request
+      absent from the dict gets no tokens (legal only for `sample=False` or an invalid row).
+    - `invalid_ids`: sampled rows without a valid token (NaN logits, every token masked); the
+      scheduler finishes them with `error`.
+    - `spec_token_ids[request_id]`: drafts proposed for the positions after the new tokens.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, object] | None = None
+    invalid_ids: list[str] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one update changed about a request: the output tokens it appended (already cut at a
+    stop token or the length limit) and, when it finished, why."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stop_token_id: int | None = None  # the eos / stop id that ended it
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutcome:
+    """`Scheduler.update` / `resolve`: the per-request deltas, and the scheduler's records of
+    the requests finished since the previous update (in finishing order; it forgets them)."""
+
+    deltas: list[RequestDelta] = field(default_factory=list)
+    finished: list[Any] = field(default_factory=list)

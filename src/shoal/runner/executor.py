@@ -1,0 +1,64 @@
+"""The seam between the engine and the device side: a plain-data plan in (`StepPlan` and the
+structured-output masks), a plain-data result out (`RunnerOutput`), in submission order.
+
+`Executor` runs one `ModelRunner` in this process. A multi-rank executor keeps the same four
+calls and broadcasts what `submit` receives; nothing else crosses it (plans, masks and results
+pickle, `tests/engine/test_executor.py`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.runner.model_runner import NO_MASKS, ModelRunner
+from shoal.runner.step_io import LaunchedStep, RunnerOutput
+from shoal.scheduler.step_plan import StepPlan
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.runner = ModelRunner(config, tokenizer)
+        self._pending: deque[LaunchedStep] = deque()  # submitted, not yet collected
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.memory.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.runner.memory.num_slots
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.layout.block_size
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps submitted and not yet collected."""
+        return len(self._pending)
+
+    @property
+    def speculative(self) -> bool:
+        return self.runner.speculative
+
+    def submit(self, plan: StepPlan,
+               grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> None:
+        """Queue the step's device work; its result comes from a later `collect`."""
+        self._pending.append(self.runner.launch(plan, grammar_masks))
+
+    def collect(self) -> RunnerOutput:
+        """The result of the oldest submitted step (waits only for that step's tokens)."""
+        return self.runner.finish(self._pending.popleft())
+
+    def execute(self, plan: StepPlan,
+                grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> RunnerOutput:
+        """Submit and collect one step (nothing else may be in flight)."""
+        if self._pending:
+            raise RuntimeError("execute() with a step in flight: collect() it first")
+        self.submit(plan, grammar_masks)
+        return self.collect()

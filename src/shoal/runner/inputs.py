@@ -1,0 +1,94 @@
+"""Input preparation: a `StepPlan` -> the step's ForwardBatch, the rows of its logits to keep,
+the draws to sample, and the patch that feeds in-flight tokens to decode rows.
+
+Invariant: one `RequestChunk` per scheduled request, in plan order; logits come back for
+"all" rows of a chunk (prompt logprobs, draft verification), its last row ("last": it samples)
+or none, and `offsets[i]` is chunk i's first logits row. A decode row whose input token is
+`UNRESOLVED` reads it on the device from the previous launched step's samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.model.batch import ForwardBatch, RequestChunk, build_forward_batch
+from shoal.runner.cuda_graphs import DecodeGraphs
+from shoal.runner.inflight import TokenPatch, batch_to_device
+from shoal.runner.sampling_step import Draw, RequestState, draws_of
+from shoal.runner.step_io import LaunchedStep
+from shoal.scheduler.step_plan import UNRESOLVED, StepPlan
+
+
+@dataclass
+class StepInputs:
+    batch: ForwardBatch
+    graphed: bool  # a pure-decode step that replays a CUDA graph
+    patch: TokenPatch | None
+    offsets: list[int]  # per chunk: its first row in the logits
+    prompt_chunks: list[int]  # chunks whose prompt logprobs are wanted
+    draws: list[Draw]
+    sample_rows: list[int]  # per draw: its row in the logits
+    decoder_rows_skipped: int
+
+
+def prepare_inputs(config: EngineConfig, plan: StepPlan, states: Mapping[str, RequestState],
+                   previous: LaunchedStep | None, *, device: torch.device,
+                   graphs: DecodeGraphs | None) -> StepInputs:
+    chunks, prompt_chunks, unresolved, draws, sample_rows, offsets = [], [], [], [], [], []
+    row = at = 0  # flat row of the next chunk's first token / first logits row
+    for item in plan.scheduled:
+        state = states[item.request_id]
+        want_prompt = (state.params.prompt_logprobs is not None
+                       and item.start_position < item.num_prompt_tokens)
+        logits = ("all" if want_prompt or item.num_spec_tokens else
+                  "last" if item.sample else "none")
+        ids = item.token_ids
+        if ids[0] == UNRESOLVED:  # (only ever a one-token decode chunk)
+            unresolved.append((row, item.request_id))
+            ids = (0,)  # a valid id until the patch overwrites it on the device
+        if want_prompt:
+            prompt_chunks.append(len(chunks))
+        chunks.append(RequestChunk(ids, item.start_position, item.slot, item.block_ids,
+                                   item.prefill_len, logits, item.history_token_ids))
+        if item.sample:
+            first = at + (item.num_new_tokens - 1 - item.num_spec_tokens
+                          if logits == "all" else 0)
+            for j, draw in enumerate(draws_of(item, state)):
+                draws.append(draw)
+                sample_rows.append(first + j)
+        offsets.append(at)
+        row += item.num_new_tokens
+        at += item.num_new_tokens if logits == "all" else 1 if logits == "last" else 0
+    patch = token_patch(unresolved, previous)
+    graphed = graphs is not None and graphs.fits(chunks)
+    cuda = device.type == "cuda"
+    runner = config.runner
+    batch = build_forward_batch(config.model_config, chunks,
+                                device="cpu" if graphed or cuda else device,
+                                prefill_mode=runner.prefill_mode,
+                                replay_window=runner.replay_window)
+    skipped = sum(batch.num_tokens - (r.full.numel() if r.full is not None else batch.num_tokens)
+                  for r in batch.layer_rows.values())
+    if cuda and not graphed:  # built on the host: pinned, non-blocking uploads (no sync)
+        batch = batch_to_device(batch, device)
+    return StepInputs(batch, graphed, patch, offsets, prompt_chunks, draws, sample_rows,
+                      skipped)
+
+
+def token_patch(unresolved: list[tuple[int, str]],
+                previous: LaunchedStep | None) -> TokenPatch | None:
+    """Rows whose input id is the previous step's sample, and where it is in its tokens."""
+    if not unresolved:
+        return None
+    missing = [rid for _, rid in unresolved
+               if previous is None or rid not in previous.draw_index]
+    if missing or previous is None or previous.token_ids is None:
+        raise RuntimeError(f"requests {missing[:5]} have an unresolved input token that "
+                           "the previous launched step did not sample")
+    return TokenPatch(tuple(r for r, _ in unresolved),
+                      tuple(previous.draw_index[rid] for _, rid in unresolved),
+                      previous.token_ids)
