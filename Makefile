@@ -2,10 +2,8 @@
 .PHONY: setup demo test lint
 
 # Triton kernels checked on the CPU under the Triton interpreter (on an H200 they run natively
-# as part of the main suite).
-INTERPRETED_TESTS = tests/gpu/test_triton_attention_path.py tests/gpu/test_moe_kernels.py \
-	tests/gpu/test_fp4_tiles.py \
-	tests/gpu/test_triton_remaining_ops.py tests/gpu/test_triton_head.py tests/gpu/test_gemm_fp8.py
+# as part of the main suite; tests/kernels/test_sm90_builds.py skips itself under it).
+INTERPRETED_TESTS = tests/kernels
 
 setup:
 	bash scripts/setup.sh

@@ -153,7 +153,7 @@ def correctness(dev: torch.device, keep: list[str]) -> dict:
         rel = float((got - want).norm() / want.norm())
         out[name] = {"rel": rel, "max_abs": float(err.max()), "within_2e-2": ok}
         note = ("  (bf16 activations: the reference rounds x and h to e4m3, so this is that "
-                "rounding; tests/gpu/test_moe_kernels checks w4a16 against its own math)"
+                "rounding; tests/kernels/test_moe_kernels checks w4a16 against its own math)"
                 if name == "w4a16" else "")
         log(f"correctness {name:6s} rel {rel:.3e} max|d| {float(err.max()):.3e} "
             f"within tol {ok}{note}")

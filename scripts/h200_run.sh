@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One batched GPU session on a bare H200 machine (torch + Triton preinstalled, no network):
 #   bash scripts/h200_run.sh STAGE[:SECONDS] ...      results under $OUT (default ./h200_out)
-# Stages: tests (tests/gpu and tests/ops: on the H200 about 4 min for tests/gpu without
-# test_cuda_graphs.py, 3+ min for that file, 2 min for the conformance suite; the whole suite
-# also runs the engine tests on CUDA and does not fit one 10-minute call; TEST_ARGS replaces
-# the paths, e.g. "tests/gpu -k moe"), probe (every Triton op at real shapes, one fresh process
+# Stages: tests (tests/kernels, tests/cuda and tests/ops: on the H200 about 4 min for the
+# kernels and tests/cuda without test_cuda_graphs.py, 3+ min for that file, 2 min for the
+# conformance suite; the whole suite also runs the engine tests on CUDA and does not fit one
+# 10-minute call; TEST_ARGS replaces the paths, e.g. "tests/kernels -k moe"), probe (every Triton op at real shapes, one fresh process
 # each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick), profile
 # (benchmarks/profile_decode.py at batch 1 and 64; PROFILE_ARGS adds arguments), e2e (shoal bench; E2E_ARGS adds arguments).
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
@@ -28,7 +28,7 @@ for spec in "$@"; do
         tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present;
                # 300 s: a mini engine test starts two engines of about 80 s each)
                python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 300"
-               timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/gpu tests/ops} -q -rfEs \
+               timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/kernels tests/cuda tests/ops} -q -rfEs \
                    --tb=short -p no:cacheprovider --durations=25 $per_test > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
                    index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -40,8 +41,7 @@ class RequestState:
         return self.params.structured is not None
 
 
-@dataclass(frozen=True)
-class Draw:
+class Draw(NamedTuple):
     """One sampled logits row: `request`'s token at `position`, after `drafts` (the drafts
     verified before this row, seen as already generated)."""
 
@@ -55,7 +55,10 @@ class Draw:
 def draws_of(item: ScheduledRequest, state: RequestState) -> list[Draw]:
     """Row j of a chunk verifying k drafts samples the token after anchor + drafts[:j]."""
     k = item.num_spec_tokens
-    drafts = tuple(item.token_ids[len(item.token_ids) - k:]) if k else ()
+    if not k:
+        position = item.end_position
+        return [Draw(item.request_id, state, position, position - item.num_prompt_tokens)]
+    drafts = tuple(item.token_ids[len(item.token_ids) - k:])
     position = item.end_position - k
     return [Draw(item.request_id, state, position + j, position + j - item.num_prompt_tokens,
                  drafts[:j]) for j in range(k + 1)]

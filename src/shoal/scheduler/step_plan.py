@@ -20,7 +20,7 @@ request that gained tokens or finished.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # An output token that a step sampled on the device and the host has not read yet (async
 # scheduling): `Scheduler.advance` appends it, `Scheduler.resolve` replaces it by the real id.
@@ -137,10 +137,10 @@ class StepResult:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RequestDelta:
+class RequestDelta(NamedTuple):
     """What one update changed about a request: the output tokens it appended (already cut at a
-    stop token or the length limit) and, when it finished, why."""
+    stop token or the length limit) and, when it finished, why. (A NamedTuple: one per request
+    per step, so it is built cheaply.)"""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()

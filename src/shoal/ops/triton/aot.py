@@ -1,6 +1,6 @@
 """Ahead-of-time sm_90 builds of the Triton kernels on a machine without a GPU (Triton's bundled
 ptxas and cuobjdump): registers, spills, SASS and the layouts Triton chose. For the CPU tests
-(tests/gpu/test_sm90_builds.py) and `benchmarks/sass_moe.py`; nothing at run time.
+(tests/kernels/test_sm90_builds.py) and `benchmarks/sass_moe.py`; nothing at run time.
 
 Builds are specialised as the JIT specialises them: pointers and the `divisible` integer
 arguments are marked divisible by 16 (without that, the build differs from what runs, e.g. it

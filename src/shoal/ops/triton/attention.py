@@ -222,9 +222,8 @@ def column_split(num_tokens: int, splits: int, device: torch.device) -> int:
     """Output-column groups per (token, split) for the chunked kernel: the most of 4, 2, 1 that
     keeps the programs within one per SM (each program is latency-bound; more of them overlap).
     Every group recomputes the scores, so above one wave they only cost. A row's bits do not
-    depend on it (each column's sum and the scores are computed the same way). H200
-    (2026-11-29, 64 heads x 512, 10 index blocks): T = 1 4 groups 28.3 us, 2 29.9 us, 1 38.6;
-    T = 16 (above a wave at 2) 2 44.6, 1 42.0 us."""
+    depend on it (each column's sum and the scores are computed the same way).
+    (measurements: docs/perf/attention.md)"""
     sms = sm_count(device)
     for groups in (4, 2):
         if num_tokens * splits * groups <= sms:
@@ -233,22 +232,11 @@ def column_split(num_tokens: int, splits: int, device: torch.device) -> int:
 
 
 VARIANTS = ("flat", "chunked")
-# The knobs the registered op runs with (D >= 128; smaller D always runs "flat"), from the H200
-# run of benchmarks/bench_ops.py --only attn (2026-11-29, 64 heads x 512, 128 SWA + 512 rows):
-# "pmem" 39.5 / 43.4 / 81.7 / 253 us at T = 1 / 16 / 64 / 256 against "flat" 42.0 / 47.1 /
-# 94.2 / 287 us (fastest at T >= 64, within 25% of the best variant at T = 1 and 16). Those
-# times predate the fixed decode partition (they split by the SM count: 8 splits of 2 blocks at
-# T = 1, the same partition; 2 of 5 at T = 64, now 5 of 2). With it, the column groups and the
-# blocked combine (same benchmark, 2026-11-29): 26.3 / 36.2 / 99.5 / 254 us; "flat" 41.2 / 43.9
-# / 118.4 / 288 us (without column groups); num_stages 2 changes nothing (103.7 vs 103.8 us).
-# Session 12 (2026-12-01, same benchmark, after the fp16-pair e2m1 decode): "op" 18.8 / 26.7 /
-# 80.6 / 180.6 us; with keep_k and q_res 21.5 / 23.6 / 73.5 / 153.2 us (slower only at T = 1,
-# where the op runs 4 column groups and keep_k needs one), so the op takes them exactly when
-# one program owns all columns (None below). Same bits either way (GPU test). Tried there and
-# no faster: an L2 prefetch (`prefetch.global.L2`) of the next block's records issued before
-# this block's dots (within 2% at every T), and 2 CTAs per SM through ptxas maxnreg 128 with 2
-# column groups (1.3-1.8x slower); fewer, longer splits (5 blocks each) win at T = 64 (54 us)
-# but lose 2x at T = 1 and 16, and the decode partition cannot depend on T.
+# The knobs the registered op runs with (D >= 128; smaller D always runs "flat"): the chunked
+# kernel with p_mem (fastest at T >= 64, within 25% of the best variant at T = 1 and 16);
+# keep_k and q_res exactly when one program owns all columns (None below; slower only at T = 1,
+# where the op runs 4 column groups and keep_k needs one). Same bits either way (GPU test).
+# (measurements and the variants tried: docs/perf/attention.md)
 OP_KNOBS = MappingProxyType({"variant": "chunked", "p_mem": True, "keep_k": None,
                              "q_res": None})
 
@@ -326,7 +314,7 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
             HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, Q_RES=q_res, num_warps=num_warps,
             num_stages=num_stages, **PDL_LAUNCH)
     if split > 1:
-        hb, db = 16, min(d, 128)  # H200: (1, 4) programs of 16 x 512 took 6 us at T = 1
+        hb, db = 16, min(d, 128)  # 16 heads x 128 columns (timing: docs/perf/attention.md)
         _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
                                                           NSPLIT=split, HB=hb, DB=db,
                                                           num_warps=4, **PDL_LAUNCH)

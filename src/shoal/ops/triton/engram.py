@@ -105,8 +105,8 @@ def _mix_kernel(s_ptr, kv_ptr, qw_ptr, kw_ptr, m_ptr, o_ptr, eps, inv_sqrt_d, ss
                 sk_t, sk_d, sq_h, sq_d, sw_h, sw_d, sm_t, HC: tl.constexpr, D: tl.constexpr,
                 BD: tl.constexpr, HAS_MASK: tl.constexpr):
     """One (token, stream): the stream's gate needs only its own row, its key and the weights,
-    so a token's HC streams run in parallel (a one-program-per-token kernel took 21 us at
-    T = 1 on the H200: 20 dependent 512-column steps)."""
+    so a token's HC streams run in parallel (one program per token is slower: 20 dependent
+    512-column steps; measurements: docs/perf/engram.md)."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)

@@ -123,8 +123,8 @@ def w_e4m3(w_ptr, sc, lut_ptr, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.cons
     sh = tl.minimum(wmax[:, None] - sc.to(tl.int32), 255)
     # The LUT words in closed form while every byte stays an e4m3 normal (or the 0 of code 0):
     # lowering the exponent field by sh is subtracting sh * 8 from each byte (`lut_words`);
-    # only blocks further below their row's largest read the table (H200: gathering it for
-    # every block cost 1.3-1.5x on MXFP4-of-randn weights, data-dependent bank conflicts).
+    # only blocks further below their row's largest read the table (gathering it for every
+    # block is slower: data-dependent bank conflicts; measurements: docs/perf/fp4_tiles.md).
     near0 = sh <= LUT0_CLOSED
     near1 = sh <= LUT1_CLOSED
     lut0 = tl.where(near0, LUT0_BASE - sh * LUT0_STEP,
@@ -222,11 +222,10 @@ def w_f16(w_ptr, sc, wrow, wmax, k0, K2, BN: tl.constexpr, BK: tl.constexpr,
 # bits of e2m1 * 2^-14), so each fp16 pair is 2-3 integer ops without a LUT; the block scale
 # is then an fp16x2 multiply by 2^(14 - sh) (FMA pipe, not the integer pipe the LUT
 # conversion saturates). r >> 3 and r << 1 put the magnitudes at bits 9-11 / 25-27.
-# Nothing cheaper exists in this form (session 14): one rotate + one mask per fp16 pair would
-# need the code fields' fp16 positions {9, 10, 11, 15} (bf16: {6, 7, 8, 15}) to tile 16 bits by
-# 4 translates, and no 4 translates do (exhaustive check), so a weight repacking cannot give it.
-# At T = 1 the decode tiles are issue-bound on this (4 programs of 2 warps per SM, ~1000
-# instructions per warp per K step, about 60% of them the conversion).
+# Nothing cheaper exists in this form: one rotate + one mask per fp16 pair would need the code
+# fields' fp16 positions {9, 10, 11, 15} (bf16: {6, 7, 8, 15}) to tile 16 bits by 4 translates,
+# and no 4 translates do (exhaustive check), so a weight repacking cannot give it. At T = 1 the
+# decode tiles are issue-bound on this conversion (profile: docs/perf/fp4_tiles.md).
 F16P_ASM = tl.constexpr("""{
             .reg .b32 t, m0, m1, o0, o1;
             shl.b32 t, $2, 4;

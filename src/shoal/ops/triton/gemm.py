@@ -8,12 +8,11 @@ largest exponent, `e4m3(q * 2^(e - E))`; one fp32 scale per activation row and p
 remains for the epilogue), so the main loop is a pure FP8 wgmma. Its accumulation is *promoted*
 as in DeepSeek's DeepGEMM: each BLOCK_K (<= 128) step's product is formed from zero and added to
 the fp32 accumulator, because sm_90's FP8 wgmma adds in reduced precision (about 14 bits kept)
-along a chained accumulator. Measured on the H200 (2026-11-29): the chained kernel put 25 and 8
-of 5.35M outputs of mini's `engram.wkv` GEMM (K = 6144) over the op's tolerance in situ, and
-benchmarks/fold_loss.py's CPU model of that accumulator flags the same calls while the fold alone
-and fp32 adds keep every output inside it. A kernel that applied the scales exactly per 32-K
-step (one wgmma per step) was tried and dropped: 5-9x slower than the folded one at M = 4096,
-2-4x at M = 1, and not exact on the hardware either (one K = 32 wgmma already rounds its sum).
+along a chained accumulator: chained, outputs of mini's `engram.wkv` GEMM left the op's tolerance
+in situ on the H200 (benchmarks/fold_loss.py's CPU model of that accumulator agrees; the fold
+alone and fp32 adds keep every output inside it). Exact scales per 32-K step (one wgmma per
+step) were dropped: several times slower, and not exact on the hardware either (one K = 32 wgmma
+already rounds its sum). (measurements: docs/perf/gemm_fp8.md)
 Folding is exact while a shifted code stays an e4m3 normal or a multiple of 2^-9; it rounds or
 flushes only codes of blocks >= 2^6 below their row's largest, far below the output's bf16
 resolution.
@@ -161,15 +160,15 @@ class PreparedCache:
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Promoted modes hold a second [BM, BN] fp32 tile
 # (the step's product) next to the accumulator, so their tiles keep <= 64 accumulator registers
 # per thread (BM * BN <= 2048 * warps) and BLOCK_K <= 128 (DeepGEMM's promotion interval).
-# Measured on the H200 (2026-11-29): 0.47-0.65 of the FP8 peak at M = 4096 against the chained
-# kernel's 0.67-0.91; Triton's own promotion (`tl.dot(max_num_imprecise_acc=BLOCK_K)`) gave the
-# same bits and speed. 16-warp 256x128 tiles (64 + 64 registers) spill 104 bytes (sm_90 build).
+# Promotion is slower than chaining; Triton's own (`tl.dot(max_num_imprecise_acc=BLOCK_K)`)
+# gives the same bits and speed (measurements: docs/perf/gemm_fp8.md). 16-warp 256x128 tiles
+# (64 + 64 registers) spill 104 bytes (sm_90 build).
 # Promoted tiles all use BLOCK_K = 128, so the autotuner's (timing-dependent) choice never
 # changes the result: a 64-K promotion interval rounds differently, which made prefill logits
 # depend on which tile won in a given process. (64, 64, 128, 4, 3) takes 48 KB of shared memory
 # against 64 KB with 4 stages, so 4 programs fit an SM instead of 3: one wave for the 512
-# programs of wq_b at decode M (ncu, 2026-11-29: 1.29 waves with 4 stages). Added for the
-# autotuner to weigh; not yet timed.
+# programs of wq_b at decode M (more than one with 4 stages). Added for the autotuner to weigh;
+# not yet timed.
 _TILES = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
           (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
           (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (64, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
@@ -292,9 +291,8 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, rs_ptr, cs_ptr, M, N, SPLIT_K: tl.const
 
 def split_k(m: int, n: int, k: int, sms: int) -> int:
     """K splits for small M (decode): enough programs to fill the SMs, >= 512 K per split;
-    `_splitk_reduce_kernel` adds the partials. H200, session 13: each tile's last split adding
-    them (per-tile tickets; same bits) was slower, wq_a|wkv 8.5 against 7.4 us at M = 1, and
-    no split (1-16) or tile beat this rule with the autotuned tile at the six mini shapes."""
+    `_splitk_reduce_kernel` adds the partials: faster than each tile's last split adding them,
+    and no other split or tile beat this rule (measurements: docs/perf/gemm_fp8.md)."""
     if m > 64:
         return 1
     tiles = triton.cdiv(n, 128)
@@ -313,7 +311,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
     `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
-    row 64 times ran 2.6x slower than one reading 16 distinct rows, H200 2026-12-01).
+    row 64 times is slower than one reading 16 distinct rows; docs/perf/gemm_fp8.md).
     persistent: the TMA kernel of gemm_persistent.py (default: `persistent_ok` there, one
     split; 256-K promoted partials, so its bits differ from the pointer kernel's, which a
     128-K `tile` reproduces)."""
@@ -374,9 +372,8 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
              block: int = 32, state: PreparedCache | None = None) -> torch.Tensor:
     """Same contract as the reference op: the activation quantised per 32 (the reference's codes)
     and folded, the weight folded on first use (cached in the op table's `state`; folded on
-    every call without one), promoted FP8 wgmma (split-K for decode sizes). A
-    fused-quantisation CUDA-core GEMV for M <= 8 was tried and dropped: 3-11x slower than this
-    path on the H200 (2026-11-29, bench_ops: 32-119 us at M = 1)."""
+    every call without one), promoted FP8 wgmma (split-K for decode sizes). No fused-quantisation
+    CUDA-core GEMV for M <= 8: it was slower than this path (docs/perf/gemm_fp8.md)."""
     if weight.dtype == torch.uint8:
         weight = weight.view(torch.float8_e4m3fn)
     prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None

@@ -15,15 +15,11 @@ from shoal.ops.triton.engram import ue8m0_value
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode sizes (M_BUCKET <= 16) get 16-row tiles
-# with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight): on the H200
-# (2026-11-29) T = 1 went from 39.8 us (the wide tiles, 64 programs; 0.20 of the HBM floor) to
-# 23.2 us (0.34); T = 64 (31.2 us) and T = 4096 (649 us, 0.56) use the wide tiles as before.
-# The decode tiles load the codes as [BLOCK_N, BLOCK_K] rows (16-byte loads along K) with one
-# scale per 32-block, the wide tiles as [BLOCK_K, BLOCK_N] with a scale per element: same
-# products and MMA order, the same bits (H200, session 13, bench against the previous kernel
-# with rotated weights: T = 1 / 4 / 16 19.8 / 22.6 / 22.6 us against 28.0 / 28.1 / 28.2; the
-# row loads made the wide tiles slower, T = 64 / 512 / 4096 31.7 / 96.2 / 771 against 29.8 /
-# 83.3 / 668).
+# with narrow N (8 groups x 1024 rows / 32 = 256 programs streaming the FP8 weight; faster than
+# the wide tiles' 64 programs), larger M the wide tiles. The decode tiles load the codes as
+# [BLOCK_N, BLOCK_K] rows (16-byte loads along K) with one scale per 32-block, the wide tiles as
+# [BLOCK_K, BLOCK_N] with a scale per element (row loads made them slower): same products and
+# MMA order, the same bits. (measurements: docs/perf/gemm_grouped.md)
 _GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                   (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                   (16, 32, 128, 8, 4)]

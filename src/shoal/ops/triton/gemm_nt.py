@@ -31,7 +31,7 @@ NT_SPLIT_MAX_M = 64  # above this, chunks are walked inside one program (no part
 # Wider row tiles (64, one warpgroup MMA) for M > NT_BM. Off: a 16-row tile and a 64-row tile
 # may use different MMA instructions, and the rows' bits must not depend on M. Turn on only
 # after benchmarks/bench_ops.py --only head reports bits_equal_default=True for block_m 64 and
-# tests/gpu/test_triton_head.py passes with it on the H200 (it saves re-reading the weight once
+# tests/kernels/test_triton_head.py passes with it on the H200 (it saves re-reading the weight once
 # per 16 rows from L2 at large M).
 NT_WIDE_M = False
 

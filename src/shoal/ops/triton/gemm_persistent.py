@@ -17,29 +17,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel. H200 (2026-12-01,
-# session 11, benchmarks/results/session11_h200_2026-12-01.txt, runs 3-5): BLOCK_K 256 with
-# 3 stages (promotion every 256 K) 0.70-0.73 / 0.77-0.81 of the FP8 peak on wq_b / wo_b at
-# M = 4096 and 8192, 1.15-1.26x the time of torch._scaled_mm on the same codes (median
-# 1.18x); the 128-K tile of session 10 (runs 2-3) 0.59-0.64 / 0.61-0.69, 1.31-1.57x; 2 stages
-# 0.48.
-# Tried and no faster (session 10-11): 128x256 and 64x256 tiles, 3 or 5 stages at 128 K, an
-# epilogue stored in two halves, two 128-K products per iteration, a product added one
-# iteration late (Triton still waits for it at once), Triton's warp specialisation, and two
-# 4-warp 64x128 or 128x64 CTAs per SM (0.61 / 0.66: the promotions of one do not hide behind
-# the other's wgmma). Chained (no promotion): 0.79 / 0.92.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the persistent kernel: BLOCK_K 256 with 3
+# stages (promotion every 256 K), the fastest promoted tile measured; other tiles, stages and two
+# CTAs per SM were no faster. (measurements and the variants tried: docs/perf/gemm_fp8.md)
 PERSISTENT_TILE = (128, 128, 256, 8, 3)
-# The persistent kernel from this many 256-K tile steps per SM on (tiles x K steps / SMs).
-# H200 (session 11, bench_gemm_persistent.py over mini's six dense shapes at M = 128 .. 8192):
-# faster than the autotuned pointer kernel from 2880 tile steps (132 SMs: 21.8 per SM; shared
-# w13 and w2 at M = 1024, 1.21x / 1.29x) up; at 2560 and below equal or slower (wo_b M = 256
-# 0.73x, indexer wq_b M = 2048 0.97x, wq_a|wkv M = 1024 0.91x), except wq_b at M = 256 (1.23x).
+# The persistent kernel from this many 256-K tile steps per SM on (tiles x K steps / SMs): from
+# there it beats the autotuned pointer kernel at mini's dense shapes, below it is mostly equal or
+# slower (measurements: docs/perf/gemm_fp8.md).
 PERSISTENT_MIN_STEPS_PER_SM = 21
 # Never for decode sizes (the M <= 64 of gemm.split_k, whose split pointer kernel they keep, so
-# a token's bits are the same at every decode batch size): at M = 1 the Engram wkv (N = 25600,
-# K = 6144: 4800 steps) ran here at 81.5 us per call, 0.45 of its HBM floor, 2 calls per mini
-# step (H200 b1 profile, session 13); on the pointer kernel 47.7 us (0.78; bench, rotated
-# weights), and mini's b1 TPOT went 2.85 -> 2.75 ms.
+# a token's bits are the same at every decode batch size); the pointer kernel is also faster
+# there, e.g. the Engram wkv at M = 1 (measurements: docs/perf/gemm_fp8.md).
 PERSISTENT_MIN_M = 65
 
 

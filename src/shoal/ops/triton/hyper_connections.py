@@ -5,9 +5,8 @@
   fixed K chunk of the flattened [4*D] stream, into a partial buffer [T, SPLIT, 32]. The mix
   runs on the bf16 tensor cores with exact products: f is bf16 and each fp32 weight tile is
   split into three bf16 terms (w = w1 + w2 + w3 exactly, "3xBF16" as gemm_nt.py), fp32
-  accumulation (w2, w3 terms in their own accumulator). H200 (2026-12-01): the IEEE-fp32
-  `tl.dot` it replaces (FMA on the CUDA cores, 16-token tiles) took 17 us at T = 1 and 2.9 ms
-  per call at T = 8192 (14% of a mini 8K prefill chunk) against a 79 us HBM floor.
+  accumulation (w2, w3 terms in their own accumulator); the IEEE-fp32 `tl.dot` it replaces (FMA
+  on the CUDA cores) was far above the HBM floor (measurements: docs/perf/hyper_connections.md).
   (2) one program per token adds the partials in a fixed order, applies rsqrt(mean(f^2) + eps),
   sigmoid pre/post, the row softmax and all Sinkhorn normalisations ([4, 4] in registers).
   SPLIT depends only on D, so results are batch-invariant (a token's sums never depend on T).
@@ -41,10 +40,9 @@ HC = 4
 # are added in the order s = 0, 1, ... in fp32. SPLIT, ITERS and BK depend only on D, never on
 # T, so a token's result is the same in every batch (batch invariance).
 COEFF_BT = 64  # tokens per partial program (fixed: the tl.dot tile shape never changes)
-# target K values per chunk (D = 5120: 80 chunks; partials 10 KB per token). H200
-# (2026-12-01, bench_ops hc at 128 / 256 / 512): T = 1 10.3 / 11.1 / 13.5 us, T = 2048
-# 95.6 / 68.7 / 60.3 us, T = 8192 342 / 246 / 212 us; 256 trades 8 us per prefill call of a
-# 2048-token chunk for 2.4 us per decode call (16 calls per mini step)
+# target K values per chunk (D = 5120: 80 chunks; partials 10 KB per token): 256 is slower than
+# 512 in prefill but faster per decode call, 16 of them per mini step
+# (measurements: docs/perf/hyper_connections.md)
 COEFF_CHUNK = 256
 
 

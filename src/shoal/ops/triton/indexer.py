@@ -8,11 +8,10 @@ over paged MXFP4 index-key records, and the exact selections `topk_rows` and `ca
   (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request in turn
   (prefill: TB tokens per dequantised tile): q . k on the matrix unit (fp32 accumulation),
   relu, the head-weighted sum and the visibility mask. TB = 1 for decode-sized batches, 32 for
-  prefill (was 8; H200 bench T 2048 x N 8192 at TB 8: 3.05 ms); tiles above every token of a
-  block (the causal triangle of a prefill chunk) are stored as -inf unread. (Tried on the H200,
-  2026-12-01, and not kept: 64 / HP tokens x heads as the rows of one wgmma product. Prefill
-  1.69x faster at TB = 32, but decode 1.1-1.85x slower, 1.05 ms against 0.57 ms at 64
-  requests x 16K rows: 8 warps at 255 registers hold one program per SM.)
+  prefill (was 8); tiles above every token of a block (the causal triangle of a prefill chunk)
+  are stored as -inf unread. Not kept: 64 / HP tokens x heads as the rows of one wgmma product
+  (faster prefill, slower decode: 8 warps at 255 registers hold one program per SM).
+  (measurements: docs/perf/indexer.md)
 - Selection: one program per query row finds the k-th largest value exactly by a 32-step
   bisection on order-preserving integer keys (counting passes over the row), then one ordered
   pass selects every value above it plus the lowest-index ties (the reference's stable order)
@@ -175,7 +174,7 @@ def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
         tb = 1 if t <= 64 else 32
     if num_warps is None:
         # one count for every T: the head sum's order follows the [HP, BN] layout, which
-        # depends on the warps (H200 2026-12-01: 4 warps for decode and 8 for prefill gave a
+        # depends on the warps (on the H200, 4 warps for decode and 8 for prefill gave a
         # token different bits alone and inside a chunk); sm_90 builds without spills at
         # (TB, BN) = (1, 64) and (32, 64) with 8 warps
         num_warps = 8

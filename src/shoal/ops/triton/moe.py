@@ -13,26 +13,23 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
    8-byte LUT per 32-block (`prmt` byte permutes via `inline asm`, 4 codes at a time), so the
    main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. The LUT words are computed in closed
    form for blocks within 5 (word 0) / 7 (word 1) binades of their row's largest and read from a
-   256-entry table only beyond (`fp4_tiles.w_e4m3`; H200, 2026-11-29: the table for every block
-   made MXFP4-of-randn weights 1.3-1.46x slower, from shared-memory bank conflicts). Epilogue:
-   row x column scales, g/u rounded to bf16 (as the reference), clamped SwiGLU, routing weight.
-   Conversions (`w_e4m3` CONVERT): 0 portable integer ops (what the Triton interpreter runs;
-   `use_asm=False`), 1 prmt on duplicated bytes (device-verified 2026-11-29: bench_moe rel 1.7e-4,
-   1.55x W4A16 at T = 8192), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
+   256-entry table only beyond (`fp4_tiles.w_e4m3`; the table for every block is slower, from
+   shared-memory bank conflicts). Epilogue: row x column scales, g/u rounded to bf16 (as the
+   reference), clamped SwiGLU, routing weight. Conversions (`w_e4m3` CONVERT): 0 portable
+   integer ops (what the Triton interpreter runs; `use_asm=False`), 1 prmt on duplicated bytes
+   (device-verified), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
    CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
    one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
    swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4). The f16 decode tiles run 3
    (`fp4_tiles.w_f16_perm` / `a_f16_perm`, which say how): sm_90 w13 loop 991 against 1080
-   instructions per K step, fewer on the throttled integer pipe; same bits as 1 at T = 1..256;
-   H200 2026-12-01 0.082 / 1.98 / 3.30 ms at T = 1 / 64 / 256 against 0.089 / 2.21 / 3.47.
-   Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the H200 numbers behind
-   each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact products, fp32
-   sums); above, 128-row wgmma tiles with promoted accumulation, the w13 tile with gate and
-   up rows interleaved in one weight tile (`_fused_gu_tile`; H200 2026-12-02: 13.03 ms at
-   T = 8192, 1.64x W4A16's 21.40). Swap-AB wgmma tiles (faster,
-   less accurate) are opt-in. Split-K across programs, and K slices across the warps of one
-   program (a 3-D `tl.dot`), were measured on the H200 and removed (K slices: 0.086 against
-   0.081 ms at T = 1, 0.87 against 0.71 at T = 16; moe_tiles.default_configs).
+   instructions per K step, fewer on the throttled integer pipe; same bits as 1 at T = 1..256,
+   and faster. Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the reason
+   behind each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact
+   products, fp32 sums); above, 128-row wgmma tiles with promoted accumulation, the w13 tile
+   with gate and up rows interleaved in one weight tile (`_fused_gu_tile`). Swap-AB wgmma tiles
+   (faster, less accurate) are opt-in. Split-K across programs, and K slices across the warps
+   of one program (a 3-D `tl.dot`, slower), were measured on the H200 and removed.
+   (measurements: docs/perf/moe.md)
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
 
@@ -312,7 +309,7 @@ def _launch(a, a_scale, arow, out, orow, rw, w, ws, counts, n, k, limit, cfg: Ti
     f16 = cfg.f16 and w4a8  # (the W4A16 baseline keeps its bf16 dequantisation)
     if convert is None:
         convert = 2 if cfg.swap_ab else 3 if f16 else 1
-    if convert == 2 and not cfg.swap_ab:  # H200 2026-11-29: wrong bits on 128-row plain tiles
+    if convert == 2 and not cfg.swap_ab:  # wrong bits on 128-row plain tiles (H200)
         raise ValueError("prmt variant 2 needs swap-AB tiles (weights as the register operand)")
     if f16 and (cfg.swap_ab or convert == 2):
         raise ValueError("f16 tiles: plain tiles with conversion 0, 1 or 3 only")

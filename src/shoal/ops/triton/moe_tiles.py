@@ -1,6 +1,7 @@
 """Tile configurations of the routed-experts grouped GEMM (moe.py): `TileConfig` and the
 choice per batch size for W4A8 (`default_configs`) and the W4A16 baseline (`w4a16_configs`),
-with the H200 measurements behind each choice; `SWAP_DECODE`, the opt-in swap-AB tiles.
+with the reason behind each choice (measurements: docs/perf/moe.md); `SWAP_DECODE`, the opt-in
+swap-AB tiles.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class TileConfig:
     """Form each BLOCK_K step's product from zero and add it to the fp32 accumulator, instead of
     chaining the accumulator through the MMA: sm_90's FP8 wgmma adds in reduced precision, so a
     chained accumulator drifts over K (DeepGEMM promotes every 128). The default for the
-    128-row prefill tiles (see `default_configs`; H200 cost 1.3% at T = 8192)."""
+    128-row prefill tiles (see `default_configs`; a small cost at large T)."""
     fused_gate_up: bool = False
     """w13 only (plain W4A8 e4m3 tiles): gate and up rows interleaved in one [2 BLOCK_N,
     BLOCK_K] weight tile and one MMA chain per step instead of two (same products, same K
@@ -45,43 +46,25 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
 
     Up to 40 rows per expert on average (decode and small batches: bandwidth-bound): plain
     16-row tiles on mma.sync (exact fp32 accumulation), 16 x 64 x 128 fp16-weight tiles with
-    2 warps per program for both GEMMs (H200, 2026-12-01, bench_moe --sweep decode-plain:
-    0.089 / 2.20 ms at T = 1 / 64 against 0.091 / 2.40 ms for 16 x 32 x 128; BLOCK_K 256 1.3x
-    and BLOCK_N 16 2x slower, 4 warps or BLOCK_N 128 no better). Warps, BLOCK_N and
-    BLOCK_K move rows, columns and loop steps between programs, not the K order of a sum, so
-    the bits are those of any other 16-row tile (GPU test); above, plain 128-row wgmma tiles (one
-    weight conversion per 128 rows; BLOCK_N 64 for both GEMMs: 14.35 against 14.69 ms with a
-    128-column w2 tile at T = 8192, --sweep prefill) with promoted accumulation: FP8 wgmma
-    adds into a chained accumulator in reduced precision, so every BLOCK_K product starts from zero and is added in
-    fp32. Unpromoted, those tiles put up to 189 of 46,976 outputs of one tiny-model call over
-    the op's tolerance in situ on the H200 (2026-11-29), and benchmarks/fold_loss.py's CPU
-    model of the accumulator reproduces that (24,186 of 4.9M at mini shapes). Promotion cost
-    1.3% at T = 8192 on the H200 (bench_moe `asm_p` 14.37 vs 14.19 ms). The swap-AB wgmma
-    tiles (`SWAP_DECODE`) are 1.17x / 1.08x faster at T = 1 / 64 but less accurate even
-    promoted (relative error 3.2e-3, unpromoted 9.4e-3, 16-row tiles 1.7e-4). Still open:
-    decode-size and prefill-size batches use different MMA instructions, so a token's MoE
-    output is not bitwise batch-invariant across the 40-rows-per-expert boundary.
-    The prefill w13 tile steps BLOCK_K 256, so its promotion adds come every 256 K (sm_90 SASS:
-    6.39 -> 5.39 loop instructions per converted weight element; H200 2026-12-01, --sweep
-    prefill: 13.73 against 14.19 ms at T = 8192; 256 for w2 as well 15.30 ms, with 2 stages
-    17.93). Register caps on the decode tiles (maxnreg 160 / 168 for w13, 128 for w2: one more
-    warp per scheduler, no loop spills) measured no faster at T = 1, 16, 64 (0.094 against
-    0.082 ms at T = 1). Neither were K slices across the warps of a program (a 3-D `tl.dot`
-    whose batch dimension Triton gives the warps; sm_90 w13 loop 503 instructions per warp per
-    step on 4 warps against 991 on 2; H200 2026-12-01, 4 weight sets: 16 x 64 x 128 on 4
-    warps 0.086 / 0.485 / 0.870 / 2.45 ms at T = 1 / 8 / 16 / 64 against 0.081 / 0.408 /
-    0.710 / 1.98 ms; 2 slices, a 32-column or a 256-deep step slower still): removed.
+    2 warps per program for both GEMMs (the best of the decode tile sweep). Warps, BLOCK_N
+    and BLOCK_K move rows, columns and loop steps between programs, not the K order of a sum,
+    so the bits are those of any other 16-row tile (GPU test); above, plain 128-row wgmma tiles
+    (one weight conversion per 128 rows; BLOCK_N 64 for both GEMMs) with promoted accumulation:
+    FP8 wgmma adds into a chained accumulator in reduced precision, so every BLOCK_K product
+    starts from zero and is added in fp32. Unpromoted, those tiles put outputs of a tiny-model
+    call over the op's tolerance in situ on the H200, and benchmarks/fold_loss.py's CPU model
+    of the accumulator reproduces that; promotion costs little. The swap-AB wgmma tiles
+    (`SWAP_DECODE`) are faster but less accurate even promoted (relative error 3.2e-3,
+    unpromoted 9.4e-3, 16-row tiles 1.7e-4). Still open: decode-size and prefill-size batches
+    use different MMA instructions, so a token's MoE output is not bitwise batch-invariant
+    across the 40-rows-per-expert boundary. The prefill w13 tile steps BLOCK_K 256, so its
+    promotion adds come every 256 K (fewer loop instructions, faster); register caps and K
+    slices across the warps of a program on the decode tiles were no faster: removed.
 
     The prefill w13 tile interleaves gate and up rows in one [128, 256] weight tile
     (`fused_gate_up`): one MMA chain and one wgmma wait per step instead of two, the A tile
-    read from shared memory once (sm_90 SASS: 616 loop instructions per step against 690).
-    ncu of the split tile (H200, 2026-12-02, T = 8192): one 8-warp CTA per SM (255 registers,
-    164 KB smem), 2 warps per scheduler, issue slots 31% busy, L1/shared 59% busy: each step's
-    conversion and its wgmma run one after the other (the promotion waits for the product at
-    once). Fused, bench_moe --sweep prefill: 12.97 / 22.08 ms against 13.77 / 23.45 ms at
-    T = 8192 / 16384 (same bits, GPU test). Two CTAs per SM (w13 128 x 32 x 256 at 2 stages
-    capped at 128 registers; w2 at BLOCK_K 256 capped at 128) measured slower: 14.36 / 14.40
-    ms at T = 8192."""
+    read from shared memory once; faster, same bits (GPU test). Two CTAs per SM were slower.
+    (measurements: docs/perf/moe.md)"""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True)
     return (TileConfig(128, 64, 256, 8, 3, promote=True, fused_gate_up=True),
@@ -89,9 +72,9 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
 
 
 def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
-    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (the W4A8 16 x 64 tiles made
-    it 1.5x slower at T = 1 on the H200: 0.243 against 0.161 ms), 128-row bf16 wgmma tiles
-    above, unpromoted (bf16 wgmma accumulates in fp32)."""
+    """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (the W4A8 16 x 64 tiles are
+    slower for it at T = 1; docs/perf/moe.md), 128-row bf16 wgmma tiles above, unpromoted
+    (bf16 wgmma accumulates in fp32)."""
     if rows / max(experts, 1) <= 40:
         return TileConfig(16, 32, 128, 2, 4), TileConfig(16, 32, 128, 2, 4)
     return TileConfig(128, 64, 128, 8, 3), TileConfig(128, 128, 128, 8, 3)

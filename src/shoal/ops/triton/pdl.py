@@ -4,9 +4,8 @@ A kernel launched with `**PDL_LAUNCH` may be put on the SMs while the kernel bef
 stream is still draining; its first statement, `pdl_wait()`, blocks until that kernel has
 finished and its writes are visible (`griddepcontrol.wait`), then lets the next kernel launch
 (`griddepcontrol.launch_dependents`). So the data flow is that of plain stream order, and each
-kernel boundary loses less time: in one CUDA graph (benchmarks/bench_pdl.py, H200, session 13),
-a chain of dependent 5-program kernels ran at 0.67 us per kernel against 0.93 us plain, and of
-640-program kernels at 1.58 against 2.04 us. A decode step of `mini` is about 450 launches.
+kernel boundary loses less time, which counts: a decode step of `mini` is about 450 launches
+(measurements: docs/perf/pdl.md).
 
 Rule (tests/ops/test_pdl.py checks it on the source): every kernel (a `@triton.jit` function
 that reads `tl.program_id`) starts with `pdl_wait()`, and every launch passes `**PDL_LAUNCH`.

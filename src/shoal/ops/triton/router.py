@@ -15,12 +15,10 @@
 So the routing matches the reference bit for bit except where an fp64 rounding (summation
 order, exp/log in the last fp64 bits) crosses an fp32 rounding boundary: about 2^-29 per value.
 An fp32-sum router (the earlier `gemm_nt` logits, fp32 softplus) flipped one near-tie expert of
-mini in situ on the H200 (2026-11-29). The first version of this kernel (8 slices of D/8, the
-products broadcast to a [16, 32, 16] fp64 tile and reduced with `tl.sum`) took 94 us per call at
-batch 1 on mini and 5.6 ms at T = 2048 (H200, 2026-11-29: 0.7 TFLOP/s of fp64; SASS: 4 shuffles
-per fp64 FMA). On FP64 tensor cores: 19 / 33 / 92 / 653 us at T = 1 / 64 / 256 / 2048. A
-variant with one program per slice (more programs at small T) was slower at every T (26 / 44 /
-110 / 653 us): its 40-row workspace costs more than the parallelism gains.
+mini in situ on the H200. The slice partials run on the FP64 tensor cores (a `tl.sum` reduction
+of broadcast fp64 products was several times slower), grouped: one program per slice was slower
+at every T, its 40-row workspace costing more than the parallelism gains.
+(measurements: docs/perf/router.md)
 """
 
 from __future__ import annotations
@@ -47,10 +45,8 @@ DEFAULT_TILE = (BT, BE, 4, 3)  # (tokens, experts, warps, stages) per logits pro
 # groups depend on D only), so the same bits, and the op may pick the tile by T. sm_90 SASS of
 # the slice loop: 15-20 instructions per DMMA against 52 for the default tile. Both operands
 # go through shared memory as fp64 (128 x 128 x 8 bytes of x per stage), so the 128-token tile
-# fits the H200's 227 KB with one stage only (192 KB; three need 288 KB). H200 (session 13,
-# bench_ops --only router, whole op): default / wide / mid tile at T = 1 18.2 / 50.6 / 36.5 us,
-# T = 64 31.5 / 52.7 / 37.5, T = 256 91.6 / 59.1 / 66.0, T = 2048 646 / 286 / 336,
-# T = 8192 2523 / 1092 / 1246 (wide: 29.5 TF/s, 0.44 of the 67 TF/s fp64 tensor peak).
+# fits the H200's 227 KB with one stage only (192 KB; three need 288 KB). The default tile is
+# the fastest at small T, the wide one at large T (measurements: docs/perf/router.md).
 WIDE_TILE = (128, 64, 8, 1)
 WIDE_FROM = 160  # tokens from which the op takes WIDE_TILE (linear estimate of the crossing)
 MID_TILE = (64, 64, 8, 2)  # 160 KB, 136 registers, 19.7 instructions per DMMA

@@ -26,6 +26,7 @@ ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA sm_90")
+pytestmark = pytest.mark.gpu  # tests/cuda: the engine and model on a CUDA device
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERP), reason="needs CUDA or TRITON_INTERPRET=1")

@@ -19,6 +19,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA sm_90")
+pytestmark = pytest.mark.gpu  # tests/cuda: the engine and model on a CUDA device
 
 
 def _llm(model: str, graphs: bool, overlap: bool):
