@@ -1,31 +1,30 @@
-"""`shoal generate | chat | info | make-checkpoint | demo | bench`.
+"""`shoal generate | run-batch | chat | info | make-checkpoint | demo | bench`.
 
-Errors at start-up (bad model path, bad option) exit non-zero with one line naming the problem;
-bad input lines become per-request errors in the output, which is written one JSON object per
-line as requests finish (an interrupted run leaves a valid file of what finished).
+Errors at start-up (bad model path, bad option, unreadable input, unwritable output) exit
+non-zero with one line naming the problem, before the model loads; bad input lines become
+per-request errors in the output (`shoal/offline/`), which is valid JSONL at every moment.
+Ctrl-C during a run prints what finished and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
-from typing import Any
 
 from shoal.config import ShoalError
-
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
-                   "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset (tiny, mini, flash) or checkpoint dir")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: the cores available to the process)")
     p.add_argument("--prefill-mode", dest="prefill_mode", default=None,
                    choices=["full", "staircase", "bounded"])
     p.add_argument("--replay-window", dest="replay_window", type=int, default=None)
@@ -43,145 +42,165 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="run each step synchronously (no host/device overlap)")
 
 
+ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
+                "seed", "speculative", "async_scheduling")
+# the CLI's own defaults: short greedy completions
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
+STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
-    p.add_argument("--top-k", dest="top_k", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None)
+    """One flag per SamplingParams field (the request seed is --request-seed: --seed is the
+    engine's); a JSONL line's own fields override them."""
+    from shoal.sampling import SamplingParams
+
+    g = p.add_argument_group("sampling (defaults for every request)")
+    for f in dataclasses.fields(SamplingParams):
+        name, default = f.name, f.default
+        if name == "structured":
+            continue
+        flag = "--request-seed" if name == "seed" else "--" + name.replace("_", "-")
+        shown = CLI_SAMPLING_DEFAULTS.get(name, default)
+        if isinstance(default, bool):
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"default {shown}")
+        elif name == "stop":
+            g.add_argument(flag, dest=name, action="append", default=None,
+                           help="a stop string (repeatable)")
+        elif name == "stop_token_ids":
+            g.add_argument(flag, dest=name, type=int, nargs="+", default=None)
+        else:
+            kind = float if isinstance(default, float) else int
+            g.add_argument(flag, dest=name, type=kind, default=None, help=f"default {shown}")
+    g.add_argument("--json-schema", dest="json_schema", default=None,
+                   help="structured output: a JSON schema (text, or @file)")
+    g.add_argument("--regex", default=None, help="structured output: a regex to match")
+    g.add_argument("--grammar", default=None, help="structured output: a Lark grammar")
+    g.add_argument("--choice", action="append", default=None,
+                   help="structured output: one of these strings (repeatable)")
+
+
+def _default_params(args):
+    from shoal.sampling import SamplingParams
+    from shoal.sampling.structured import StructuredOutputSpec
+
+    fields = dict(CLI_SAMPLING_DEFAULTS)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name != "structured" and getattr(args, f.name, None) is not None:
+            fields[f.name] = getattr(args, f.name)
+    given = {k: getattr(args, k) for k in STRUCTURED_FLAGS if getattr(args, k, None)}
+    if given.get("json_schema", "").startswith("@"):
+        with open(given["json_schema"][1:], encoding="utf-8") as f:
+            given["json_schema"] = f.read()
+    if given:
+        fields["structured"] = StructuredOutputSpec(**given)
+    return SamplingParams(**fields)
+
+
+def _threads(args) -> None:
+    import torch
+
+    n = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
+    if n < 1:
+        raise ShoalError(f"--threads: got {n}, expected >= 1")
+    torch.set_num_threads(n)
 
 
 def _make_llm(args):
     from shoal.llm import LLM
 
-    opts = {k: getattr(args, k) for k in ("device", "prefill_mode", "replay_window",
-                                           "max_num_seqs", "max_num_batched_tokens",
-                                           "max_model_len", "kv_cache_memory_gb",
-                                           "load_format", "seed", "speculative",
-                                           "async_scheduling")
-            if getattr(args, k, None) is not None}
+    _threads(args)
+    opts = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k, None) is not None}
     return LLM(args.model, **opts)
 
 
-def _default_params(args):
-    from shoal.sampling import SamplingParams
+def _check_config(args) -> None:
+    """The engine options alone (model, device, limits), before anything loads."""
+    from shoal.config import EngineConfig
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, stop=args.stop)
-
-
-def _read_jsonl(path: str, default) -> list[dict]:
-    """One LLM.run item per non-empty line; a malformed line becomes an error item."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("expected a JSON object")
-                fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
-                params = default.replace(**fields) if fields else default
-                keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
-                if len(keys) != 1:
-                    raise ValueError("expected exactly one of 'prompt', 'prompt_token_ids' "
-                                     "or 'messages'")
-                item = {keys[0]: obj[keys[0]], "sampling_params": params}
-                if keys[0] == "messages":
-                    item.update({k: obj[k] for k in ("tools", "reasoning_effort") if k in obj})
-                items.append(item)
-            except (ValueError, TypeError) as exc:
-                items.append({"error": f"line {n}: {exc}", "sampling_params": default})
-    return items
+    opts = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k, None) is not None}
+    EngineConfig.create(args.model, **opts)
 
 
-def _record(index: int, out) -> dict:
-    rec: dict[str, Any] = {"index": index, "request_id": out.request_id, "prompt": out.prompt}
-    if out.error:
-        rec["error"] = out.error
-    comps = []
-    for c in out.outputs:
-        d = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-        if c.stop_reason is not None:
-            d["stop_reason"] = c.stop_reason
-        for key in ("reasoning_content", "content", "tool_calls"):
-            if getattr(c, key) is not None:
-                d[key] = getattr(c, key)
-        comps.append(d)
-    rec["outputs"] = comps
-    if out.metrics and out.metrics.latency is not None:
-        rec["latency_s"] = round(out.metrics.latency, 4)
-    return rec
+def _batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", action="store_true",
+                   help="skip the requests already in --output (by custom_id, else input line) "
+                   "and append the rest")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def cmd_generate(args) -> int:
-    llm = _make_llm(args)
-    default = _default_params(args)
-    if args.input:
-        items = _read_jsonl(args.input, default)
-    else:
-        items = [{"prompt": p, "sampling_params": default}
-                 for p in (args.prompt or ["Hello, shoal!"])]
-    t0 = time.perf_counter()
-    results: list[Any] = [None] * len(items)
-    out_f = open(args.output, "w", encoding="utf-8") if args.output else None
-    try:  # one line per request as it finishes: an interrupted run leaves a valid file
-        for index, out in llm.run(items, use_tqdm=not args.quiet):
-            results[index] = out
-            if out_f is not None:
-                out_f.write(json.dumps(_record(index, out), ensure_ascii=False) + "\n")
-                out_f.flush()
-    finally:
-        if out_f is not None:
-            out_f.close()
-    if not args.output:
-        for index, out in enumerate(results):
-            print(json.dumps(_record(index, out), ensure_ascii=False))
-    _summary(llm, results, time.perf_counter() - t0)
-    return 0
+    from shoal.offline.commands import generate
+
+    _check_config(args)
+    return generate(args, lambda: _make_llm(args), _default_params(args))
 
 
-def _summary(llm, results, elapsed: float) -> None:
-    s = llm.engine.stats
-    layout = llm.engine.runner.layout
-    rows = s.decoder_rows_skipped / s.decoder_rows_total if s.decoder_rows_total else 0.0
-    print(f"requests {len(results)} ({sum(1 for r in results if r.error)} errors) | input tokens "
-          f"{s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
-          f"{s.output_tokens / max(elapsed, 1e-9):.1f} tok/s | KV "
-          f"{layout.bytes_per_context_token():.0f} B/token | decoder row-layers skipped by "
-          f"tail-only prefill {s.decoder_rows_skipped} ({rows:.1%})"
-          + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed}"
-             if s.drafts_proposed else ""), file=sys.stderr)
+def cmd_run_batch(args) -> int:
+    from shoal.offline.commands import run_batch
+
+    _check_config(args)
+    return run_batch(args, lambda: _make_llm(args), _default_params(args))
 
 
 def cmd_chat(args) -> int:
     from shoal.sampling import SamplingParams
+    from shoal.tokenizer.encoding import encode_messages
+    from shoal.tokenizer.parser import OutputParser
 
+    _check_config(args)
     llm = _make_llm(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    engine = llm.engine
+    context = llm.config.scheduler.max_model_len
+    max_tokens = args.max_tokens or max(1, min(1024, context // 4))
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature)
     messages: list[dict] = []
-    print("shoal chat: an empty line or Ctrl-D quits", file=sys.stderr)
+    print(f"shoal chat ({args.model}, context {context} tokens, up to {max_tokens} per "
+          "reply): an empty line or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
             break
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        out = llm.chat(messages, params, use_tqdm=False,
-                       reasoning_effort=args.reasoning_effort)[0]
-        if out.error:
-            print(f"error: {out.error}")
+        prompt = encode_messages(messages, reasoning_effort=args.reasoning_effort)
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        room = context - len(ids) - 1
+        group = engine.add_request(prompt, params.replace(max_tokens=max(1, min(max_tokens,
+                                                                                room))),
+                                   prompt_token_ids=ids)
+        parser, shown, kind = OutputParser.for_prompt(prompt), 0, None
+        try:  # stream: print each step's new text, reasoning marked as it comes
+            while not all(engine.requests[r].finished for r in engine.groups[group]):
+                engine.step()
+                text = engine.requests[engine.groups[group][0]].text
+                for event in parser.feed(text[shown:]):
+                    if event.kind in ("reasoning", "content") and event.text:
+                        if kind != event.kind:
+                            kind = event.kind
+                            print("[reasoning] " if kind == "reasoning" else "\n", end="")
+                        print(event.text, end="", flush=True)
+                shown = len(text)
+            engine.flush()
+        except KeyboardInterrupt:
+            engine.cancel([group])
+            print("\n(interrupted)", file=sys.stderr)
             messages.pop()
             continue
-        c = out.outputs[0]
-        if c.reasoning_content:
-            print(f"[reasoning] {c.reasoning_content}")
-        print(c.content)
-        messages.append({"role": "assistant", "content": c.content or "",
-                         "reasoning_content": c.reasoning_content})
+        out = engine.output(group)
+        engine.release(group)
+        print()
+        if out.error:
+            print(f"error: {out.error}", file=sys.stderr)
+            messages.pop()
+            continue
+        parsed = parser.finish()
+        messages.append({"role": "assistant", "content": parsed.content or "",
+                         "reasoning_content": parsed.reasoning_content})
     return 0
 
 
@@ -226,6 +245,7 @@ def cmd_demo(args) -> int:
     from shoal.checkpoint.writer import write_checkpoint
     from shoal.llm import LLM
     from shoal.model.presets import TINY
+    from shoal.offline.commands import summary
     from shoal.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,7 +262,7 @@ def cmd_demo(args) -> int:
         for o in outs:
             print(json.dumps({"prompt": o.prompt, "text": o.outputs[0].text,
                               "finish_reason": o.outputs[0].finish_reason}, ensure_ascii=False))
-        _summary(llm, outs, time.perf_counter() - t0)
+        summary(llm, outs, time.perf_counter() - t0)
         print("(random weights: the text is noise; the pipeline is real)")
     return 0
 
@@ -255,12 +275,28 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(g)
     _sampling_args(g)
     g.add_argument("--prompt", action="append")
-    g.add_argument("--input", help="JSONL: {'prompt': ...} or {'messages': [...]} per line")
+    g.add_argument("--input", help="JSONL: {'prompt' | 'prompt_token_ids' | 'messages': ...} "
+                   "per line, with optional sampling fields and 'custom_id'")
     g.add_argument("--output", help="JSONL output, one object per request")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    c = sub.add_parser("chat", help="interactive chat")
+    _batch_args(g)
+    g.add_argument("--output-order", dest="output_order", default="input",
+                   choices=["input", "completion"],
+                   help="input: lines in input order (finished results wait for earlier "
+                   "ones); completion: as requests finish")
+    g.add_argument("--strict", action="store_true",
+                   help="an unknown field in a line makes that line an error (default: a "
+                   "warning)")
+    b = sub.add_parser("run-batch", help="an OpenAI batch file (/v1/chat/completions, "
+                       "/v1/completions) to an OpenAI batch results file")
+    _engine_args(b)
+    _sampling_args(b)
+    b.add_argument("-i", "--input", required=True)
+    b.add_argument("-o", "--output", required=True)
+    _batch_args(b)
+    c = sub.add_parser("chat", help="interactive chat (streamed)")
     _engine_args(c)
-    c.add_argument("--max-tokens", dest="max_tokens", type=int, default=256)
+    c.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
+                   help="per reply (default: a quarter of the context, at most 1024)")
     c.add_argument("--temperature", type=float, default=0.6)
     c.add_argument("--reasoning-effort", dest="reasoning_effort", default=None)
     i = sub.add_parser("info", help="config, layer roles and memory plan")
@@ -290,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-                "demo": cmd_demo}[args.command](args)
+        return {"generate": cmd_generate, "run-batch": cmd_run_batch, "chat": cmd_chat,
+                "info": cmd_info, "demo": cmd_demo}[args.command](args)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ an unknown keyword raises with the list of valid ones.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class RunnerConfig:
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ShoalError(f"device: got {self.device!r}, expected 'auto', 'cpu', 'cuda' or "
+                             "'cuda:N'")
         if self.prefill_mode not in PREFILL_MODES:
             raise ShoalError(f"prefill_mode: got {self.prefill_mode!r}, expected one of "
                              f"{PREFILL_MODES}")
@@ -119,7 +123,11 @@ class EngineConfig:
         if "backends" in groups["runner"] and groups["runner"]["backends"] is not None:
             groups["runner"]["backends"] = tuple(groups["runner"]["backends"])
         sched = groups["scheduler"]
-        sched.setdefault("max_model_len", min(model_config.max_position_embeddings, 65536))
+        positions = model_config.max_position_embeddings
+        sched.setdefault("max_model_len", min(positions, 65536))
+        if sched["max_model_len"] > positions:
+            raise ShoalError(f"max_model_len: got {sched['max_model_len']}, but model {model!r} "
+                             f"has {positions} positions")
         try:
             return cls(model, model_config, CacheConfig(**groups["cache"]),
                        SchedulerConfig(**sched), RunnerConfig(**groups["runner"]))

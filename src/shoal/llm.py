@@ -75,19 +75,28 @@ class LLM:
         Each item is a dict with one of "prompt" (text or token ids), "prompt_token_ids",
         "messages" (chat; optional "tools", "reasoning_effort" and other encode_messages
         options) or "error" (a request already known to be bad: it comes back with that
-        error), plus optional "sampling_params". Chat outputs come back parsed."""
+        error), plus optional "sampling_params". Chat outputs come back parsed.
+
+        An exception while it runs (a KeyboardInterrupt, or the caller closing the iterator)
+        aborts the requests of this call that have not come back, and the LLM stays usable."""
         groups: list[str] = []
         chat_prompts: dict[str, str] = {}
-        for item in items:
-            group, prompt = self._submit(item)
-            groups.append(group)
-            if prompt is not None:
-                chat_prompts[group] = prompt
-        index = {g: i for i, g in enumerate(groups)}
-        for out in self._drain(groups, use_tqdm):
-            if out.request_id in chat_prompts:
-                parse_chat_output(out, chat_prompts[out.request_id])
-            yield index[out.request_id], out
+        done: set[str] = set()
+        try:
+            for item in items:
+                group, prompt = self._submit(item)
+                groups.append(group)
+                if prompt is not None:
+                    chat_prompts[group] = prompt
+            index = {g: i for i, g in enumerate(groups)}
+            for out in self._drain(groups, use_tqdm):
+                done.add(out.request_id)
+                if out.request_id in chat_prompts:
+                    parse_chat_output(out, chat_prompts[out.request_id])
+                yield index[out.request_id], out
+        except BaseException:
+            self.engine.cancel([g for g in groups if g not in done])
+            raise
 
     # ---- internals ----------------------------------------------------------------------------
     @staticmethod

@@ -99,18 +99,18 @@ def test_chat_cli_two_turns(monkeypatch: pytest.MonkeyPatch,
                             capsys: pytest.CaptureFixture[str]) -> None:
     """`shoal chat`: each turn is sent with the conversation so far (user, assistant, user);
     an empty line quits."""
-    from shoal.llm import LLM
+    import shoal.tokenizer.encoding as encoding
 
     lines = iter(["hello", "and again", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     seen: list[list[str]] = []
-    original = LLM.chat
+    original = encoding.encode_messages
 
-    def chat(self, messages, *args, **kwargs):
+    def encode(messages, *args, **kwargs):
         seen.append([m["role"] for m in messages])
-        return original(self, messages, *args, **kwargs)
+        return original(messages, *args, **kwargs)
 
-    monkeypatch.setattr(LLM, "chat", chat)
+    monkeypatch.setattr(encoding, "encode_messages", encode)
     assert main(["chat", "--model", "tiny", "--device", "cpu", "--max-tokens", "3",
                  "--temperature", "0"]) == 0
     assert seen == [["user"], ["user", "assistant", "user"]]

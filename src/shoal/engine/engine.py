@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     num_requests: int = 0
     num_errors: int = 0
+    preemptions: int = 0  # over the requests finished so far
     prompt_tokens: int = 0
     output_tokens: int = 0
     steps: int = 0
@@ -73,6 +75,19 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer:
     if not path.exists():
         raise ShoalError(f"model {config.model!r}: no tokenizer.json in the checkpoint directory")
     return Tokenizer.from_file(path, vocab)
+
+
+def token_id_list(value: object, name: str) -> list[int]:
+    """`value` as a list of token ids; ValueError unless it is a sequence of integers (bools and
+    floats are refused: 1.7 is not a token id)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name}: got {type(value).__name__}, expected a list of integer "
+                         "token ids")
+    for i, t in enumerate(value):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"{name}[{i}]: got {t!r} ({type(t).__name__}), expected an "
+                             "integer token id")
+    return [int(t) for t in value]
 
 
 class Engine:
@@ -108,6 +123,10 @@ class Engine:
         the request finishes at once with `error` set."""
         index = next(self._ids)
         group = str(index)
+        if params is not None and not isinstance(params, SamplingParams):
+            error = error or (f"sampling_params: got {type(params).__name__}, expected "
+                              "SamplingParams")
+            params = None
         params = params or SamplingParams()
         self.stats.num_requests += 1
         ids: list[int] = []
@@ -152,13 +171,13 @@ class Engine:
         cfg = self.config.model_config
         params.validate(cfg.vocab_size)
         if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
+            ids = token_id_list(prompt_token_ids, "prompt_token_ids")
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: a prompt needs at least one token")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, Sequence):
+            ids = token_id_list(prompt, "prompt")
         else:
             raise ValueError(f"prompt: got {type(prompt).__name__}, expected a string or a "
                              "list of token ids")
@@ -183,6 +202,19 @@ class Engine:
     def abort(self, group: str) -> None:
         for rid in self.groups.get(group, []):
             self.scheduler.abort_request(rid)
+
+    def cancel(self, groups: Sequence[str]) -> None:
+        """After an exception inside a step (an interrupt, say): abort `groups`, settle the
+        steps scheduled or in flight without their results (every request in them is aborted:
+        their tokens were not read), and release the groups, so the engine can go on."""
+        for group in groups:
+            self.abort(group)
+        if self.overlap is not None:
+            self.overlap.inflight = None
+        self.executor.discard()
+        self._apply(self.scheduler.settle(), RunnerOutput())
+        for group in groups:
+            self.release(group)
 
     # ---- the loop ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -247,6 +279,11 @@ class Engine:
                 d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}  # after preemption
                 d[target] = Logprob(logprob, rank)  # rewrites, never duplicates
                 req.prompt_logprobs[position] = d
+        return self._apply(outcome, output)
+
+    def _apply(self, outcome: StepOutcome, output: RunnerOutput) -> set[str]:
+        """Per request delta: its tokens (logprobs, detokenising, stop strings, the matcher),
+        then its finish. Returns the sequences that finished."""
         newly: set[str] = set()
         for delta in outcome.deltas:
             rid = delta.request_id
@@ -264,6 +301,7 @@ class Engine:
                     break
             if delta.finished and not req.finished:
                 req.metrics.num_preemptions = delta.num_preemptions
+                self.stats.preemptions += delta.num_preemptions
                 req.finish(delta.finish_reason or "stop", delta.error, delta.stop_token_id)
                 newly.add(rid)
         return newly

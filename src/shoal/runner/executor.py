@@ -55,6 +55,12 @@ class Executor:
         """The result of the oldest submitted step (waits only for that step's tokens)."""
         return self.runner.finish(self._pending.popleft())
 
+    def discard(self) -> None:
+        """Drop the submitted steps without reading them (after an exception in a step); the
+        device finishes their queued work before any later step's, on the same stream."""
+        self._pending.clear()
+        self.runner.forget_last()
+
     def execute(self, plan: StepPlan,
                 grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> RunnerOutput:
         """Submit and collect one step (nothing else may be in flight)."""

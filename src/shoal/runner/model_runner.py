@@ -144,6 +144,10 @@ class ModelRunner:
         self._last = step
         return step
 
+    def forget_last(self) -> None:
+        """No later plan takes input ids from the latest launched step (it was discarded)."""
+        self._last = None
+
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's sampled tokens (only for them: work queued after the step keeps
         running) and turn them into the RunnerOutput; then accept drafts and propose new ones

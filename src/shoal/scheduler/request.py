@@ -16,10 +16,12 @@ Stop *strings* are not checked here (they need the detokenizer); the engine call
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.scheduler.step_plan import UNRESOLVED  # noqa: F401  (the plan contract's sentinel)
+# UNRESOLVED: the plan contract's sentinel, re-exported
+from shoal.scheduler.step_plan import UNRESOLVED, RequestDelta  # noqa: F401
 
 # Finish reasons (plain strings so that they travel in plans and outputs as-is).
 FINISH_STOP = "stop"  # eos, a stop token id, or (via the engine) a stop string
@@ -126,6 +128,22 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def is_stop_token(self, token: int, num_outputs: int) -> bool:
+        """eos (unless ignore_eos) or a stop id as output number `num_outputs`, once at least
+        min_tokens outputs exist; these win over length when both hold."""
+        if num_outputs < self.min_tokens:
+            return False
+        is_eos = (not self.ignore_eos and self.eos_token_id is not None
+                  and token == self.eos_token_id)
+        return is_eos or token in self.stop_token_ids
+
+    def delta(self, tokens: Sequence[int], finished: bool) -> RequestDelta:
+        """The plain record of an update: `tokens` appended and, if `finished`, how it ended."""
+        if not finished:
+            return RequestDelta(self.request_id, tuple(tokens))
+        return RequestDelta(self.request_id, tuple(tokens), self.finish_reason,
+                            self.stop_token_id, self.error, self.num_preemptions)
 
     def token_id(self, position: int) -> int:
         """The token at absolute position `position` (prompt first, then outputs)."""

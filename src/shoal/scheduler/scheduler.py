@@ -56,7 +56,6 @@ from shoal.scheduler.request import (
 )
 from shoal.scheduler.step_plan import (
     NewRequest,
-    RequestDelta,
     ScheduledRequest,
     StepOutcome,
     StepPlan,
@@ -293,7 +292,7 @@ class Scheduler:
             for index in range(first, len(out)):
                 token = int(tokens[index - first])
                 out[index] = token
-                if self._is_stop_token(request, token, index + 1):
+                if request.is_stop_token(token, index + 1):
                     del out[index + 1:]
                     self._stop(request, token)
                     break
@@ -302,13 +301,29 @@ class Scheduler:
             self.set_drafts(request_id, drafts)
         finished, self._finished_for_update = self._finished_for_update, []
         ended = {request.request_id: request for request in finished}
-        deltas = [self._delta(self.requests[rid], tokens, rid in ended)
+        deltas = [self.requests[rid].delta(tokens, rid in ended)
                   for rid, tokens in appended.items()]
-        deltas += [self._delta(request, (), True) for request in finished
+        deltas += [request.delta((), True) for request in finished
                    if request.request_id not in appended]
         for request in finished:
             self.requests.pop(request.request_id, None)
         return StepOutcome(deltas, finished)
+
+    def settle(self) -> StepOutcome:
+        """Close the plans scheduled or advanced but not applied, without results (after an
+        exception between schedule() and update() / resolve()): every request in them is
+        aborted, so the next schedule() starts from a consistent state."""
+        plans = [p for p in (self._unresolved, self._outstanding) if p is not None]
+        for item in (item for plan in plans for item in plan.scheduled):
+            self.abort_request(item.request_id)
+        outcome = StepOutcome()
+        if self._unresolved is not None:
+            outcome = self.resolve(self._unresolved, StepResult())
+        if self._outstanding is not None:
+            later = self.update(self._outstanding, StepResult())
+            outcome = StepOutcome(outcome.deltas + later.deltas,
+                                  outcome.finished + later.finished)
+        return outcome
 
     def set_drafts(self, request_id: str, drafts: Sequence[int]) -> None:
         """Drafts (speculative decoding) for the positions after a running request's last
@@ -323,12 +338,6 @@ class Scheduler:
             if request is not None and not request.is_finished:
                 self._finish(request, FINISH_ERROR, INVALID_ROW_ERROR)
 
-    @staticmethod
-    def _delta(request: Request, tokens: Sequence[int], finished: bool) -> RequestDelta:
-        if not finished:
-            return RequestDelta(request.request_id, tuple(tokens))
-        return RequestDelta(request.request_id, tuple(tokens), request.finish_reason,
-                            request.stop_token_id, request.error, request.num_preemptions)
 
     # ---- internals -------------------------------------------------------------------------
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
@@ -399,16 +408,6 @@ class Scheduler:
         request.num_preemptions += 1
         request.needs_slot_reset = False
         self.waiting.appendleft(request)
-
-    @staticmethod
-    def _is_stop_token(request: Request, token: int, num_outputs: int) -> bool:
-        """eos (unless ignore_eos) or a stop id as output number `num_outputs`, once at least
-        min_tokens outputs exist; these win over length when both hold."""
-        if num_outputs < request.min_tokens:
-            return False
-        is_eos = (not request.ignore_eos and request.eos_token_id is not None
-                  and token == request.eos_token_id)
-        return is_eos or token in request.stop_token_ids
 
     def _stop(self, request: Request, token: int) -> None:
         """Finish with `stop` at `token`; a request that finished since its token was advanced

@@ -1,0 +1,158 @@
+"""`shoal generate` and `shoal run-batch`: a file of requests through an LLM into a file of
+results, checked before the model loads, ordered, resumable and interruptible.
+
+Invariant: the output file is valid JSONL at every moment (whole lines, flushed); a Ctrl-C
+aborts what is running, prints what finished and exits 130; `--resume` skips the requests an
+earlier run wrote (by custom_id, else input line) and appends the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shoal.config import ShoalError
+from shoal.engine.outputs import RequestOutput
+from shoal.offline.openai_batch import batch_result, parse_batch_line
+from shoal.offline.output import ResultWriter, check_writable, keys_of, written_keys
+from shoal.offline.requests import RequestLine, read_requests
+from shoal.sampling import SamplingParams
+
+INTERRUPTED = 130  # the shell's exit status for SIGINT
+
+
+def record(request: RequestLine, out: RequestOutput) -> dict:
+    """`shoal generate`'s result line."""
+    rec: dict[str, Any] = {"line": request.line}
+    if request.custom_id is not None:
+        rec["custom_id"] = request.custom_id
+    rec["prompt"] = out.prompt
+    if out.error:
+        rec["error"] = out.error
+    comps = []
+    for c in out.outputs:
+        d: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids,
+                             "finish_reason": c.finish_reason}
+        if c.stop_reason is not None:
+            d["stop_reason"] = c.stop_reason
+        for key in ("reasoning_content", "content", "tool_calls", "cumulative_logprob"):
+            if getattr(c, key) is not None:
+                d[key] = getattr(c, key)
+        comps.append(d)
+    rec["outputs"] = comps
+    if out.metrics and out.metrics.latency is not None:
+        rec["latency_s"] = round(out.metrics.latency, 4)
+    return rec
+
+
+def check_paths(input_path: str | None, output_path: str | None) -> None:
+    """ShoalError now (before the model loads) for an unreadable input or unwritable output."""
+    try:
+        if input_path is not None:
+            with open(input_path, encoding="utf-8"):
+                pass
+        if output_path is not None:
+            check_writable(output_path)
+    except OSError as exc:
+        raise ShoalError(str(exc)) from None
+
+
+def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
+    s = llm.engine.stats
+    share = s.decoder_rows_skipped / s.decoder_rows_total if s.decoder_rows_total else 0.0
+    errors = sum(1 for o in outs if o.error)
+    print(f"{len(outs)} requests ({errors} errors, {s.preemptions} preemptions) | prompt "
+          f"tokens {s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
+          f"{s.output_tokens / max(elapsed, 1e-9):.1f} output tok/s | tail-only prefill "
+          f"skipped {share:.0%} of decoder work"
+          + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed}"
+             if s.drafts_proposed else ""), file=sys.stderr)
+
+
+def run_requests(llm, requests: list[RequestLine], write: Callable[[int, RequestOutput], None],
+                 *, progress: bool) -> tuple[list[RequestOutput], bool]:
+    """Run `requests`, calling `write(position, output)` as each finishes; returns the outputs
+    that finished and whether the run was interrupted (Ctrl-C)."""
+    outs: list[RequestOutput] = []
+    try:
+        for position, out in llm.run([r.item for r in requests], use_tqdm=progress):
+            outs.append(out)
+            write(position, out)
+    except KeyboardInterrupt:
+        return outs, True
+    return outs, False
+
+
+def _pending(requests: list[RequestLine], output: str | None, resume: bool
+             ) -> list[RequestLine]:
+    if not (resume and output):
+        return requests
+    done = written_keys(output)
+    return [r for r, key in zip(requests, keys_of(requests), strict=True) if key not in done]
+
+
+def _finish(llm, outs, total: int, skipped: int, interrupted: bool, elapsed: float,
+            held: int) -> int:
+    if interrupted:
+        print(f"shoal: interrupted: {len(outs)} of {total} requests finished"
+              + (f" ({held} of them not written: they wait for an earlier request in input "
+                 "order; --resume runs them again)" if held else ""), file=sys.stderr)
+    if skipped:
+        print(f"shoal: resumed: {skipped} requests were already in the output", file=sys.stderr)
+    summary(llm, outs, elapsed)
+    return INTERRUPTED if interrupted else 0
+
+
+def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
+    check_paths(args.input, args.output)
+    def warn(name: str) -> None:
+        print(f"shoal: warning: unknown field {name!r} ignored (--strict makes it an error)",
+              file=sys.stderr)
+
+    if args.input:
+        requests = list(read_requests(args.input, default, strict=args.strict, warn=warn))
+    else:
+        requests = [RequestLine(i + 1, None, {"prompt": p, "sampling_params": default})
+                    for i, p in enumerate(args.prompt or ["Hello, shoal!"])]
+    pending = _pending(requests, args.output, args.resume)
+    llm = make_llm()
+    stream = open(args.output, "a" if args.resume else "w", encoding="utf-8") \
+        if args.output else sys.stdout
+    writer = ResultWriter(stream, args.output_order)
+    t0 = time.perf_counter()
+    try:
+        outs, interrupted = run_requests(
+            llm, pending, lambda i, out: writer.add(i, record(pending[i], out)),
+            progress=not args.quiet and args.output is not None)
+    finally:
+        if stream is not sys.stdout:
+            stream.close()
+    return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
+                   time.perf_counter() - t0, writer.num_held)
+
+
+def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
+    """OpenAI batch file in, OpenAI batch results out (always in input order)."""
+    check_paths(args.input, args.output)
+    parsed = []
+    with open(args.input, encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            if text.strip():
+                parsed.append(parse_batch_line(text, n, default))
+    requests = [r for r, _ in parsed]
+    urls = {r.line: url for r, url in parsed}
+    pending = _pending(requests, args.output, args.resume)
+    llm = make_llm()
+    model = os.path.basename(os.path.normpath(args.model))
+    with open(args.output, "a" if args.resume else "w", encoding="utf-8") as stream:
+        writer = ResultWriter(stream, "input")
+        t0 = time.perf_counter()
+        outs, interrupted = run_requests(
+            llm, pending, lambda i, out: writer.add(i, batch_result(
+                pending[i], urls[pending[i].line], out, model)), progress=not args.quiet)
+    return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
+                   time.perf_counter() - t0, writer.num_held)
+

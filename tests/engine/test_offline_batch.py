@@ -1,0 +1,214 @@
+"""Offline batches as users run them: no input aborts a batch, an interrupt leaves the LLM
+usable, output in input order with resume after a killed run, checks before the model loads,
+and `shoal run-batch` in the OpenAI batch format."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.cli import main
+from shoal.offline.output import ResultWriter, written_keys
+
+OPTS = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 64}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+CLI = ["--model", "tiny", "--device", "cpu", "--max-model-len", "64", "--max-tokens", "3",
+       "--quiet"]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _without_latency(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "latency_s"} for r in records]
+
+
+BAD_IDS = {  # prompt_token_ids value -> what the error names
+    "[1, null]": "prompt_token_ids[1]", "[[1, 2]]": "prompt_token_ids[0]",
+    "5": "expected a list", "[1.7, 2.2]": "prompt_token_ids[0]", '"abc"': "expected a list",
+    "[]": "empty", "[1, 99999]": "vocabulary",
+}
+
+
+def test_bad_token_ids_are_per_request_errors_through_the_api() -> None:
+    llm = LLM("tiny", **OPTS)
+    prompts = [{"prompt_token_ids": json.loads(v)} for v in BAD_IDS] + [[5, 6, 7]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(outs) == len(BAD_IDS) + 1
+    for out, expected in zip(outs, BAD_IDS.values(), strict=False):
+        assert out.error is not None and expected in out.error, (out.error, expected)
+    assert outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
+    assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
+    (bad,) = llm.generate([[5, 6]], ["not params"], use_tqdm=False)  # type: ignore[list-item]
+    assert bad.error is not None and "SamplingParams" in bad.error
+
+
+def test_every_bad_line_becomes_its_entry(tmp_path: Path, capsys) -> None:
+    lines = [f'{{"prompt_token_ids": {v}}}' for v in BAD_IDS] + [
+        '{"prompt": "hi", "temprature": 0.5, "custom_id": "typo"}', "5", "[1, 2]",
+        '{"prompt": "x", "temperature": "hot"}', '{"prompt": "x", "custom_id": 7}',
+        '{"prompt": "x", "structured": "a+"}', '{"prompt": "fine", "custom_id": "ok"}']
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(dst)]) == 0
+    records = _records(dst)
+    assert [r["line"] for r in records] == list(range(1, len(lines) + 1))  # input order
+    for r, expected in zip(records, BAD_IDS.values(), strict=False):
+        assert expected in r["error"]
+    typo, obj5, list12, hot, cid, structured, ok = records[len(BAD_IDS):]
+    assert "error" not in typo and typo["custom_id"] == "typo"
+    assert "unknown field 'temprature'" in capsys.readouterr().err
+    assert obj5["error"].startswith(f"line {obj5['line']}:") and "JSON object" in obj5["error"]
+    assert "JSON object" in list12["error"] and "temperature" in hot["error"]
+    assert "custom_id" in cid["error"] and "structured" in structured["error"]
+    assert "error" not in ok and ok["custom_id"] == "ok" and len(ok["outputs"][0]["token_ids"])
+    strict = tmp_path / "strict.jsonl"
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(strict),
+                 "--strict"]) == 0
+    assert "unknown field" in _records(strict)[len(BAD_IDS)]["error"]
+
+
+def _alarm_interrupt(seconds: float) -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_interrupt_leaves_the_llm_usable(async_scheduling: bool) -> None:
+    llm = LLM("tiny", async_scheduling=async_scheduling, **OPTS)
+    free = llm.engine.scheduler.usage().num_free_blocks
+    (expected,) = LLM("tiny", **OPTS).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for delay in (0.05, 0.4, 1.2):  # before, during and well into the run
+        _alarm_interrupt(delay)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([[5, 6, 7]] * 6, long, use_tqdm=False)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        (out,) = llm.generate([[9, 8, 7]], GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert llm.engine.scheduler.usage().num_free_blocks == free  # no leaked block
+        assert not llm.engine.requests and not llm.engine.in_flight
+
+
+def test_result_writer_orders_by_input() -> None:
+    import io
+
+    stream = io.StringIO()
+    writer = ResultWriter(stream, "input")
+    for position in (2, 0, 3, 1):
+        writer.add(position, {"line": position + 1})
+    assert [json.loads(x)["line"] for x in stream.getvalue().splitlines()] == [1, 2, 3, 4]
+    completion = io.StringIO()
+    writer = ResultWriter(completion, "completion")
+    for position in (2, 0):
+        writer.add(position, {"line": position + 1})
+    assert [json.loads(x)["line"] for x in completion.getvalue().splitlines()] == [3, 1]
+
+
+def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7 + i % 3]} for i in range(7)]
+    prompts[3] = {"prompt": "a text prompt", "custom_id": "text"}
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(p) for p in prompts) + "\n", encoding="utf-8")
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(whole)]) == 0
+    run = LLM.run
+
+    def killed_run(self, items, use_tqdm=True):  # Ctrl-C after 4 results
+        for n, pair in enumerate(run(self, items, use_tqdm)):
+            if n == 4:
+                raise KeyboardInterrupt
+            yield pair
+
+    monkeypatch.setattr(LLM, "run", killed_run)
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(part)]) == 130
+    monkeypatch.setattr(LLM, "run", run)
+    written = _records(part)
+    assert 0 < len(written) <= 4 and [r["line"] for r in written] == list(
+        range(1, len(written) + 1))
+    with part.open("a", encoding="utf-8") as f:  # a kill in the middle of a line
+        f.write('{"line": 99, "prom')
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(part),
+                 "--resume"]) == 0
+    assert _without_latency(_records(part)) == _without_latency(_records(whole))
+    assert written_keys(str(part)) >= {"id:text", "line:1", "line:7"}
+
+
+def test_checks_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("shoal.llm.LLM.__init__", no_load)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x"}\n', encoding="utf-8")
+    cases = [
+        (["--input", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--input", str(src), "--output", str(tmp_path / "no" / "dir" / "o.jsonl")],
+         "not writable"),
+        (["--input", str(src), "--device", "tpu"], "device"),
+        (["--input", str(src), "--max-model-len", "100000"], "256 positions"),
+    ]
+    for extra, message in cases:
+        args = ["generate", "--model", "tiny", "--device", "cpu", *extra]
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--threads", "0", "--prompt", "x"]) == 2
+
+
+def test_every_sampling_field_has_a_flag(tmp_path: Path) -> None:
+    dst = tmp_path / "o.jsonl"
+    assert main(["generate", *CLI, "--prompt", "hello", "--output", str(dst), "--n", "2",
+                 "--request-seed", "3", "--min-p", "0.1", "--presence-penalty", "0.5",
+                 "--logprobs", "2", "--temperature", "0.8", "--threads", "1",
+                 "--regex", "[ab]+", "--output-order", "completion"]) == 0
+    (rec,) = _records(dst)
+    assert len(rec["outputs"]) == 2 and all(set(c["text"]) <= set("ab") for c in rec["outputs"])
+    assert all("cumulative_logprob" in c for c in rec["outputs"])
+
+
+def test_run_batch_round_trip(tmp_path: Path) -> None:
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                  "max_completion_tokens": 3, "temperature": 0}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "once upon", "max_tokens": 2, "seed": 4,
+                  "temperature": 0.7, "stop": "zz"}},
+        {"custom_id": "cmpl-ids", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "bad-field", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "temprature": 1}},
+    ]
+    src, dst = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    assert main(["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",
+                 "-i", str(src), "-o", str(dst), "--quiet"]) == 0
+    results = _records(dst)
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+    chat, cmpl, ids, bad_url, bad_field = results
+    body = ChatCompletion.model_validate(chat["response"]["body"])
+    assert chat["response"]["status_code"] == 200 and body.usage.completion_tokens <= 3
+    for r in (cmpl, ids):
+        done = Completion.model_validate(r["response"]["body"])
+        assert r["response"]["status_code"] == 200 and done.usage.completion_tokens == 2
+    for r, message in ((bad_url, "url"), (bad_field, "temprature")):
+        assert r["response"]["status_code"] == 400
+        assert message in r["response"]["body"]["error"]["message"]
+    assert main(["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",
+                 "-i", str(src), "-o", str(dst), "--quiet", "--resume"]) == 0
+    assert len(_records(dst)) == len(lines)  # everything was there: nothing appended
