@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from shoal.model.config import ModelConfig
-from shoal.model.weights import DISK_DTYPES, checkpoint_inventory, classify
+from shoal.model.weights import DISK_DTYPES, checkpoint_inventory, classify, is_optional
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -246,7 +246,7 @@ class CheckpointReader:
                 report.dtype_mismatch.append(
                     (name, info.file, f"dtype {info.dtype}, expected "
                      f"{' or '.join(DISK_DTYPES[spec.kind])}"))
-        report.missing = [n for n in inventory if n not in self._infos]
+        report.missing = [n for n in inventory if n not in self._infos and not is_optional(n)]
         if raise_on_error and not report.ok:
             raise CheckpointError(f"checkpoint {self.path} does not match config "
                                   f"{config.name!r}:\n{report.summary()}")

@@ -161,12 +161,19 @@ def from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     for key in ("name", "engram_token_map", "act_block_size"):
         if key in extra:
             out[key] = extra[key]
-    return out
+    return _no_candidate_source(out)
 
 
 def from_flat(raw: dict[str, Any]) -> dict[str, Any]:
     _check_forbidden(raw)
     out = {ours: raw[flat] for flat, ours in _FLAT_TO_OURS.items() if flat in raw}
+    return _no_candidate_source(out)
+
+
+def _no_candidate_source(out: dict[str, Any]) -> dict[str, Any]:
+    """The reference writes candidate_source_layer -1 for "no candidate source"."""
+    if out.get("candidate_source_layer") == -1:
+        out["candidate_source_layer"] = None
     return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from shoal.model.config import ModelConfig
-from shoal.model.weights import checkpoint_inventory, is_vision_name
+from shoal.model.weights import checkpoint_inventory, is_optional, is_vision_name
 
 EXPERT_PARTS = ("w13", "w13_scale", "w2", "w2_scale")
 # (first, second, fused name): FP8 [N, K] weights of one input, stacked by rows
@@ -84,7 +84,7 @@ class ModelParams:
         if unknown:
             raise WeightError(f"{len(unknown)} unknown weight(s): {', '.join(unknown[:10])}")
         loaded = set(tensors) | _expert_names(config, experts)
-        missing = sorted(set(inventory) - loaded)
+        missing = sorted(n for n in set(inventory) - loaded if not is_optional(n))
         if missing:
             raise WeightError(f"{len(missing)} missing weight(s): {', '.join(missing[:10])}")
         return cls(tensors, {p: {k: v for k, v in e.items() if k != "_seen"}

@@ -212,6 +212,15 @@ def inventory_counts(inventory: Mapping[str, TensorSpec]) -> dict[str, int]:
     return counts
 
 
+# Tensors the text engine never reads that a valid checkpoint may omit (a release without the
+# vision tower has no vision-language router bias).
+OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)
+
+
+def is_optional(name: str) -> bool:
+    return name.endswith(OPTIONAL_SUFFIXES)
+
+
 def is_vision_name(name: str) -> bool:
     """True for the vision tower's tensors (ignored by the text engine, never 'unknown')."""
     return name.startswith(VISION_PREFIXES) or any(
