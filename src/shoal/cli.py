@@ -1,4 +1,4 @@
-"""`shoal generate | run-batch | chat | info | make-checkpoint | demo | bench`.
+"""`shoal generate | run-batch | serve | chat | info | make-checkpoint | demo | bench`.
 
 Errors at start-up (bad model path, bad option, unreadable input, unwritable output) exit
 non-zero with one line naming the problem, before the model loads; bad input lines become
@@ -142,6 +142,23 @@ def cmd_run_batch(args) -> int:
 
     _check_config(args)
     return run_batch(args, lambda: _make_llm(args), _default_params(args))
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from shoal.serve.app import create_app
+    from shoal.serve.engine_loop import Limits
+
+    _check_config(args)
+    llm = _make_llm(args)
+    name = args.served_model_name or args.model
+    app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
+        "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
+    print(f"shoal serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_grace)
+    return 0
 
 
 def cmd_chat(args) -> int:
@@ -293,6 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-i", "--input", required=True)
     b.add_argument("-o", "--output", required=True)
     _batch_args(b)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", dest="api_key", default=None,
+                   help="required as 'Authorization: Bearer KEY' (default: $SHOAL_API_KEY)")
+    s.add_argument("--served-model-name", dest="served_model_name", default=None)
+    s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=256,
+                   help="requests waiting for their first token before new ones get 429")
+    s.add_argument("--max-queued-prompt-tokens", dest="max_queued_prompt_tokens", type=int,
+                   default=1 << 20)
+    s.add_argument("--shutdown-grace", dest="shutdown_grace", type=float, default=30.0,
+                   help="seconds to finish in-flight requests on SIGTERM")
     c = sub.add_parser("chat", help="interactive chat (streamed)")
     _engine_args(c)
     c.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
@@ -326,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "run-batch": cmd_run_batch, "chat": cmd_chat,
-                "info": cmd_info, "demo": cmd_demo}[args.command](args)
+        return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": cmd_serve,
+                "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo}[args.command](args)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return 2

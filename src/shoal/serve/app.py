@@ -1,0 +1,376 @@
+"""`shoal serve`: the OpenAI-compatible HTTP API over one `EngineLoop`.
+
+Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent events with
+reasoning / content / tool-call deltas and an optional usage chunk), /v1/models, /health,
+/metrics. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
+a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
+429 past the queue limits.
+
+Invariant: every accepted request ends exactly once: answered, or aborted when its client goes
+away (its KV blocks are freed in the next engine turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from shoal.engine.outputs import RequestOutput
+from shoal.llm import parse_chat_output
+from shoal.serve.engine_loop import EngineLoop, Handle, Limits, QueueFull, Update
+from shoal.serve.metrics import Metrics
+from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from shoal.tokenizer.encoding import encode_messages
+from shoal.tokenizer.parser import OutputParser
+
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
+    if reason is None:
+        return None
+    if tool_calls:
+        return "tool_calls"
+    return {"stop": "stop", "length": "length"}.get(reason, "stop" if reason == "abort"
+                                                    else "length")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """The request handling; `create_app` wires it to FastAPI."""
+
+    def __init__(self, llm, model_name: str, limits: Limits) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.model_name = model_name
+        self.loop = EngineLoop(self.engine, limits)
+        self.metrics = Metrics(lambda: self.loop.snapshot)
+        context = llm.config.scheduler.max_model_len
+        self.default_max_tokens = max(1, min(4096, context // 2))
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", "not_found_error", "model")
+
+    def _submit(self, prompt, params, ids) -> Handle:
+        try:
+            return self.loop.submit(prompt, params, ids)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error") from None
+
+    async def _first(self, handle: Handle, request: Request) -> Update:
+        """The first update; a request rejected by the engine becomes a 400."""
+        update = await self._next(handle, request)
+        out = update.output
+        if out is not None and out.error is not None and not any(update.token_ids):
+            raise APIError(400, out.error, param="messages" if "messages" in out.error
+                           else None)
+        return update
+
+    async def _next(self, handle: Handle, request: Request) -> Update:
+        while True:
+            try:
+                update = await asyncio.wait_for(handle.updates.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.loop.abort(handle)
+                    raise APIError(499, "client disconnected") from None
+                continue
+            self._observe(handle, update)
+            return update
+
+    def _observe(self, handle: Handle, update: Update) -> None:
+        now = time.perf_counter()
+        tokens = sum(len(t) for t in update.token_ids)
+        last = handle.last_token_time
+        if tokens and last is None:
+            self.metrics.ttft.observe(now - handle.submitted)
+        elif tokens and last is not None:
+            self.metrics.itl.observe((now - last) / tokens)
+        if tokens:
+            handle.last_token_time = now
+        if update.output is not None:
+            self.metrics.e2e.observe(now - handle.submitted)
+
+    async def _collect(self, first: Update, handle: Handle, request: Request) -> RequestOutput:
+        update = first
+        while update.output is None:
+            if all(r == "abort" for r in update.finish_reasons):
+                raise APIError(503, "the server is shutting down", "server_error")
+            update = await self._next(handle, request)
+        return update.output
+
+    def _usage(self, out: RequestOutput) -> dict:
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
+                "total_tokens": len(out.prompt_token_ids) + completion}
+
+    def _token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    @staticmethod
+    def _top(lp: dict, n_top: int) -> list:
+        """The top-n entries of a position's logprobs (the sampled token may rank lower)."""
+        return sorted(((t, v) for t, v in lp.items() if v.rank <= n_top),
+                      key=lambda kv: kv[1].rank)
+
+    def _chat_logprobs(self, entries, n_top: int) -> dict:
+        def item(token: int, logprob: float) -> dict:
+            text = self._token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(token, lp[token].logprob), "top_logprobs": [
+            item(t, v.logprob) for t, v in self._top(lp, n_top)]} for token, lp in entries]}
+
+    def _completion_logprobs(self, entries, n_top: int) -> dict:
+        return {"tokens": [self._token_text(t) for t, _ in entries],
+                "token_logprobs": [lp[t].logprob for t, lp in entries],
+                "top_logprobs": [{self._token_text(t): v.logprob for t, v in self._top(lp, n_top)}
+                                 for _, lp in entries]}
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        try:
+            params = body.params(self.default_max_tokens)
+            prompt, ids = body.prompt_input()
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        handle = self._submit(prompt, params, ids)
+        first = await self._first(handle, request)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        want_lp = params.logprobs
+        if body.stream:
+            return StreamingResponse(self._completion_stream(
+                first, handle, request, rid, created, want_lp, body),
+                media_type="text/event-stream")
+        out = await self._collect(first, handle, request)
+        choices = [{"index": c.index, "text": c.text, "finish_reason":
+                    _finish_reason(c.finish_reason), "logprobs":
+                    self._completion_logprobs(list(zip(c.token_ids, c.logprobs, strict=False)),
+                                              want_lp)
+                    if want_lp is not None and c.logprobs else None} for c in out.outputs]
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self._usage(out)}
+
+    async def _completion_stream(self, update: Update, handle: Handle, request: Request,
+                                 rid: str, created: int, want_lp: int | None, body
+                                 ) -> AsyncIterator[str]:
+        done = False
+        try:
+            while True:
+                for i, (text, entries, reason) in enumerate(zip(
+                        update.text, update.logprobs, update.finish_reasons, strict=True)):
+                    if text or reason is not None or entries:
+                        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                    "model": self.model_name, "choices": [{
+                                        "index": i, "text": text,
+                                        "logprobs": self._completion_logprobs(
+                                            entries, want_lp)
+                                        if want_lp is not None and entries else None,
+                                        "finish_reason": _finish_reason(reason)}]})
+                if update.output is not None or all(r is not None
+                                                    for r in update.finish_reasons):
+                    break
+                update = await self._next(handle, request)
+            done = True
+            if update.output is not None and body.stream_options and \
+                    body.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created,
+                            "model": self.model_name, "choices": [],
+                            "usage": self._usage(update.output)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.loop.abort(handle)
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        try:
+            params = body.params(self.default_max_tokens)
+            options = body.encode_options()
+            prompt = encode_messages(body.message_dicts(), **options)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        handle = self._submit(prompt, params, ids)
+        first = await self._first(handle, request)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return StreamingResponse(self._chat_stream(first, handle, request, rid, created,
+                                                       prompt, params.logprobs, body),
+                                     media_type="text/event-stream")
+        out = await self._collect(first, handle, request)
+        parse_chat_output(out, prompt)
+        choices = []
+        for c in out.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.content}
+            if c.reasoning_content is not None:
+                message["reasoning_content"] = c.reasoning_content
+            if c.tool_calls:
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": t["name"], "arguments": t["arguments"]}}
+                    for t in c.tool_calls]
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(list(zip(
+                                c.token_ids, c.logprobs, strict=False)), params.logprobs)
+                            if params.logprobs is not None and c.logprobs else None,
+                            "finish_reason": _finish_reason(c.finish_reason,
+                                                            bool(c.tool_calls))})
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self._usage(out)}
+
+    async def _chat_stream(self, update: Update, handle: Handle, request: Request, rid: str,
+                           created: int, prompt: str, want_lp: int | None, body
+                           ) -> AsyncIterator[str]:
+        n = len(update.text)
+        parsers = [OutputParser.for_prompt(prompt) for _ in range(n)]
+        calls: list[dict[int, str]] = [{} for _ in range(n)]  # call index -> id
+        ended = [False] * n
+
+        def chunk(index: int, delta: dict, reason: str | None = None, lp=None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.model_name, "choices": [{
+                             "index": index, "delta": delta, "logprobs": lp,
+                             "finish_reason": reason}]})
+
+        done = False
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            while True:
+                for i in range(n):
+                    if ended[i]:
+                        continue
+                    events = parsers[i].feed(update.text[i])
+                    reason = update.finish_reasons[i]
+                    if reason is not None:
+                        events += parsers[i].close()
+                    lp = self._chat_logprobs(update.logprobs[i], want_lp) \
+                        if want_lp is not None and update.logprobs[i] else None
+                    for delta in self._chat_deltas(events, calls[i]):
+                        yield chunk(i, delta, lp=lp)
+                        lp = None
+                    if lp is not None:
+                        yield chunk(i, {}, lp=lp)
+                    if reason is not None:
+                        ended[i] = True
+                        yield chunk(i, {}, _finish_reason(reason, bool(calls[i])))
+                if all(ended) or update.output is not None:
+                    break
+                update = await self._next(handle, request)
+            done = True
+            if update.output is not None and body.stream_options and \
+                    body.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": self.model_name, "choices": [],
+                            "usage": self._usage(update.output)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.loop.abort(handle)
+
+    @staticmethod
+    def _chat_deltas(events, calls: dict[int, str]) -> list[dict]:
+        deltas = []
+        for e in events:
+            if e.kind == "reasoning" and e.text:
+                deltas.append({"reasoning_content": e.text})
+            elif e.kind == "content" and e.text:
+                deltas.append({"content": e.text})
+            elif e.kind == "tool_call":
+                calls[e.index] = f"call_{uuid.uuid4().hex[:24]}"
+                deltas.append({"tool_calls": [{"index": e.index, "id": calls[e.index],
+                                               "type": "function", "function": {
+                                                   "name": e.name, "arguments": ""}}]})
+            elif e.kind == "tool_arguments" and e.text:
+                deltas.append({"tool_calls": [{"index": e.index,
+                                               "function": {"arguments": e.text}}]})
+        return deltas
+
+
+def create_app(llm, *, model_name: str, api_key: str | None = None,
+               limits: Limits | None = None) -> FastAPI:
+    server = Server(llm, model_name, limits or Limits())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        server.loop.stop(timeout=30)
+
+    app = FastAPI(title="shoal", lifespan=lifespan)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse(error_body("missing or wrong API key", "authentication_error",
+                                               code=401), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status),
+                            status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", param=param,
+                                       code=400), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive:
+            return JSONResponse({"status": "engine stopped", "error": repr(server.loop.error)},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "shoal", "max_model_len": llm.config.scheduler.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    return app

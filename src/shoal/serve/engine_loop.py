@@ -1,0 +1,201 @@
+"""The server's engine loop: one thread owns the `Engine` and steps it while requests are live;
+the web side submits and aborts through a command queue and receives, per request, one
+`Update` per step that changed it (new text, tokens, logprobs; the output when it is done).
+
+Invariant: only the loop thread touches the engine. A request joins the running batch at the
+next step after its submission; an abort frees its KV blocks in the next loop turn. Admission
+is bounded: past `max_queued_requests` requests (or `max_queued_prompt_tokens` prompt tokens)
+that have not produced a token yet, `submit` raises `QueueFull` instead of queueing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine.engine import Engine
+from shoal.engine.outputs import Logprob, RequestOutput
+from shoal.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting for their first token (HTTP 429)."""
+
+
+@dataclass
+class Update:
+    """What changed for one request in one step; per choice (n > 1), in choice order."""
+
+    text: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list[tuple[int, dict[int, Logprob]]]]
+    finish_reasons: list[str | None]
+    output: RequestOutput | None = None  # set once the request is done (then it is the last)
+
+
+@dataclass
+class Handle:
+    """One submitted request as the web side sees it."""
+
+    prompt_tokens: int
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    group: str | None = None  # set by the loop thread
+    submitted: float = field(default_factory=time.perf_counter)
+    started: bool = False  # produced a token (or finished): no longer queued
+    last_token_time: float | None = None  # (metrics: inter-token latency)
+    sent: list[list[int]] = field(default_factory=list)  # per choice: text, tokens, logprobs
+
+    def push(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queued_requests: int = 256
+    max_queued_prompt_tokens: int = 1 << 20
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, limits: Limits | None = None) -> None:
+        self.engine = engine
+        self.limits = limits or Limits()
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, Handle] = {}  # group -> handle (loop thread only)
+        self._lock = threading.Lock()
+        self._queued = [0, 0]  # requests, prompt tokens not yet started (under _lock)
+        self._stop = threading.Event()
+        self.snapshot: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- the web side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._snapshot()
+        self._thread.start()
+
+    def submit(self, prompt: str | None, params: SamplingParams,
+               prompt_token_ids: Sequence[int] | None = None) -> Handle:
+        """Queue a request (call from the event loop); QueueFull past the limits."""
+        tokens = len(prompt_token_ids) if prompt_token_ids is not None else \
+            len(self.engine.tokenizer.encode(prompt or "", add_special_tokens=True))
+        with self._lock:
+            if self._queued[0] >= self.limits.max_queued_requests:
+                raise QueueFull(f"{self._queued[0]} requests are already waiting (limit "
+                                f"{self.limits.max_queued_requests}); retry later")
+            if self._queued[1] + tokens > self.limits.max_queued_prompt_tokens:
+                raise QueueFull(f"{self._queued[1]} prompt tokens are already waiting (limit "
+                                f"{self.limits.max_queued_prompt_tokens}); retry later")
+            self._queued[0] += 1
+            self._queued[1] += tokens
+        handle = Handle(tokens, asyncio.get_running_loop())
+        self._commands.put(("add", handle, (prompt, params, prompt_token_ids)))
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        self._commands.put(("abort", handle, None))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is live and end the thread."""
+        self._stop.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not engine.has_unfinished())
+                if engine.has_unfinished():
+                    engine.step()
+                    self._publish()
+                self._snapshot()
+        except BaseException as exc:  # the server reports it on /health
+            self.error = exc
+            raise
+        finally:  # wake every waiter with an aborted end; settle the engine
+            for handle in self._live.values():
+                handle.push(Update([""] * len(handle.sent), [[] for _ in handle.sent],
+                                   [[] for _ in handle.sent], ["abort"] * len(handle.sent)))
+            engine.cancel(list(self._live))
+            self._live.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.05) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, handle, args = command
+            if kind == "add":
+                prompt, params, ids = args
+                handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
+                self._live[handle.group] = handle
+                handle.sent = [[0, 0, 0] for _ in self.engine.groups[handle.group]]
+            elif kind == "abort" and handle.group in self._live:
+                self._abort(handle)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()  # requests rejected at add time are complete already
+
+    def _abort(self, handle: Handle) -> None:
+        """Free the request's blocks now; its final update comes with the next step."""
+        self.engine.abort(handle.group)
+
+    def _publish(self) -> None:
+        engine = self.engine
+        for group, handle in list(self._live.items()):
+            children = [engine.requests[r] for r in engine.groups[group]]
+            text, tokens, logprobs, reasons = [], [], [], []
+            changed = False
+            for child, sent in zip(children, handle.sent, strict=True):
+                text.append(child.text[sent[0]:])
+                tokens.append(child.output_token_ids[sent[1]:])
+                lps = child.logprobs or []
+                logprobs.append(list(zip(child.output_token_ids[sent[2]:], lps[sent[2]:],
+                                         strict=False)))
+                reasons.append(child.finish_reason)
+                changed = changed or bool(text[-1] or tokens[-1])
+                sent[:] = [len(child.text), len(child.output_token_ids), len(lps)]
+            done = all(c.finished for c in children)
+            if not (changed or done):
+                continue
+            if not handle.started:
+                handle.started = True
+                with self._lock:
+                    self._queued[0] -= 1
+                    self._queued[1] -= handle.prompt_tokens
+            output = None
+            if done:
+                output = engine.output(group)
+                engine.release(group)
+                del self._live[group]
+            handle.push(Update(text, tokens, logprobs, reasons, output))
+
+    def _snapshot(self) -> None:
+        s, scheduler = self.engine.stats, self.engine.scheduler
+        usage = scheduler.usage()
+        with self._lock:
+            queued = tuple(self._queued)
+        self.snapshot = {
+            "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "queued_requests": queued[0], "queued_prompt_tokens": queued[1],
+            "kv_blocks_used": usage.num_used_blocks, "kv_blocks_total": usage.num_blocks,
+            "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+            "preemptions": s.preemptions, "requests": s.num_requests, "errors": s.num_errors,
+            "drafts_proposed": s.drafts_proposed, "drafts_accepted": s.drafts_accepted,
+            "steps": s.steps,
+        }

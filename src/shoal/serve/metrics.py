@@ -1,0 +1,49 @@
+"""Prometheus metrics of one server (its own registry: no global state): the engine loop's
+snapshot as gauges and counters read at scrape time, and latency histograms observed as
+requests stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+GAUGES = {"running": "requests running", "waiting": "requests waiting for admission",
+          "queued_requests": "requests without a first token yet",
+          "kv_blocks_used": "KV blocks in use", "kv_blocks_total": "KV blocks in the pool"}
+COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
+            "preemptions": "preemptions of finished requests", "requests": "requests added",
+            "errors": "requests rejected", "drafts_proposed": "speculative drafts verified",
+            "drafts_accepted": "speculative drafts accepted", "steps": "engine steps"}
+
+
+class _Snapshot:
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator:
+        snap = self.read()
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(f"shoal_{name}", doc, value=snap.get(name, 0))
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(f"shoal_{name}", doc, value=snap.get(name, 0))
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_Snapshot(snapshot))
+        self.ttft = Histogram("shoal_time_to_first_token_seconds", "time to first token",
+                              registry=self.registry,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.itl = Histogram("shoal_inter_token_latency_seconds", "time between output tokens",
+                             registry=self.registry,
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self.e2e = Histogram("shoal_request_latency_seconds", "request latency",
+                             registry=self.registry,
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,168 @@
+"""The OpenAI request bodies (pydantic) and their translation into shoal's SamplingParams and
+prompts; OpenAI-style error bodies. vLLM's extra fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, guided_json / guided_regex / guided_choice /
+guided_grammar, chat_template_kwargs) are accepted under the same names.
+
+Invariant: a body that validates here gives a SamplingParams or a ValueError naming the field;
+nothing past this module sees an HTTP body.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shoal.sampling import SamplingParams
+from shoal.sampling.structured import StructuredOutputSpec
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+        fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        guided = {k: v for k, v in (("json_schema", self.guided_json),
+                                    ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice),
+                                    ("grammar", self.guided_grammar)) if v is not None}
+        if len(guided) > 1:
+            raise ValueError(f"guided_*: got {sorted(guided)}, expected at most one")
+        if guided:
+            fields["structured"] = StructuredOutputSpec(**guided)
+        return fields
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        fields = self.sampling_fields()
+        fields["max_tokens"] = self.max_completion_tokens or self.max_tokens or \
+            default_max_tokens
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
+        if self.response_format is not None and self.response_format.type != "text":
+            if "structured" in fields:
+                raise ValueError("response_format and guided_*: give one of them")
+            fmt = self.response_format
+            schema = {"type": "object"} if fmt.type == "json_object" else \
+                (fmt.json_schema or {}).get("schema", {"type": "object"})
+            fields["structured"] = StructuredOutputSpec(json_schema=schema)
+        return SamplingParams(**fields)
+
+    def encode_options(self) -> dict[str, Any]:
+        """Keyword arguments of `encode_messages` (tools, reasoning, thinking)."""
+        choice = self.tool_choice
+        if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice: got {json.dumps(choice)}, expected 'auto' or "
+                             "'none' (forcing a call is not supported)")
+        options: dict[str, Any] = {}
+        if self.tools and choice != "none":
+            options["tools"] = self.tools
+        if self.reasoning_effort is not None:
+            options["reasoning_effort"] = self.reasoning_effort
+        kwargs = self.chat_template_kwargs or {}
+        unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
+        if unknown:
+            raise ValueError(f"chat_template_kwargs: unsupported key(s) {unknown}")
+        thinking = kwargs.get("enable_thinking", kwargs.get("thinking"))
+        if thinking is not None:
+            options["thinking"] = bool(thinking)
+        return options
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        fields = self.sampling_fields()
+        fields["max_tokens"] = self.max_tokens or default_max_tokens
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+        return SamplingParams(**fields)
+
+    def prompt_input(self) -> tuple[str | None, list[int] | None]:
+        """(text, None) or (None, token ids); one prompt per request."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt, None
+        if prompt and all(isinstance(t, str) for t in prompt):
+            if len(prompt) != 1:
+                raise ValueError("prompt: a list of several prompts is not supported; send "
+                                 "one request per prompt")
+            return prompt[0], None  # type: ignore[return-value]
+        return None, list(prompt)  # type: ignore[arg-type]

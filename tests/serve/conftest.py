@@ -1,0 +1,58 @@
+"""A live `shoal serve` on tiny (CPU, loopback, a free port) for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+API_KEY = "test-key"
+
+
+class LiveServer:
+    def __init__(self, **engine_options) -> None:
+        import uvicorn
+
+        from shoal import LLM
+        from shoal.serve.app import create_app
+        from shoal.serve.engine_loop import Limits
+
+        limits = Limits(engine_options.pop("max_queued_requests", 256),
+                        engine_options.pop("max_queued_prompt_tokens", 1 << 20))
+        self.llm = LLM("tiny", device="cpu", **engine_options)
+        self.app = create_app(self.llm, model_name="tiny", api_key=API_KEY, limits=limits)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_loop(self):
+        return self.app.state.server.loop
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = LiveServer(max_num_seqs=16, max_model_len=256)
+    yield server
+    server.stop()

@@ -1,0 +1,228 @@
+"""`shoal serve` through the real `openai` client on tiny (CPU, loopback): completions and chat,
+streaming equal to non-streaming, tool calls, JSON schema output, logprobs, n, usage; bad
+requests with OpenAI error bodies; the API key; cancellation and a bounded load test without a
+leaked KV block; 429 past the queue limit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import API_KEY, LiveServer
+
+CHAT = [{"role": "user", "content": "hello there"}]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+TOOL_BLOCK = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+              '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+              '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+
+
+def _free_blocks(live: LiveServer) -> int:
+    return live.engine_loop.snapshot["kv_blocks_total"] - \
+        live.engine_loop.snapshot["kv_blocks_used"]
+
+
+def _wait_idle(live: LiveServer, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        snap = live.engine_loop.snapshot
+        if not (snap["running"] or snap["waiting"] or snap["kv_blocks_used"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {live.engine_loop.snapshot}")
+
+
+def _post(live: LiveServer, path: str, body: bytes | dict, key: str | None = API_KEY):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(live.base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_completions_and_chat_stream_equal_non_stream(live: LiveServer) -> None:
+    client = live.client()
+    args = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 8,
+            "temperature": 0.9, "seed": 11}
+    whole = client.completions.create(**args)
+    parts = client.completions.create(**args, stream=True,
+                                      stream_options={"include_usage": True})
+    chunks = list(parts)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 5,
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}  # vLLM's alias
+    whole = client.chat.completions.create(**chat)
+    assert whole.choices[0].message.content and whole.usage.completion_tokens == 8
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**chat, stream=True)
+              if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    thinking = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6,
+                                              temperature=0.0)
+    assert thinking.choices[0].message.reasoning_content  # the thinking prompt's reasoning
+
+
+def test_n_logprobs_json_schema_and_tool_calls(live: LiveServer) -> None:
+    client = live.client()
+    two = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=2,
+                                         temperature=1.0, seed=3, logprobs=True,
+                                         top_logprobs=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    for choice in two.choices:
+        assert len(choice.logprobs.content) == 4
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    cmpl = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, logprobs=2)
+    assert len(cmpl.choices[0].logprobs.token_logprobs) == 3
+    out = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=24, temperature=1.0, seed=9,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    value = json.loads(out.choices[0].message.content)
+    assert isinstance(value, dict) and set(value) == {"ok"} and isinstance(value["ok"], bool)
+    # the tool preamble alone outgrows tiny's 256 positions: the tools reach the encoding
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=4)
+    # random weights make no call by themselves: a grammar admitting only a DSML call block
+    forced = {"model": "tiny", "messages": [{"role": "user", "content": "weather in Paris?"}],
+              "max_tokens": 80, "temperature": 0.0,
+              "extra_body": {"guided_choice": [TOOL_BLOCK],
+                             "chat_template_kwargs": {"enable_thinking": False}}}
+    call = client.chat.completions.create(**forced)
+    (tool,) = call.choices[0].message.tool_calls
+    assert call.choices[0].finish_reason == "tool_calls"
+    assert tool.function.name == "get_weather" and json.loads(tool.function.arguments) == {
+        "city": "Paris"}
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(**forced,
+                                                                             stream=True)
+                if c.choices]
+    starts = [t for d in streamed for t in (d.tool_calls or []) if t.function.name]
+    args = "".join(t.function.arguments or "" for d in streamed for t in (d.tool_calls or []))
+    assert [t.function.name for t in starts] == ["get_weather"]
+    assert json.loads(args) == {"city": "Paris"}
+
+
+BAD = [  # (body, status, text the message names)
+    ({"messages": CHAT}, 400, "model"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "top_p": 2}, 400, "top_p"),
+    ({"model": "tiny", "messages": CHAT, "tools": TOOLS, "tool_choice": "sometimes"}, 400,
+     "tool_choice"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 400}]}, 400,
+     "max_model_len"),
+    ({"model": "other", "messages": CHAT}, 404, "other"),
+    ({"model": "tiny", "messages": CHAT, "temprature": 1}, 400, "temprature"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live: LiveServer) -> None:
+    for body, status, text in BAD:
+        code, reply = _post(live, "/v1/chat/completions", body)
+        assert code == status, (body, reply)
+        assert text in reply["error"]["message"] and reply["error"]["type"], reply
+    code, reply = _post(live, "/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert code == 400 and "error" in reply
+    code, reply = _post(live, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=None)
+    assert code == 401 and reply["error"]["type"] == "authentication_error"
+    with urllib.request.urlopen(live.base + "/health", timeout=10) as r:  # no key needed
+        assert r.status == 200
+    req = urllib.request.Request(live.base + "/metrics",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    for name in ("shoal_running", "shoal_kv_blocks_used", "shoal_output_tokens_total",
+                 "shoal_time_to_first_token_seconds_bucket", "shoal_preemptions_total"):
+        assert name in text
+    assert [m.id for m in live.client().models.list().data] == ["tiny"]
+    ok = live.client().completions.create(model="tiny", prompt="still here", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_disconnect_mid_stream_frees_the_blocks(live: LiveServer) -> None:
+    _wait_idle(live)
+    free = _free_blocks(live)
+    stream = live.client().completions.create(model="tiny", prompt="a long story",
+                                              max_tokens=200, stream=True,
+                                              extra_body={"ignore_eos": True})
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()
+    _wait_idle(live)
+    assert _free_blocks(live) == free
+
+
+def test_load_every_request_answered_once(live: LiveServer) -> None:
+    _wait_idle(live)
+    free = _free_blocks(live)
+    clients, per_client = 64, 3
+    results: list[list[int]] = [[] for _ in range(clients)]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        client = live.client(timeout=120)
+        try:
+            for j in range(per_client):
+                r = client.completions.create(model="tiny", prompt=[5 + i, 6 + j, 7],
+                                              max_tokens=3, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+                results[i].append(r.usage.completion_tokens)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert results == [[3] * per_client for _ in range(clients)]
+    _wait_idle(live)
+    assert _free_blocks(live) == free
+
+
+def test_queue_limit_answers_429() -> None:
+    server = LiveServer(max_num_seqs=2, max_model_len=128, max_queued_requests=1)
+    try:
+        codes: list[int] = []
+
+        def one() -> None:
+            try:
+                server.client(timeout=120).completions.create(
+                    model="tiny", prompt="x", max_tokens=20, extra_body={"ignore_eos": True})
+                codes.append(200)
+            except openai.RateLimitError:
+                codes.append(429)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert 429 in codes and 200 in codes and len(codes) == 8
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
+def test_key_required_but_not_for_health(live: LiveServer, path: str) -> None:
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(live.base + path, timeout=10)
+    assert err.value.code == 401
