@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -156,8 +157,13 @@ def cmd_serve(args) -> int:
     app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
         "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
     print(f"shoal serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
+    # handler found at start: make that one a no-op, so a graceful stop exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=args.shutdown_grace)
+    print("shoal serve: stopped", file=sys.stderr)
     return 0
 
 

@@ -226,3 +226,44 @@ def test_key_required_but_not_for_health(live: LiveServer, path: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(live.base + path, timeout=10)
     assert err.value.code == 401
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--model", "tiny",
+                             "--device", "cpu", "--port", str(port), "--max-model-len", "128",
+                             "--shutdown-grace", "60", "--threads", "1"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise AssertionError("the server did not come up") from None
+                time.sleep(0.2)
+        answer: list = []
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        worker = threading.Thread(target=lambda: answer.append(client.completions.create(
+            model="tiny", prompt="x", max_tokens=40, extra_body={"ignore_eos": True})))
+        worker.start()
+        time.sleep(0.5)  # the request is in flight
+        proc.send_signal(signal.SIGTERM)
+        worker.join(120)
+        assert proc.wait(120) == 0
+        assert answer and answer[0].usage.completion_tokens == 40  # finished, not cut
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,137 @@
+"""Serving cost: the same workload through `LLM.generate` (offline) and through `shoal serve`
+(a loopback server over the same engine, streaming clients of the `openai` library at a given
+concurrency and request rate), in one run. Reports output tok/s of both, the server's share of
+the offline throughput, and TTFT / inter-token / end-to-end latency percentiles.
+
+    python benchmarks/bench_serve.py --model mini --load-format dummy --num-prompts 256 \\
+        --concurrency 64 --prompt-len 512 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+
+from shoal import LLM, SamplingParams
+from shoal.bench import git_commit
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 \
+        else [values[0]] * 99
+    return {"mean": statistics.fmean(values) * 1e3, "p50": qs[49] * 1e3, "p90": qs[89] * 1e3,
+            "p99": qs[98] * 1e3}
+
+
+async def _clients(base: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                   rate: float) -> tuple[list[dict], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(0)
+
+    async def one(ids: list[int]) -> dict:
+        async with gate:
+            start, times, tokens = time.perf_counter(), [], 0
+            stream = await client.completions.create(
+                model="bench", prompt=ids, max_tokens=output_len, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(time.perf_counter())
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            end = time.perf_counter()
+            return {"ttft": times[0] - start if times else end - start, "e2e": end - start,
+                    "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
+                    "tokens": tokens}
+
+    tasks = []
+    t0 = time.perf_counter()
+    for ids in prompts:
+        tasks.append(asyncio.create_task(one(ids)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args()
+    import uvicorn
+
+    from shoal.serve.app import create_app
+    from shoal.serve.engine_loop import Limits
+
+    llm = LLM(args.model, device=args.device, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs,
+              max_model_len=args.prompt_len + args.output_len + 8)
+    rng = random.Random(1)
+    vocab = llm.config.model_config.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)  # warm
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    offline_s = time.perf_counter() - t0
+    offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+
+    app = create_app(llm, model_name="bench", limits=Limits(max_queued_requests=1 << 20,
+                                                            max_queued_prompt_tokens=1 << 40))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    results, served_s = asyncio.run(_clients(f"http://127.0.0.1:{port}", prompts,
+                                             args.output_len, args.concurrency,
+                                             args.request_rate))
+    server.should_exit = True
+    thread.join(60)
+    served_tokens = sum(r["tokens"] for r in results)
+    summary = {
+        "bench": "serve", "commit": git_commit(), "model": args.model,
+        "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+        "request_rate": args.request_rate, "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "offline": {"seconds": offline_s, "output_tok_s": offline_tokens / offline_s},
+        "served": {"seconds": served_s, "output_tok_s": served_tokens / served_s},
+        "served_share_of_offline": (served_tokens / served_s) / (offline_tokens / offline_s),
+        "ttft_ms": _percentiles([r["ttft"] for r in results]),
+        "itl_ms": _percentiles([x for r in results for x in r["itl"]]),
+        "e2e_ms": _percentiles([r["e2e"] for r in results]),
+    }
+    print(f"offline {summary['offline']['output_tok_s']:.1f} tok/s | served "
+          f"{summary['served']['output_tok_s']:.1f} tok/s "
+          f"({summary['served_share_of_offline']:.1%} of offline)")
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        print(key, {k: round(v, 2) for k, v in summary[key].items()})
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
