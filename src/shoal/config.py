@@ -50,7 +50,10 @@ class RunnerConfig:
     preset), 'dummy' (random weights created on the device), 'safetensors'.
     seed: engine seed for weights of presets and for requests without a seed.
     speculative: draft with the DSpark block and verify by exact match (outputs identical to
-    plain decoding; fewer steps when drafts are accepted). cuda_graphs: capture pure-decode
+    plain decoding; fewer steps when drafts are accepted). spec_confidence: verify a draft only
+    while the DSpark confidence head puts the chance that it and the drafts before it are all
+    accepted at or above this (0: verify every draft); outputs stay identical, only the verify
+    rows change. cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
     speculative). On by default: replay equals eager bitwise, nothing compiles after warm-up,
     and decode is several times faster; start-up pays a prefill warm-up that compiles the
@@ -71,6 +74,7 @@ class RunnerConfig:
     load_format: str = "auto"
     seed: int = 0
     speculative: bool = False
+    spec_confidence: float = 0.0
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
@@ -85,6 +89,8 @@ class RunnerConfig:
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ShoalError(f"load_format: got {self.load_format!r}, expected 'auto', "
                              "'dummy' or 'safetensors'")
+        if not 0.0 <= self.spec_confidence <= 1.0:
+            raise ShoalError(f"spec_confidence: got {self.spec_confidence}, expected in [0, 1]")
         if self.replay_window < 1:
             raise ShoalError(f"replay_window: got {self.replay_window}, expected >= 1")
         sizes = self.cuda_graph_batch_sizes

@@ -61,7 +61,7 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
     plain_steps = LLM("tiny", **OPTS)
     _run(plain_steps, prompts, params)
 
-    def oracle(model, caches, batch, captures, plan, rows, out):
+    def oracle(model, caches, batch, captures, plan, rows, out, *_):
         for item in plan.scheduled:
             tokens = out.sampled_token_ids.get(item.request_id)
             if not item.sample or not tokens:
@@ -122,7 +122,7 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
     expected, _ = _run(plain, prompts, params)
     k = TINY.dspark_draft_len
 
-    def oracle(model, caches, batch, captures, plan, rows, out):
+    def oracle(model, caches, batch, captures, plan, rows, out, *_):
         for item in plan.scheduled:
             tokens = out.sampled_token_ids.get(item.request_id)
             if item.sample and tokens:
@@ -138,3 +138,38 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
     assert spec.engine.stats.drafts_accepted > 0
     if cut == "stop_id":
         assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_confidence_rule_keeps_the_leading_drafts_worth_a_row():
+    from shoal.runner.speculative import drafts_worth_verifying
+
+    logit = lambda p: float(torch.logit(torch.tensor(p)))  # noqa: E731
+    conf = torch.tensor([[logit(0.9), logit(0.9), logit(0.5), logit(0.99)],
+                         [logit(0.2), logit(0.99), logit(0.99), logit(0.99)]])
+    assert drafts_worth_verifying(conf, 0.0) == [4, 4]
+    # chances 0.9, 0.81, 0.405, 0.401 and 0.2, 0.198, 0.196, 0.194: a prefix, never a gap
+    assert drafts_worth_verifying(conf, 0.5) == [2, 0]
+    assert drafts_worth_verifying(conf, 0.197) == [4, 2]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0])
+def test_confidence_scheduled_verification_keeps_outputs_identical(plain, threshold):
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    params = PARAMS[1]
+    expected, _ = _run(plain, prompts, params)
+    steps_plain = LLM("tiny", **OPTS)
+    _run(steps_plain, prompts, params)
+    spec = LLM("tiny", speculative=True, spec_confidence=threshold, **OPTS)
+    got, _ = _run(spec, prompts, params)
+    assert got == expected, f"seed {seed}"
+    s = spec.engine.stats
+    k = TINY.dspark_draft_len
+    assert s.drafts_proposed + s.drafts_skipped > 0
+    assert sum(s.drafts_proposed_at) == s.drafts_proposed
+    assert all(a <= p for a, p in zip(s.drafts_accepted_at, s.drafts_proposed_at, strict=True))
+    if threshold == 0.0:
+        assert s.drafts_skipped == 0 and len(s.drafts_proposed_at) <= k
+    if threshold == 1.0:  # no chance reaches 1: nothing is verified, one token per step
+        assert s.drafts_proposed == 0 and s.drafts_skipped > 0
+        assert s.steps == steps_plain.engine.stats.steps

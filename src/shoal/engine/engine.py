@@ -25,7 +25,7 @@ import itertools
 import logging
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,6 +61,16 @@ class EngineStats:
     decoder_rows_total: int = 0
     drafts_proposed: int = 0  # speculative decoding: draft tokens verified
     drafts_accepted: int = 0
+    drafts_skipped: int = 0  # drafted but not verified (the confidence rule)
+    # per draft position (0 = the first draft after the anchor): verified / accepted
+    drafts_proposed_at: list[int] = field(default_factory=list)
+    drafts_accepted_at: list[int] = field(default_factory=list)
+    verify_rows: int = 0  # rows that verified drafts (for the mean accepted length)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying row: the anchor's sample plus the accepted drafts."""
+        return 1.0 + self.drafts_accepted / self.verify_rows if self.verify_rows else 0.0
     # async scheduling: steps launched while the previous step's results were still unread,
     # and steps finished before the next was scheduled (a request needed its token on the host)
     overlapped_steps: int = 0
@@ -335,6 +345,15 @@ class Engine:
             if item.num_spec_tokens and tokens:
                 s.drafts_proposed += item.num_spec_tokens
                 s.drafts_accepted += len(tokens) - 1
+                s.verify_rows += 1
+                grow = item.num_spec_tokens - len(s.drafts_proposed_at)
+                if grow > 0:
+                    s.drafts_proposed_at.extend([0] * grow)
+                    s.drafts_accepted_at.extend([0] * grow)
+                for i in range(item.num_spec_tokens):
+                    s.drafts_proposed_at[i] += 1
+                    s.drafts_accepted_at[i] += i < len(tokens) - 1
+        s.drafts_skipped += result.drafts_skipped
 
     # ---- outputs ----------------------------------------------------------------------------
     def output(self, group: str) -> RequestOutput:

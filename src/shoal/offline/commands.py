@@ -68,8 +68,12 @@ def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
           f"tokens {s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
           f"{s.output_tokens / max(elapsed, 1e-9):.1f} output tok/s | tail-only prefill "
           f"skipped {share:.0%} of decoder work"
-          + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed}"
-             if s.drafts_proposed else ""), file=sys.stderr)
+          + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed} (mean accepted "
+             f"length {s.mean_accepted_length:.2f}; by position "
+             + " ".join(f"{a}/{p}" for a, p in zip(s.drafts_accepted_at, s.drafts_proposed_at,
+                                                    strict=True))
+             + (f"; {s.drafts_skipped} skipped by the confidence rule)" if s.drafts_skipped
+                else ")") if s.drafts_proposed or s.drafts_skipped else ""), file=sys.stderr)
 
 
 def run_requests(llm, requests: list[RequestLine], write: Callable[[int, RequestOutput], None],

@@ -161,6 +161,6 @@ class ModelRunner:
         if self.speculative and step.batch is not None:
             with torch.inference_mode():
                 propose_drafts(self.model, self.caches, step.batch, step.captures, step.plan,
-                               self.requests, out)
+                               self.requests, out, self.config.runner.spec_confidence)
         record_outputs(out, self.requests)
         return out

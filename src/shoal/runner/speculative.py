@@ -39,11 +39,22 @@ def accept_drafts(plan: StepPlan, out) -> None:
             out.logprobs[item.request_id] = out.logprobs[item.request_id][:accepted + 1]
 
 
+def drafts_worth_verifying(confidence: torch.Tensor, threshold: float) -> list[int]:
+    """Per request, how many leading drafts to verify: draft i is kept while the chance that
+    d_1..d_i are all accepted (the product of sigmoid(confidence)) is at least `threshold`, i.e.
+    while its verify row's expected gain pays for the row. 0 verifies every draft."""
+    if threshold <= 0.0:
+        return [confidence.shape[1]] * confidence.shape[0]
+    chance = torch.sigmoid(confidence.float()).cumprod(dim=1)
+    return (chance >= threshold).int().cumprod(dim=1).sum(dim=1).tolist()
+
+
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
-                   plan: StepPlan, states: Mapping, out) -> None:
+                   plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0
+                   ) -> None:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
-    follow the drafts)."""
+    follow the drafts), keeping the drafts the confidence rule finds worth verifying."""
     cfg = model.config
     keep, at = [], 0
     anchors, positions, slots, ids = [], [], [], []
@@ -72,5 +83,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
                          torch.tensor(positions, dtype=torch.int64, device=device),
                          torch.tensor(slots, dtype=torch.int64, device=device))
-    for rid, drafted in zip(ids, draft.draft_ids.tolist(), strict=True):
-        out.spec_token_ids[rid] = drafted[: cfg.dspark_draft_len]
+    keep_counts = drafts_worth_verifying(draft.confidence[:, : cfg.dspark_draft_len],
+                                         confidence_threshold)
+    for rid, drafted, n in zip(ids, draft.draft_ids.tolist(), keep_counts, strict=True):
+        out.spec_token_ids[rid] = drafted[:n]
+        out.drafts_skipped += cfg.dspark_draft_len - n

@@ -38,6 +38,7 @@ class RunnerOutput(StepResult):
     # which the device has nothing queued
     device_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
+    drafts_skipped: int = 0  # drafts the confidence rule did not send to verification
 
 
 @dataclass
