@@ -13,9 +13,19 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import API_KEY, LiveServer
+
+from support.live_server import API_KEY, LiveServer
 
 CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = LiveServer(max_num_seqs=16, max_model_len=256)
+    yield server
+    server.stop()
+
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
 TOOLS = [{"type": "function", "function": {

@@ -6,8 +6,6 @@ import socket
 import threading
 import time
 
-import pytest
-
 API_KEY = "test-key"
 
 
@@ -49,10 +47,3 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def live():
-    server = LiveServer(max_num_seqs=16, max_model_len=256)
-    yield server
-    server.stop()
