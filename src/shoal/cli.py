@@ -116,7 +116,7 @@ def _make_llm(args):
 
     _threads(args)
     opts = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k, None) is not None}
-    return LLM(args.model, **opts)
+    return LLM(args.model, data_parallel_size=getattr(args, "data_parallel_size", 1), **opts)
 
 
 def _check_config(args) -> None:
@@ -128,6 +128,8 @@ def _check_config(args) -> None:
 
 
 def _batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
+                   default=1, help="engine replicas in their own processes (one per GPU)")
     p.add_argument("--resume", action="store_true",
                    help="skip the requests already in --output (by custom_id, else input line) "
                    "and append the rest")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,15 +26,38 @@ class LLM:
 
     Engine options are the fields of CacheConfig, SchedulerConfig and RunnerConfig
     (e.g. max_num_seqs=32, prefill_mode="staircase", device="cpu"); unknown ones raise.
+    `data_parallel_size=N` runs N engine replicas in their own processes (one per GPU), each
+    with its own scheduler and KV pool; outputs are those of one engine.
     """
 
-    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+    def __init__(self, model: str = "tiny", *, data_parallel_size: int = 1,
+                 **kwargs: Any) -> None:
         self.config = EngineConfig.create(model, **kwargs)
-        self.engine = Engine(self.config)
+        self.replicas = None
+        self._tokenizer = None
+        if data_parallel_size == 1:
+            self.engine: Engine | None = Engine(self.config)
+        else:
+            from shoal.parallel.data_parallel import DataParallel
+
+            self.engine = None
+            self.replicas = DataParallel(model, data_parallel_size, kwargs)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        if self.engine is not None:
+            return self.engine.tokenizer
+        if self._tokenizer is None:
+            from shoal.engine.engine import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config)
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Stop the data-parallel replicas (a single engine needs no closing)."""
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
 
     # ---- generate ---------------------------------------------------------------------------
     def generate(self, prompts: PromptLike | Sequence[PromptLike],
@@ -79,6 +103,9 @@ class LLM:
 
         An exception while it runs (a KeyboardInterrupt, or the caller closing the iterator)
         aborts the requests of this call that have not come back, and the LLM stays usable."""
+        if self.replicas is not None:
+            yield from self.replicas.run(items, use_tqdm)
+            return
         groups: list[str] = []
         chat_prompts: dict[str, str] = {}
         done: set[str] = set()
@@ -118,21 +145,22 @@ class LLM:
     def _submit(self, item: dict) -> tuple[str, str | None]:
         """Queue one item; returns (group id, the chat prompt text if it is a chat item)."""
         params = item.get("sampling_params")
+        add = functools.partial(self.engine.add_request, request_index=item.get("request_index"))
         if "error" in item:
-            return self.engine.add_request(None, params, error=item["error"]), None
+            return add(None, params, error=item["error"]), None
         if "messages" in item:
             options = {k: v for k, v in item.items()
-                       if k not in ("messages", "sampling_params") and v is not None}
+                       if k not in ("messages", "sampling_params", "request_index")
+                       and v is not None}
             try:
                 prompt = encode_messages(list(item["messages"]), **options)
             except (ValueError, TypeError) as exc:
-                return self.engine.add_request(None, params, error=f"messages: {exc}"), None
+                return add(None, params, error=f"messages: {exc}"), None
             ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-            return self.engine.add_request(prompt, params, prompt_token_ids=ids), prompt
+            return add(prompt, params, prompt_token_ids=ids), prompt
         if "prompt_token_ids" in item:
-            return self.engine.add_request(None, params,
-                                           prompt_token_ids=item["prompt_token_ids"]), None
-        return self.engine.add_request(item.get("prompt"), params), None
+            return add(None, params, prompt_token_ids=item["prompt_token_ids"]), None
+        return add(item.get("prompt"), params), None
 
     def _drain(self, groups: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
         pending = set(groups)

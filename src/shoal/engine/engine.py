@@ -128,11 +128,16 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None,
                     *, prompt_token_ids: Sequence[int] | None = None,
-                    error: str | None = None) -> str:
+                    error: str | None = None, request_index: int | None = None) -> str:
         """Queue one user request (n sequences); returns its id. Invalid input does not raise:
-        the request finishes at once with `error` set."""
-        index = next(self._ids)
+        the request finishes at once with `error` set. `request_index` (default: the next of
+        this engine's counter) names the request and, for requests without a seed, derives its
+        sampling seed: a data-parallel front end passes its own, so that any number of
+        engines samples what one would."""
+        index = next(self._ids) if request_index is None else request_index
         group = str(index)
+        if group in self.groups:
+            raise ValueError(f"request index {index} is already in use")
         if params is not None and not isinstance(params, SamplingParams):
             error = error or (f"sampling_params: got {type(params).__name__}, expected "
                               "SamplingParams")

@@ -61,6 +61,12 @@ def check_paths(input_path: str | None, output_path: str | None) -> None:
 
 
 def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
+    if llm.engine is None:  # data-parallel replicas: what the outputs say
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        print(f"{len(outs)} requests ({sum(1 for o in outs if o.error)} errors) on "
+              f"{llm.replicas.size} replicas | output tokens {tokens} | {elapsed:.2f} s | "
+              f"{tokens / max(elapsed, 1e-9):.1f} output tok/s", file=sys.stderr)
+        return
     s = llm.engine.stats
     share = s.decoder_rows_skipped / s.decoder_rows_total if s.decoder_rows_total else 0.0
     errors = sum(1 for o in outs if o.error)

@@ -1,0 +1,1 @@
+"""Running on several devices: data-parallel engine replicas (`data_parallel`)."""

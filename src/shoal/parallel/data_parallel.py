@@ -1,0 +1,158 @@
+"""Data parallelism: N engine replicas, each in its own process with its own scheduler and KV
+pool (one GPU each, or a share of the CPU threads), and a front end that spreads each call's
+requests over them by load and yields outputs as they finish.
+
+Invariant: every request carries a global request index, assigned in input order, so its
+sampling seed (and its id) is what a single engine would give it: outputs do not depend on
+the number of replicas. An interrupt in the front end interrupts the replicas' current call;
+they abort its requests and stay usable, like a single engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import signal
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from shoal.config import ShoalError
+from shoal.engine.outputs import RequestOutput
+
+READY_TIMEOUT_S = 1800.0
+
+
+def _load_estimate(item: dict) -> int:
+    """A request's prompt size, roughly (tokens, or characters / 4 for text)."""
+    if "prompt_token_ids" in item and isinstance(item["prompt_token_ids"], Sequence):
+        return len(item["prompt_token_ids"])
+    prompt = item.get("prompt", item.get("messages", ""))
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
+        return len(prompt) if all(isinstance(t, int) for t in prompt) else len(str(prompt)) // 4
+    return max(1, len(str(prompt)) // 4)
+
+
+def _replica(rank: int, model: str, options: dict, threads: int, commands, results) -> None:
+    """A replica's process: an LLM of its own, running the calls it is sent."""
+    running = [False]
+
+    def interrupt(signum, frame):
+        if running[0]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    torch.set_num_threads(threads)
+    try:
+        from shoal.llm import LLM
+
+        llm = LLM(model, **options)
+    except BaseException as exc:  # reported by the front end
+        results.put(("failed", None, rank, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put(("ready", None, rank, None))
+    while True:
+        command = commands.get()
+        if command[0] == "stop":
+            return
+        _, call, items = command
+        running[0] = True
+        try:
+            for position, out in llm.run([item for _, item in items], use_tqdm=False):
+                results.put(("out", call, items[position][0], out))
+            running[0] = False
+            results.put(("done", call, rank, None))
+        except KeyboardInterrupt:
+            running[0] = False
+            results.put(("cancelled", call, rank, None))
+        except BaseException as exc:  # noqa: BLE001 - the front end raises it
+            running[0] = False
+            results.put(("failed", call, rank, f"{type(exc).__name__}: {exc}"))
+
+
+class DataParallel:
+    def __init__(self, model: str, size: int, options: dict[str, Any]) -> None:
+        if size < 1:
+            raise ShoalError(f"data_parallel_size: got {size}, expected >= 1")
+        device = options.get("device", "auto")
+        use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+        if use_cuda and torch.cuda.device_count() < size:
+            raise ShoalError(f"data_parallel_size={size} needs {size} GPUs; "
+                             f"{torch.cuda.device_count()} visible")
+        if device.startswith("cuda:"):
+            raise ShoalError("data_parallel_size > 1 places one replica per GPU: use device "
+                             "'auto' or 'cuda', not a single device")
+        threads = max(1, len(os.sched_getaffinity(0)) // size)
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(size)]
+        self.processes = []
+        for rank in range(size):
+            opts = dict(options, device=f"cuda:{rank}" if use_cuda else "cpu")
+            proc = ctx.Process(target=_replica, daemon=True, name=f"shoal-dp{rank}",
+                               args=(rank, model, opts, threads, self.commands[rank],
+                                     self.results))
+            proc.start()
+            self.processes.append(proc)
+        self.size = size
+        self._calls = itertools.count()
+        self._indices = itertools.count()
+        ready = 0
+        while ready < size:
+            kind, _, rank, message = self._get(READY_TIMEOUT_S)
+            if kind == "failed":
+                self.close()
+                raise ShoalError(f"data-parallel replica {rank} failed to start: {message}")
+            ready += kind == "ready"
+
+    def _get(self, timeout: float):
+        try:
+            return self.results.get(timeout=timeout)
+        except queue.Empty:
+            raise ShoalError("data-parallel replicas did not answer") from None
+
+    def run(self, items: Sequence[dict], use_tqdm: bool = False
+            ) -> Iterator[tuple[int, RequestOutput]]:
+        """Spread `items` over the replicas (least estimated prompt tokens first) and yield
+        (input index, output) as requests finish."""
+        call = next(self._calls)
+        loads = [0] * self.size
+        shares: list[list[tuple[int, dict]]] = [[] for _ in range(self.size)]
+        for position, item in enumerate(items):
+            rank = min(range(self.size), key=loads.__getitem__)
+            loads[rank] += _load_estimate(item)
+            shares[rank].append((position, dict(item, request_index=next(self._indices))))
+        busy = {rank for rank in range(self.size) if shares[rank]}
+        for rank in busy:
+            self.commands[rank].put(("run", call, shares[rank]))
+        try:
+            while busy:
+                kind, got_call, who, payload = self._get(READY_TIMEOUT_S)
+                if got_call != call:
+                    continue  # left over from an interrupted call
+                if kind == "out":
+                    yield who, payload
+                elif kind == "failed":
+                    raise ShoalError(f"data-parallel replica {who}: {payload}")
+                else:
+                    busy.discard(who)
+        except BaseException:
+            for rank in busy:  # interrupt their call; they abort its requests and answer
+                os.kill(self.processes[rank].pid, signal.SIGINT)
+            while busy:
+                kind, got_call, who, _ = self._get(60.0)
+                if got_call == call and kind in ("done", "cancelled", "failed"):
+                    busy.discard(who)
+            raise
+
+    def close(self) -> None:
+        for rank, proc in enumerate(self.processes):
+            if proc.is_alive():
+                self.commands[rank].put(("stop", None, None))
+        for proc in self.processes:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()

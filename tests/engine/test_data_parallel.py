@@ -1,0 +1,72 @@
+"""Data-parallel replicas (one process each, CPU here): outputs equal one engine's for the
+same requests in the same order (greedy, seeded and unseeded sampling, n > 1, chat, a bad
+prompt), in input order; an interrupt leaves the replicas usable; `shoal generate --dp 2`."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.cli import main
+
+OPTS = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 128}
+ITEMS = [[5, 6, 7], "hello there", [9] * 30, {"prompt_token_ids": [1, None]},
+         {"messages": [{"role": "user", "content": "hi"}]}, [2, 3]]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=5),
+          SamplingParams(temperature=0.9, max_tokens=6),  # no seed: derived from the index
+          SamplingParams(temperature=0.8, seed=3, max_tokens=4, n=2),
+          SamplingParams(max_tokens=3), SamplingParams(temperature=0.0, max_tokens=4),
+          SamplingParams(temperature=1.0, max_tokens=3)]
+
+
+def _view(outs):
+    return [(o.request_id, o.error, [(c.token_ids, c.text, c.finish_reason) for c in o.outputs])
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    llm = LLM("tiny", data_parallel_size=2, **OPTS)
+    yield llm
+    llm.close()
+
+
+def test_replicas_give_one_engines_outputs(replicas) -> None:
+    expected = _view(LLM("tiny", **OPTS).generate(ITEMS * 2, PARAMS * 2, use_tqdm=False))
+    got = _view(replicas.generate(ITEMS * 2, PARAMS * 2, use_tqdm=False))
+    assert got == expected
+    assert got[3][1] is not None and "prompt_token_ids[1]" in got[3][1]
+
+
+def test_an_interrupt_leaves_the_replicas_usable(replicas) -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replicas.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100, ignore_eos=True),
+                              use_tqdm=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=4)
+    after = replicas.generate([[4, 4], [8]], params, use_tqdm=False)
+    alone = LLM("tiny", **OPTS).generate([[4, 4], [8]], params, use_tqdm=False)
+    assert [v[1:] for v in _view(after)] == [v[1:] for v in _view(alone)]
+
+
+def test_generate_cli_with_two_replicas(tmp_path: Path) -> None:
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 6]}) for i in range(5))
+                   + "\n", encoding="utf-8")
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
+                 "--max-tokens", "3", "--quiet", "--dp", "2", "--input", str(src),
+                 "--output", str(dst)]) == 0
+    records = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(len(r["outputs"][0]["token_ids"]) == 3 for r in records)
