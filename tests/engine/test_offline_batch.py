@@ -83,10 +83,10 @@ def _alarm_interrupt(seconds: float) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_interrupt_leaves_the_llm_usable(async_scheduling: bool) -> None:
-    llm = LLM("tiny", async_scheduling=async_scheduling, **OPTS)
+    llm = LLM("tiny", async_scheduling=async_scheduling, **{**OPTS, "max_model_len": 256})
     free = llm.engine.scheduler.usage().num_free_blocks
     (expected,) = LLM("tiny", **OPTS).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
-    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)  # seconds of work
     for delay in (0.05, 0.4, 1.2):  # before, during and well into the run
         _alarm_interrupt(delay)
         try:
