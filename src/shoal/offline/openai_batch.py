@@ -17,6 +17,7 @@ from typing import Any
 from shoal.engine.outputs import RequestOutput
 from shoal.offline.requests import RequestLine
 from shoal.sampling import SamplingParams
+from shoal.serve.protocol import finish_reason
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 # OpenAI body fields -> SamplingParams fields (plus the vLLM extras of the same name)
@@ -84,12 +85,6 @@ def parse_batch_line(text: str, line: int, default: SamplingParams) -> tuple[Req
     return RequestLine(line, custom_id, item), url
 
 
-def _finish_reason(reason: str | None, tool_calls: Any) -> str:
-    if tool_calls:
-        return "tool_calls"
-    return "length" if reason == "length" else "stop"
-
-
 def batch_result(request: RequestLine, url: str, out: RequestOutput, model: str) -> dict:
     """The result line of one request."""
     request_id = f"shoal-{uuid.uuid4().hex[:16]}"
@@ -118,12 +113,13 @@ def batch_result(request: RequestLine, url: str, out: RequestOutput, model: str)
                                   "arguments": t.get("arguments") or "{}"}}
                     for t in c.tool_calls]
             choices.append({"index": c.index, "message": message, "logprobs": None,
-                            "finish_reason": _finish_reason(c.finish_reason, c.tool_calls)})
+                            "finish_reason": finish_reason(c.finish_reason,
+                                                           bool(c.tool_calls))})
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage}
     else:
         choices = [{"index": c.index, "text": c.text, "logprobs": None,
-                    "finish_reason": _finish_reason(c.finish_reason, None)}
+                    "finish_reason": finish_reason(c.finish_reason)}
                    for c in out.outputs]
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
                 "model": model, "choices": choices, "usage": usage}

@@ -29,7 +29,12 @@ from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
 from shoal.serve.engine_loop import EngineLoop, Handle, Limits, QueueFull, Update
 from shoal.serve.metrics import Metrics
-from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from shoal.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
+from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
@@ -41,15 +46,6 @@ class APIError(Exception):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
-    if reason is None:
-        return None
-    if tool_calls:
-        return "tool_calls"
-    return {"stop": "stop", "length": "length"}.get(reason, "stop" if reason == "abort"
-                                                    else "length")
 
 
 def _sse(obj: Any) -> str:

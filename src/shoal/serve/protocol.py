@@ -18,6 +18,16 @@ from shoal.sampling import SamplingParams
 from shoal.sampling.structured import StructuredOutputSpec
 
 
+def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
+    """OpenAI's finish reason: out of room (max_tokens, the context, the KV pool) is `length`,
+    a parsed tool call `tool_calls`, anything else `stop`."""
+    if reason is None:
+        return None
+    if tool_calls:
+        return "tool_calls"
+    return "length" if reason in ("length", "kv_capacity") else "stop"
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
