@@ -39,6 +39,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="engine seed")
     p.add_argument("--speculative", action="store_true", default=None,
                    help="DSpark drafts with exact-match verification")
+    p.add_argument("--spec-verify", dest="spec_verify", default=None,
+                   choices=["exact", "rejection"],
+                   help="exact: outputs identical to plain decoding; rejection: lossless "
+                   "speculative sampling (same distribution, more drafts accepted)")
     p.add_argument("--spec-confidence", dest="spec_confidence", type=float, default=None,
                    help="verify a draft only while the confidence head gives it and the "
                    "drafts before it at least this chance of acceptance (default 0: all)")
@@ -48,7 +52,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
-                "seed", "speculative", "spec_confidence", "async_scheduling")
+                "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

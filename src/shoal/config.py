@@ -53,7 +53,12 @@ class RunnerConfig:
     plain decoding; fewer steps when drafts are accepted). spec_confidence: verify a draft only
     while the DSpark confidence head puts the chance that it and the drafts before it are all
     accepted at or above this (0: verify every draft); outputs stay identical, only the verify
-    rows change. cuda_graphs: capture pure-decode
+    rows change. spec_verify: 'exact' (greedy drafts, accepted while the target's own sample
+    equals them: outputs identical to plain decoding) or 'rejection' (drafts sampled from the
+    draft head's distribution q at the request's temperature, kept with probability
+    min(1, p / q), else the token comes from the residual max(0, p - q): the output
+    distribution is plain decoding's, and sampled requests accept more drafts).
+    cuda_graphs: capture pure-decode
     steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
     speculative). On by default: replay equals eager bitwise, nothing compiles after warm-up,
     and decode is several times faster; start-up pays a prefill warm-up that compiles the
@@ -75,6 +80,7 @@ class RunnerConfig:
     seed: int = 0
     speculative: bool = False
     spec_confidence: float = 0.0
+    spec_verify: str = "exact"
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
@@ -89,6 +95,9 @@ class RunnerConfig:
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ShoalError(f"load_format: got {self.load_format!r}, expected 'auto', "
                              "'dummy' or 'safetensors'")
+        if self.spec_verify not in ("exact", "rejection"):
+            raise ShoalError(f"spec_verify: got {self.spec_verify!r}, expected 'exact' or "
+                             "'rejection'")
         if not 0.0 <= self.spec_confidence <= 1.0:
             raise ShoalError(f"spec_confidence: got {self.spec_confidence}, expected in [0, 1]")
         if self.replay_window < 1:

@@ -125,7 +125,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "enable_chunked_prefill": True, "long_prefill_token_threshold": 17, "num_history_tokens": 2,
     "device": "cpu", "backends": ("reference",), "prefill_mode": "staircase",
     "replay_window": 99, "load_format": "dummy", "seed": 7, "speculative": True,
-    "spec_confidence": 0.4,
+    "spec_confidence": 0.4, "spec_verify": "rejection",
     "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8), "async_scheduling": False,
 }
 

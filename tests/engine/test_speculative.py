@@ -61,7 +61,7 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
     plain_steps = LLM("tiny", **OPTS)
     _run(plain_steps, prompts, params)
 
-    def oracle(model, caches, batch, captures, plan, rows, out, *_):
+    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
         for item in plan.scheduled:
             tokens = out.sampled_token_ids.get(item.request_id)
             if not item.sample or not tokens:
@@ -122,7 +122,7 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
     expected, _ = _run(plain, prompts, params)
     k = TINY.dspark_draft_len
 
-    def oracle(model, caches, batch, captures, plan, rows, out, *_):
+    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
         for item in plan.scheduled:
             tokens = out.sampled_token_ids.get(item.request_id)
             if item.sample and tokens:
@@ -173,3 +173,22 @@ def test_confidence_scheduled_verification_keeps_outputs_identical(plain, thresh
     if threshold == 1.0:  # no chance reaches 1: nothing is verified, one token per step
         assert s.drafts_proposed == 0 and s.drafts_skipped > 0
         assert s.steps == steps_plain.engine.stats.steps
+
+
+def test_rejection_verification_is_reproducible_and_exact_for_greedy(plain):
+    """spec_verify='rejection': greedy requests give plain decoding's tokens; sampled ones are
+    reproducible run to run (counter RNG for drafts, acceptance and residual) and have their
+    lengths. (Its losslessness is tested on the sampler: tests/sampling/test_sampler.py.)"""
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    greedy = PARAMS[0]
+    expected, _ = _run(plain, prompts, greedy)
+    spec = LLM("tiny", speculative=True, spec_verify="rejection", **OPTS)
+    got, _ = _run(spec, prompts, greedy)
+    assert got == expected, f"seed {seed}"
+    sampled = SamplingParams(temperature=1.0, seed=seed % 1000, max_tokens=12, ignore_eos=True)
+    first, _ = _run(spec, prompts, sampled)
+    again, _ = _run(LLM("tiny", speculative=True, spec_verify="rejection", **OPTS), prompts,
+                    sampled)
+    assert first == again and all(len(t) == 12 for t in first)
+    assert spec.engine.stats.drafts_proposed > 0

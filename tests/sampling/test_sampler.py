@@ -384,3 +384,4 @@ def test_row_max_equals_one_pass_max(v: int) -> None:
     ok = ~want_best.isnan()
     assert torch.equal(best[ok], want_best[ok]) and torch.equal(ids[ok], want_ids[ok])
     assert ids[1] == 0 and ids[2] == v // 3 and ids[5] == 0
+

@@ -161,6 +161,7 @@ class ModelRunner:
         if self.speculative and step.batch is not None:
             with torch.inference_mode():
                 propose_drafts(self.model, self.caches, step.batch, step.captures, step.plan,
-                               self.requests, out, self.config.runner.spec_confidence)
+                               self.requests, out, self.config.runner.spec_confidence,
+                               rejection=self.config.runner.spec_verify == "rejection")
         record_outputs(out, self.requests)
         return out

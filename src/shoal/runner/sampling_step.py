@@ -31,6 +31,9 @@ class RequestState:
     seed: int
     prompt_token_ids: tuple[int, ...]
     output_token_ids: list[int] = field(default_factory=list)
+    # rejection-sampled verification: [n, V] f32 on the device, the distributions the pending
+    # drafts were drawn from (None: greedy drafts, checked by exact match)
+    draft_probs: torch.Tensor | None = None
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
@@ -43,13 +46,15 @@ class RequestState:
 
 class Draw(NamedTuple):
     """One sampled logits row: `request`'s token at `position`, after `drafts` (the drafts
-    verified before this row, seen as already generated)."""
+    verified before this row, seen as already generated); `draft` is the one its sample is
+    checked against (-1: the row after the last draft, or no drafts)."""
 
     request_id: str
     state: RequestState
     position: int
     num_outputs: int  # outputs before this row's token (min_tokens)
     drafts: tuple[int, ...] = ()
+    draft: int = -1
 
 
 def draws_of(item: ScheduledRequest, state: RequestState) -> list[Draw]:
@@ -61,7 +66,7 @@ def draws_of(item: ScheduledRequest, state: RequestState) -> list[Draw]:
     drafts = tuple(item.token_ids[len(item.token_ids) - k:])
     position = item.end_position - k
     return [Draw(item.request_id, state, position + j, position + j - item.num_prompt_tokens,
-                 drafts[:j]) for j in range(k + 1)]
+                 drafts[:j], drafts[j] if j < k else -1) for j in range(k + 1)]
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_size: int,
@@ -86,13 +91,14 @@ def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_
             raise RuntimeError(f"request {d.request_id!r}: a row with penalties was launched "
                                "before its previous token was read back")
         history.append(known + list(d.drafts) if d.drafts else known)
+    draft_ids, draft_probs = _sampled_drafts(draws, vocab_size, logits.device)
     batch = SamplingBatch.from_params(
         [d.state.params for d in draws], seeds=[d.state.seed for d in draws],
         positions=[d.position for d in draws], output_token_ids=history,
         num_output_tokens=[d.num_outputs for d in draws],
         prompt_token_ids=[d.state.prompt_token_ids for d in draws], vocab_size=vocab_size,
         eos_token_ids=() if eos_token_id is None else (eos_token_id,), allowed_mask=mask,
-        device=logits.device)
+        draft_token_ids=draft_ids, draft_probs=draft_probs, device=logits.device)
     result = sampler.sample(logits, batch)
     if step.span is not None:  # the step's device work ends here (before the host waits)
         step.span[1].record()
@@ -102,6 +108,22 @@ def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_
     lp = result.logprobs
     step.readback = HostReadback([result.token_ids, result.valid] + (
         [lp.token_ids, lp.logprobs, lp.ranks] if lp is not None else []))
+
+
+def _sampled_drafts(draws: list[Draw], vocab_size: int, device: torch.device
+                    ) -> tuple[list[int] | None, torch.Tensor | None]:
+    """The rows checked against a draft drawn from a distribution q (rejection-sampled
+    verification): per row its draft (-1: none) and [B, V] q (zeros elsewhere)."""
+    rows = [(i, d) for i, d in enumerate(draws)
+            if d.draft >= 0 and d.state.draft_probs is not None]
+    if not rows:
+        return None, None
+    ids = [-1] * len(draws)
+    probs = torch.zeros(len(draws), vocab_size, dtype=torch.float32, device=device)
+    for i, d in rows:
+        ids[i] = d.draft
+        probs[i] = d.state.draft_probs[len(d.drafts)]
+    return ids, probs
 
 
 def read_samples(step: LaunchedStep) -> None:

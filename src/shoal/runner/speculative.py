@@ -19,7 +19,9 @@ from collections.abc import Mapping
 import torch
 
 from shoal.model.batch import ForwardBatch
-from shoal.model.dspark import dspark_context, dspark_draft
+from shoal.model.dspark import dspark_context, dspark_draft, greedy
+from shoal.sampling.params import GREEDY_TEMPERATURE
+from shoal.sampling.rng import STREAM_DRAFT, gumbel_noise, seed_to_int64
 from shoal.scheduler.step_plan import StepPlan
 
 
@@ -49,12 +51,36 @@ def drafts_worth_verifying(confidence: torch.Tensor, threshold: float) -> list[i
     return (chance >= threshold).int().cumprod(dim=1).sum(dim=1).tolist()
 
 
+class DraftSampler:
+    """Drafts drawn from q = softmax(draft logits / T) with each request's temperature and the
+    counter RNG (STREAM_DRAFT, at the drafted token's position); greedy requests draft the
+    argmax. For rejection-sampled verification, which needs q."""
+
+    def __init__(self, states: list, device: torch.device) -> None:
+        temps = [s.params.temperature for s in states]
+        self.greedy = torch.tensor([t < GREEDY_TEMPERATURE for t in temps], device=device)
+        self.temperature = torch.tensor([max(t, GREEDY_TEMPERATURE) for t in temps],
+                                        dtype=torch.float32, device=device)
+        self.seeds = torch.tensor([seed_to_int64(s.seed) for s in states], dtype=torch.int64,
+                                  device=device)
+
+    def __call__(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        z = logits.float() / self.temperature.unsqueeze(1)
+        noise = gumbel_noise(self.seeds, positions, logits.shape[1], STREAM_DRAFT)
+        return torch.where(self.greedy, logits.argmax(dim=-1), (z + noise).argmax(dim=-1))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """q [B, k, V] of drafts drawn from `logits` [B, k, V]."""
+        return torch.softmax(logits.float() / self.temperature.view(-1, 1, 1), dim=-1)
+
+
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
-                   plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0
-                   ) -> None:
+                   plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0,
+                   rejection: bool = False) -> None:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
-    follow the drafts), keeping the drafts the confidence rule finds worth verifying."""
+    follow the drafts), keeping the drafts the confidence rule finds worth verifying.
+    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification."""
     cfg = model.config
     keep, at = [], 0
     anchors, positions, slots, ids = [], [], [], []
@@ -80,11 +106,18 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
                        torch.tensor(keep, dtype=torch.int64, device=device))
     if not ids:
         return
+    sampler = DraftSampler([states[r] for r in ids], device) if rejection else None
     draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
                          torch.tensor(positions, dtype=torch.int64, device=device),
-                         torch.tensor(slots, dtype=torch.int64, device=device))
-    keep_counts = drafts_worth_verifying(draft.confidence[:, : cfg.dspark_draft_len],
-                                         confidence_threshold)
-    for rid, drafted, n in zip(ids, draft.draft_ids.tolist(), keep_counts, strict=True):
+                         torch.tensor(slots, dtype=torch.int64, device=device),
+                         sample_fn=sampler or greedy)
+    k = cfg.dspark_draft_len
+    keep_counts = drafts_worth_verifying(draft.confidence[:, :k], confidence_threshold)
+    q = sampler.probs(draft.logits[:, :k]) if sampler is not None else None
+    for b, (rid, drafted, n) in enumerate(zip(ids, draft.draft_ids.tolist(), keep_counts,
+                                              strict=True)):
         out.spec_token_ids[rid] = drafted[:n]
-        out.drafts_skipped += cfg.dspark_draft_len - n
+        out.drafts_skipped += k - n
+        state = states[rid]
+        state.draft_probs = None if q is None or state.params.temperature < \
+            GREEDY_TEMPERATURE else q[b, :n]

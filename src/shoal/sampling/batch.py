@@ -58,6 +58,10 @@ class SamplingBatch:
     prompt_token_ids: Tensor  # [B, P] int64 (-1 pad); rows without repetition penalty empty
     suppressed_token_ids: Tensor  # [B, S] int64 (-1 pad): banned by min_tokens this step
     allowed_mask: Tensor | None  # [B, V] bool, True = allowed (structured output)
+    # rejection-sampled verification: [B] int64, the draft each row's sample is checked
+    # against (-1: none), and [B, V] f32, the distribution q it was drawn from; None: no row
+    draft_token_ids: Tensor | None
+    draft_probs: Tensor | None
     num_logprobs: tuple[int, ...]  # per row, -1 = off
     vocab_size: int
     all_greedy: bool
@@ -84,6 +88,8 @@ class SamplingBatch:
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
         allowed_mask: Tensor | None = None,
+        draft_token_ids: Sequence[int] | None = None,
+        draft_probs: Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """Build the batch for one step.
@@ -99,6 +105,9 @@ class SamplingBatch:
             vocab_size: V, the logits width.
             eos_token_ids: the model's EOS ids; banned below min_tokens unless ignore_eos.
             allowed_mask: optional [B, V] bool (True = allowed); see `bitmask_to_bool`.
+            draft_token_ids, draft_probs: rejection-sampled verification: per row the draft
+                its sample is checked against (-1: none) and [B, V] the distribution q the
+                draft was drawn from (rows without a draft: anything); None otherwise.
             device: where the tensors live (the logits' device).
         """
         num_rows = len(params)
@@ -113,6 +122,10 @@ class SamplingBatch:
                 f"SamplingBatch: prompt_token_ids has {len(prompt_token_ids)} rows, "
                 f"expected {num_rows}"
             )
+        if (draft_token_ids is None) != (draft_probs is None) or (
+                draft_probs is not None and tuple(draft_probs.shape) != (num_rows, vocab_size)):
+            raise ValueError("SamplingBatch: draft_token_ids and draft_probs [B, V] go "
+                             "together")
         if allowed_mask is not None and (
             allowed_mask.dtype != torch.bool or tuple(allowed_mask.shape) != (num_rows, vocab_size)
         ):
@@ -188,6 +201,9 @@ class SamplingBatch:
         return cls(
             **on_device,
             allowed_mask=None if allowed_mask is None else allowed_mask.to(device),
+            draft_token_ids=None if draft_token_ids is None
+            else _upload(torch.tensor(list(draft_token_ids), dtype=torch.int64), device),
+            draft_probs=None if draft_token_ids is None else draft_probs.to(device),
             num_logprobs=tuple(-1 if p.logprobs is None else p.logprobs for p in params),
             vocab_size=vocab_size,
             all_greedy=all(greedy),

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from shoal.sampling.batch import SamplingBatch
-from shoal.sampling.rng import STREAM_SAMPLE, gumbel_noise
+from shoal.sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, gumbel_noise, uniform
 
 
 class LogprobsMode(enum.Enum):
@@ -121,6 +121,28 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits - batch.presence_penalty.unsqueeze(1) * in_output.to(torch.float32)
 
 
+def accept_draft(u: Tensor, p_draft: Tensor, q_draft: Tensor) -> Tensor:
+    """Speculative sampling's acceptance of a draft drawn from q: with probability
+    min(1, p / q)."""
+    return u * q_draft < p_draft
+
+
+def sample_against_drafts(scaled: Tensor, noise: Tensor, batch: SamplingBatch) -> Tensor:
+    """Lossless speculative sampling for the rows checked against a draft d drawn from q
+    (`draft_token_ids` >= 0, `draft_probs` = q): d with probability min(1, p(d) / q(d)), else a
+    sample of the residual max(0, p - q), renormalised; every token x then comes out with
+    probability p(x), p = softmax(scaled). The acceptance uniform has its own counter stream
+    (STREAM_ACCEPT); the residual reuses the row's Gumbel noise."""
+    assert batch.draft_token_ids is not None and batch.draft_probs is not None
+    d = batch.draft_token_ids.clamp(min=0).unsqueeze(1)  # [B, 1]
+    p = torch.softmax(scaled, dim=1)
+    q = batch.draft_probs
+    u = uniform(batch.seeds, batch.positions, 1, STREAM_ACCEPT).squeeze(1)
+    accept = accept_draft(u, p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1))
+    residual = (torch.log((p - q).clamp(min=0.0)) + noise).argmax(dim=1)
+    return torch.where(accept, d.squeeze(1), residual)
+
+
 def apply_min_p_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Filter temperature-scaled logits [B, V] f32 in the order min_p -> top_k -> top_p, each on the
     renormalised survivors of the previous one; removed tokens become -inf (new tensor).
@@ -186,6 +208,9 @@ class Sampler:
         if not batch.all_greedy:
             noise = gumbel_noise(batch.seeds, batch.positions, batch.vocab_size, STREAM_SAMPLE)
             random_ids = (scaled + noise).argmax(dim=1)
+            if batch.draft_token_ids is not None:  # rejection-sampled verification
+                drafted = sample_against_drafts(scaled, noise, batch)
+                random_ids = torch.where(batch.draft_token_ids >= 0, drafted, random_ids)
             token_ids = torch.where(batch.greedy, token_ids, random_ids)
         valid = ~torch.isnan(best) & (best > -math.inf)
         token_ids = torch.where(valid, token_ids, torch.zeros_like(token_ids))
