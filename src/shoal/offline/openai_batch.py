@@ -17,7 +17,7 @@ from typing import Any
 from shoal.engine.outputs import RequestOutput
 from shoal.offline.requests import RequestLine
 from shoal.sampling import SamplingParams
-from shoal.serve.protocol import finish_reason
+from shoal.serve.protocol import assistant_message, finish_reason, usage_of
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 # OpenAI body fields -> SamplingParams fields (plus the vLLM extras of the same name)
@@ -96,25 +96,12 @@ def batch_result(request: RequestLine, url: str, out: RequestOutput, model: str)
                               "body": {"error": {"message": message,
                                                  "type": "invalid_request_error"}}}
         return result
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
-             "total_tokens": len(out.prompt_token_ids) + completion_tokens}
+    usage = usage_of(out)
     created = int(time.time())
     if url == "/v1/chat/completions":
-        choices = []
-        for c in out.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.reasoning_content:
-                message["reasoning_content"] = c.reasoning_content
-            if c.tool_calls:
-                message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                     "function": {"name": t.get("name"),
-                                  "arguments": t.get("arguments") or "{}"}}
-                    for t in c.tool_calls]
-            choices.append({"index": c.index, "message": message, "logprobs": None,
-                            "finish_reason": finish_reason(c.finish_reason,
-                                                           bool(c.tool_calls))})
+        choices = [{"index": c.index, "message": assistant_message(c), "logprobs": None,
+                    "finish_reason": finish_reason(c.finish_reason, bool(c.tool_calls))}
+                   for c in out.outputs]
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage}
     else:

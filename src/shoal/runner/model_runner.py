@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from shoal.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-NO_MASKS: Mapping[str, torch.Tensor] = {}
+NO_MASKS: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
 class ModelRunner:
@@ -85,11 +86,6 @@ class ModelRunner:
             raise ShoalError(f"KV cache: {exc}") from None
 
     # ---- one step ---------------------------------------------------------------------------
-    def execute(self, plan: StepPlan,
-                grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> RunnerOutput:
-        """Run one step to the end: `finish(launch(plan, grammar_masks))`."""
-        return self.finish(self.launch(plan, grammar_masks))
-
     def launch(self, plan: StepPlan,
                grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> LaunchedStep:
         """Queue the step's device work: inputs, forward, prompt logprobs, sampling; the sampled
@@ -104,7 +100,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState.from_new(new)
-        step = LaunchedStep(plan, RunnerOutput(), grammar_masks=grammar_masks)
+        step = LaunchedStep(plan, RunnerOutput())
         if not plan.scheduled:
             return step
         t0 = time.perf_counter()

@@ -5,7 +5,6 @@ process)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,7 +55,6 @@ class LaunchedStep:
     plan: StepPlan
     out: RunnerOutput  # timings, prompt logprobs and skipped rows already filled in
     draws: list[Draw] = field(default_factory=list)
-    grammar_masks: Mapping[str, torch.Tensor] = field(default_factory=dict)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     batch: ForwardBatch | None = None
     captures: torch.Tensor | None = None

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,7 +32,9 @@ from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    assistant_message,
     error_body,
+    usage_of,
 )
 from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.tokenizer.encoding import encode_messages
@@ -118,10 +120,14 @@ class Server:
             update = await self._next(handle, request)
         return update.output
 
-    def _usage(self, out: RequestOutput) -> dict:
-        completion = sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-                "total_tokens": len(out.prompt_token_ids) + completion}
+    def _stream_end(self, update: Update, body, rid: str, created: int,
+                    obj: str) -> Iterator[str]:
+        """The usage chunk when asked for (`stream_options.include_usage`), then [DONE]."""
+        if update.output is not None and body.stream_options and \
+                body.stream_options.include_usage:
+            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [], "usage": usage_of(update.output)})
+        yield "data: [DONE]\n\n"
 
     def _token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
@@ -169,7 +175,7 @@ class Server:
                                               want_lp)
                     if want_lp is not None and c.logprobs else None} for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage(out)}
+                "model": self.model_name, "choices": choices, "usage": usage_of(out)}
 
     async def _completion_stream(self, update: Update, handle: Handle, request: Request,
                                  rid: str, created: int, want_lp: int | None, body
@@ -192,12 +198,8 @@ class Server:
                     break
                 update = await self._next(handle, request)
             done = True
-            if update.output is not None and body.stream_options and \
-                    body.stream_options.include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created,
-                            "model": self.model_name, "choices": [],
-                            "usage": self._usage(update.output)})
-            yield "data: [DONE]\n\n"
+            for line in self._stream_end(update, body, rid, created, "text_completion"):
+                yield line
         finally:
             if not done:
                 self.loop.abort(handle)
@@ -223,22 +225,14 @@ class Server:
         parse_chat_output(out, prompt)
         choices = []
         for c in out.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.reasoning_content is not None:
-                message["reasoning_content"] = c.reasoning_content
-            if c.tool_calls:
-                message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                     "function": {"name": t["name"], "arguments": t["arguments"]}}
-                    for t in c.tool_calls]
-            choices.append({"index": c.index, "message": message,
+            choices.append({"index": c.index, "message": assistant_message(c),
                             "logprobs": self._chat_logprobs(list(zip(
                                 c.token_ids, c.logprobs, strict=False)), params.logprobs)
                             if params.logprobs is not None and c.logprobs else None,
                             "finish_reason": _finish_reason(c.finish_reason,
                                                             bool(c.tool_calls))})
         return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage(out)}
+                "model": self.model_name, "choices": choices, "usage": usage_of(out)}
 
     async def _chat_stream(self, update: Update, handle: Handle, request: Request, rid: str,
                            created: int, prompt: str, want_lp: int | None, body
@@ -280,12 +274,8 @@ class Server:
                     break
                 update = await self._next(handle, request)
             done = True
-            if update.output is not None and body.stream_options and \
-                    body.stream_options.include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [],
-                            "usage": self._usage(update.output)})
-            yield "data: [DONE]\n\n"
+            for line in self._stream_end(update, body, rid, created, "chat.completion.chunk"):
+                yield line
         finally:
             if not done:
                 self.loop.abort(handle)

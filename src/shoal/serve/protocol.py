@@ -10,10 +10,12 @@ nothing past this module sees an HTTP body.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.sampling import SamplingParams
 from shoal.sampling.structured import StructuredOutputSpec
 
@@ -26,6 +28,26 @@ def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
     if tool_calls:
         return "tool_calls"
     return "length" if reason in ("length", "kv_capacity") else "stop"
+
+
+def usage_of(out: RequestOutput) -> dict:
+    """OpenAI's `usage` of a finished request."""
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
+            "total_tokens": len(out.prompt_token_ids) + completion}
+
+
+def assistant_message(c: CompletionOutput) -> dict[str, Any]:
+    """The chat `message` of a parsed completion (content, reasoning, tool calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.content}
+    if c.reasoning_content is not None:
+        message["reasoning_content"] = c.reasoning_content
+    if c.tool_calls:
+        message["tool_calls"] = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": t.get("name"), "arguments": t.get("arguments") or "{}"}}
+            for t in c.tool_calls]
+    return message
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
