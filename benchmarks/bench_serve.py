@@ -42,17 +42,23 @@ async def _clients(base: str, prompts: list[list[int]], output_len: int, concurr
     async def one(ids: list[int]) -> dict:
         async with gate:
             start, times, tokens = time.perf_counter(), [], 0
+            # logprobs=0 puts each step's tokens in its chunk, so latency is timed per token
+            # even where a token's text is empty (an incomplete UTF-8 sequence)
             stream = await client.completions.create(
                 model="bench", prompt=ids, max_tokens=output_len, temperature=0.0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                logprobs=0, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter())
+                lp = chunk.choices[0].logprobs if chunk.choices else None
+                if lp is not None and lp.tokens:
+                    times.append((time.perf_counter(), len(lp.tokens)))
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
             end = time.perf_counter()
-            return {"ttft": times[0] - start if times else end - start, "e2e": end - start,
-                    "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
+            return {"ttft": times[0][0] - start if times else end - start, "e2e": end - start,
+                    # a chunk of n tokens after the first spreads its interval over n tokens
+                    "itl": [(b - a) / n for (a, _), (b, n) in zip(times, times[1:],
+                                                                  strict=False)],
                     "tokens": tokens}
 
     tasks = []
@@ -89,7 +95,8 @@ def main() -> None:
     vocab = llm.config.model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            logprobs=0)
     llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)  # warm
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -123,9 +123,20 @@ def _scores_inputs(t: int, h: int, d: int, n_req: int, rows: int, rpb: int, seed
     if t:
         nv[0] = rows
     return {"q": torch.randn(t, h, d, generator=g).to(torch.bfloat16),
-            "weights": torch.randn(t, h, generator=g), "k_cache": cache,
+            "weights": torch.randn(t, h, generator=g).bfloat16().float(), "k_cache": cache,
             "block_table": table.to(torch.int32), "req": req, "n_visible": nv,
             "num_rows": rows, "rows_per_block": rpb}
+
+
+def _assert_within_bf16_ulps(got: torch.Tensor, want: torch.Tensor, kw: dict) -> None:
+    """Equal up to the bf16 rounding of a per-head dot whose fp32 sum lands on a rounding
+    boundary in one summation order and not the other (the kernel's mma order vs the
+    reference's exact sum): each such head moves the logit by one bf16 ulp of its term, so the
+    bound is 2^-6 of sum_h |w_h| relu(s_h), the same scores with |w|."""
+    scale = rindexer.index_scores(**{**kw, "weights": kw["weights"].abs()})
+    fin = torch.isfinite(want)
+    err = (got[fin] - want[fin]).abs()
+    assert bool((err <= scale[fin] * 2.0 ** -6 + 1e-30).all()), float(err.max())
 
 
 @needs_kernels
@@ -148,7 +159,7 @@ def test_index_scores_matches_reference(t, h, d, n_req, rows, rpb, tb, one) -> N
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     fin = torch.isfinite(want)
     assert torch.isfinite(got[fin]).all()
-    torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
+    _assert_within_bf16_ulps(got, want, kw)
 
 
 @needs_kernels
@@ -166,8 +177,7 @@ def test_index_scores_causal_prefill_chunk(tb, bn, warps) -> None:
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     got = tindexer.index_scores_tuned(**dev_kw, tb=tb, bn=bn, num_warps=warps).cpu()
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
-    fin = torch.isfinite(want)
-    torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-3)
+    _assert_within_bf16_ulps(got, want, kw)
     for i in (0, 77, t - 1):
         one = {**dev_kw, **{k: dev_kw[k][i:i + 1] for k in ("q", "weights", "req",
                                                             "n_visible")}}

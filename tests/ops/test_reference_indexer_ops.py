@@ -30,7 +30,7 @@ def test_index_scores_over_paged_keys(seed: int, t: int):
     table = torch.randperm(n_req * nb, generator=g).view(n_req, nb).to(torch.int32)
     k_cache = pack_index_k_record(_randn(g, n_req * nb * rpb, dim, dtype=torch.float32))
     q = _randn(g, t, h, dim)
-    w = _randn(g, t, h, dtype=torch.float32)
+    w = _randn(g, t, h).float()  # bf16 head weights, as the model passes them
     req = torch.randint(0, n_req, (t,), generator=g)
     n_vis = torch.randint(0, rows + 1, (t,), generator=g)
     if t:
@@ -43,10 +43,16 @@ def test_index_scores_over_paged_keys(seed: int, t: int):
         for j in range(int(n_vis[i])):
             phys = int(table[int(req[i]), j // rpb]) * rpb + j % rpb
             key = _f64(unpack_index_k_record(k_cache[phys], dim))
-            ref[i, j] = sum(float(w[i, hh]) * max(0.0, float(np.dot(_f64(q[i, hh]), key)))
-                            for hh in range(h))
-    np.testing.assert_array_equal(np.isneginf(_f64(out)), np.isneginf(ref))
-    np.testing.assert_allclose(_f64(out), ref, atol=1e-4, rtol=1e-4)
+            # the official rounding points: bf16 dot, bf16 weighted ReLU, bf16 head sum
+            terms = [_bf16(float(w[i, hh]) * max(0.0, _bf16(np.dot(_f64(q[i, hh]), key))))
+                     for hh in range(h)]
+            ref[i, j] = _bf16(math.fsum(terms))
+    np.testing.assert_array_equal(_f64(out), ref)
+
+
+def _bf16(v: float) -> float:
+    """v rounded to fp32, then to bf16 (nearest, ties to even)."""
+    return float(torch.tensor(v, dtype=torch.float32).bfloat16())
 
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

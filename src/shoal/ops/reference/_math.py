@@ -17,6 +17,16 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double().t()).float()
 
 
+def blockwise_matmul_nt(a: torch.Tensor, b: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The official block-scaled GEMM's accumulation: each K block's product exact (fp64,
+    rounded once to fp32), added to an fp32 accumulator in K order. a [..., K] and b [N, K]
+    hold the dequantised values (the power-of-two block scales are exact factors)."""
+    acc = torch.zeros(*a.shape[:-1], b.shape[0], dtype=torch.float32, device=a.device)
+    for k in range(0, a.shape[-1], block):
+        acc += (a[..., k:k + block].double() @ b[:, k:k + block].double().t()).float()
+    return acc
+
+
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     """fp32 einsum accumulated in fp64."""
     return torch.einsum(equation, *(x.double() for x in operands)).float()

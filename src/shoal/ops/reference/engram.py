@@ -123,11 +123,10 @@ def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor
     value = kv[:, hc * d:].float()
     w = q_weight.float() * k_weight.float()
     h = stream.float()
-    # the gate in fp64 (reductions over D and transcendentals), then fp32 like the reference
-    h64, k64 = h.double(), key.double()
-    rstd = torch.rsqrt(h64.square().mean(-1) + eps) * torch.rsqrt(k64.square().mean(-1) + eps)
-    dot = (h64 * w.double() * k64).sum(-1) * rstd * d**-0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot)).float()
+    # the reference's fp32 expression (same rounding)
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * w * key).sum(-1) * rstd * d**-0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     if gate_mask is not None:
         gate = gate.masked_fill(~gate_mask.unsqueeze(-1), 0)
     return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(torch.bfloat16)

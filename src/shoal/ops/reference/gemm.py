@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import fp8_weight, randn
-from shoal.ops.reference._math import einsum, matmul_nt
+from shoal.ops.reference._math import blockwise_matmul_nt, einsum, matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp8 import dequant_fp8_act, dequant_fp8_weight, quant_fp8_act
 
@@ -53,14 +53,13 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """y = x @ W^T for an FP8 weight with 32x32 UE8M0 blocks.
 
     x [T, K] bf16 (quantised inside, as `act_quant_fp8`); weight [N, K] float8_e4m3fn;
-    weight_scale [ceil(N/32), K/32] uint8. Returns [T, N] bf16. Semantics: the exact block dot
-    products scaled by s_a * s_w, accumulated in fp32 (here: dequantise both and one fp32
-    matmul; differs from the blockwise sum only in fp32 summation order).
+    weight_scale [ceil(N/32), K/32] uint8. Returns [T, N] bf16. Same rounding as the official
+    kernel: the exact block dot products scaled by s_a * s_w, added in fp32 in K order.
     """
     codes, scales = quant_fp8_act(x, block)
     a = dequant_fp8_act(codes, scales, block)
     w = dequant_fp8_weight(weight, weight_scale, block)
-    return matmul_nt(a, w).to(torch.bfloat16)
+    return blockwise_matmul_nt(a, w, block).to(torch.bfloat16)
 
 
 def _grouped_case(t: int, groups: int, rank: int, k: int, heavy: bool = False) -> OpCase:

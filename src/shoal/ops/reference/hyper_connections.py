@@ -4,6 +4,9 @@ mean used by the DSpark capture (model.md §2.1, §2.2, §2.12).
 Invariant: coefficient math is fp32 in the reference order: one RMS statistic over all
 hc*D values, `fn` applied to the un-normalised stream, sigmoid pre (+hc_eps), 2*sigmoid post,
 row softmax (+hc_eps), column normalisation, then (iters-1) x (row, column) normalisations.
+Same rounding as the reference: its fp32 torch expressions, except that `fn . f` is the exact
+product rounded once to fp32 and sigmoid / exp are correctly rounded fp32 values (the
+reference's fp32 BLAS order and its vectorised transcendentals depend on the batch).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
-from shoal.ops.reference._math import einsum, matmul_nt, mean_sq, rsqrt, sigmoid
+from shoal.ops.reference._math import exp, matmul_nt, sigmoid
+from shoal.ops.reference.norm import rms_normalise
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 F32_TOL = {torch.float32: Tolerance(atol=1e-5, rtol=1e-4)}
@@ -53,18 +57,17 @@ def hc_coeffs(*, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     """
     hc = stream.shape[1]
     f = stream.flatten(1).float()
-    m = matmul_nt(f, fn.float()) * rsqrt(mean_sq(f) + norm_eps)
+    m = matmul_nt(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + norm_eps)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    # Sinkhorn in fp64 (4-element sums and exp are batch-variant in fp32 on CPU), then fp32
-    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)).double()
-    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = exp(comb - comb.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb.float()
+    return pre, post, comb
 
 
 def _collapse_case(t: int, d: int, norm: bool) -> OpCase:
@@ -81,8 +84,9 @@ def _collapse_case(t: int, d: int, norm: bool) -> OpCase:
 @REGISTRY.define("hc_collapse", tolerances=BF16_TOL,
                  cases=[_collapse_case(t, d, False) for t, d in ((1, 32), (7, 128), (0, 32))])
 def hc_collapse(*, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """x = bf16(sum_i pre_i * X_i), fp32 accumulation. stream [T, hc, D], pre [T, hc]."""
-    return (pre.double().unsqueeze(-1) * stream.double()).sum(dim=1).float().to(torch.bfloat16)
+    """x = bf16(sum_i pre_i * X_i) in fp32 (the reference's expression). stream [T, hc, D],
+    pre [T, hc]."""
+    return torch.sum(pre.float().unsqueeze(-1) * stream.float(), dim=1).to(torch.bfloat16)
 
 
 @REGISTRY.define("hc_collapse_norm", tolerances=BF16_TOL,
@@ -91,8 +95,7 @@ def hc_collapse(*, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_collapse_norm(*, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
     """RMSNorm(collapse(stream, pre)) -> [T, D] bf16 (the collapse is rounded to bf16 first)."""
-    x = hc_collapse(stream=stream, pre=pre).float()
-    return (weight.float() * (x * rsqrt(mean_sq(x) + eps))).to(torch.bfloat16)
+    return rms_normalise(hc_collapse(stream=stream, pre=pre).float(), weight, eps)
 
 
 def _post_case(t: int, d: int) -> OpCase:
@@ -110,7 +113,7 @@ def _post_case(t: int, d: int) -> OpCase:
 def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
             comb: torch.Tensor) -> torch.Tensor:
     """R'_j = bf16(post_j * y + sum_i comb[i][j] * X_i) in fp32; y [T, D], stream [T, hc, D]."""
-    mixed = einsum("tij,tid->tjd", comb.float(), stream.float())
+    mixed = torch.sum(comb.float().unsqueeze(-1) * stream.float().unsqueeze(-2), dim=1)
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(torch.bfloat16)
 
 
@@ -119,4 +122,4 @@ def hc_post(*, y: torch.Tensor, stream: torch.Tensor, post: torch.Tensor,
     for t, d in ((1, 32), (5, 128), (0, 32))])
 def stream_mean(*, stream: torch.Tensor) -> torch.Tensor:
     """bf16(mean_i X_i) over the hc streams: the DSpark capture. stream [T, hc, D]."""
-    return stream.double().mean(dim=1).float().to(torch.bfloat16)
+    return stream.to(torch.bfloat16).mean(dim=1)  # the reference's bf16 mean

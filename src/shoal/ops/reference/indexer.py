@@ -1,8 +1,9 @@
 """Indexer ops (model.md §2.7): query quantisation, scores over paged FP4 index keys, the
 level-1 candidate block filter, masking, and the top-k row selection.
 
-Invariant: scores are fp32 (the reference rounds to bf16; documented deviation, tolerance rule in
-model.md §2.7); rows j >= n_p (not yet visible to the query) score -inf; the selection returns the
+Invariant: scores round where the official code's bf16 tensors round (model.md §2.7): the
+per-head dot, the weighted ReLU and the head sum are each rounded to bf16 (returned in an fp32
+tensor, so -inf and the selections' inputs keep one dtype); rows j >= n_p (not yet visible to the query) score -inf; the selection returns the
 top min(k, n_p) visible rows in ascending position order, -1 padded.
 """
 
@@ -39,7 +40,7 @@ def _scores_case(t: int, heads: int, dim: int, n_req: int, rows: int) -> OpCase:
         table = torch.randperm(n_req * nb, generator=g).view(n_req, nb).to(torch.int32)
         cache = pack_index_k_record(randn(g, n_req * nb * rpb, dim, dtype=torch.float32))
         return {"q": randn(g, t, heads, dim, device=d),
-                "weights": randn(g, t, heads, dtype=torch.float32, device=d),
+                "weights": randn(g, t, heads, device=d).float(),
                 "k_cache": cache.to(d), "block_table": table.to(d),
                 "req": torch.randint(0, n_req, (t,), generator=g).to(d),
                 "n_visible": torch.randint(0, rows + 1, (t,), generator=g).to(d),
@@ -48,7 +49,7 @@ def _scores_case(t: int, heads: int, dim: int, n_req: int, rows: int) -> OpCase:
     return OpCase(f"T{t}xH{heads}xD{dim}-R{n_req}-N{rows}", make)
 
 
-@REGISTRY.define("index_scores", tolerances={torch.float32: Tolerance(atol=1e-3, rtol=1e-3)},
+@REGISTRY.define("index_scores", tolerances={torch.float32: Tolerance(atol=1e-6, rtol=2**-7)},
                  cases=[_scores_case(1, 4, 32, 1, 5), _scores_case(7, 4, 32, 2, 13),
                         _scores_case(0, 4, 32, 1, 4), _scores_case(83, 32, 128, 3, 70)])
 def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
@@ -56,7 +57,9 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
                  num_rows: int, rows_per_block: int) -> torch.Tensor:
     """logit[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) over the request's index keys.
 
-    q [T, H, Di] bf16 (QDQ'd); weights [T, H] fp32 (includes Di^-0.5 * H^-0.5); k_cache uint8
+    Rounded as the official code: s = bf16(q . k) (exact accumulation), bf16(relu(s) * w_h),
+    bf16(sum over h). q [T, H, Di] bf16 (QDQ'd); weights [T, H] fp32 holding the bf16 head
+    weights (weights_proj output times Di^-0.5 * H^-0.5, rounded to bf16); k_cache uint8
     [rows, Di/2 + Di/32] MXFP4 records; block_table [R, nb] int32; req [T] request of each
     query; n_visible [T] = (p + 1) // r; num_rows = Nmax columns. Returns [T, Nmax] fp32,
     -inf where j >= n_visible.
@@ -67,8 +70,9 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
         return torch.full((t, num_rows), -torch.inf, device=q.device)
     phys = _paged_rows(block_table, req, j.unsqueeze(0).expand(t, -1), rows_per_block)
     keys = unpack_index_k_record(k_cache[phys.reshape(-1)], dim).view(t, num_rows, dim)
-    s = torch.einsum("thd,tnd->thn", q.double(), keys.double()).float().relu()
-    logits = (s.double() * weights.double().unsqueeze(-1)).sum(dim=1).float()
+    s = torch.einsum("thd,tnd->thn", q.double(), keys.double()).float().bfloat16().relu()
+    s = (s.float() * weights.unsqueeze(-1)).bfloat16()
+    logits = s.double().sum(dim=1).float().bfloat16().float()
     return logits.masked_fill(j.unsqueeze(0) >= n_visible.unsqueeze(1), -torch.inf)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from shoal.ops.compare import assert_same_nonfinite
 from shoal.ops.reference._cases import fp4_weight, randn
-from shoal.ops.reference._math import matmul_nt
+from shoal.ops.reference._math import blockwise_matmul_nt, matmul_nt
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import dequant_mxfp4
 from shoal.quant.fp8 import qdq_fp8_act
@@ -36,12 +36,13 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     id); w = s[ids] / (sum s[ids] + 1e-20) * route_scale (the unbiased scores).
     """
     logits = matmul_nt(x.float(), weight.float()) / gate_temp
-    scores = torch.nn.functional.softplus(logits.double()).sqrt().float()
+    # softplus in fp64 (fp32 CPU transcendentals depend on the batch), then the fp32 sqrt
+    scores = torch.nn.functional.softplus(logits.double()).float().sqrt()
     order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
     ids = order[:, :k]
     w = scores.gather(1, ids)
     if k > 1:
-        w = (w.double() / (w.double().sum(dim=-1, keepdim=True) + 1e-20)).float()
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, w * route_scale
 
 
@@ -65,7 +66,7 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     bf16 (widened exactly), w [T] fp32 routing weight or None (shared expert)."""
     up = up.float().clamp(-limit, limit)
     gate = gate.float().clamp(max=limit)
-    h = torch.nn.functional.silu(gate.double()).float() * up
+    h = torch.nn.functional.silu(gate) * up
     if weight is not None:
         h = weight.float().unsqueeze(-1) * h
     return h.to(torch.bfloat16)
@@ -150,9 +151,10 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         w13_e = dequant_mxfp4(w13[e], w13_scale[e], 32)
-        gu = matmul_nt(xq[tok], w13_e).to(torch.bfloat16).float()
+        gu = blockwise_matmul_nt(xq[tok], w13_e).to(torch.bfloat16).float()
         h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
                          limit=limit)
-        y = matmul_nt(qdq_fp8_act(h, 32).float(), dequant_mxfp4(w2[e], w2_scale[e], 32))
+        y = blockwise_matmul_nt(qdq_fp8_act(h, 32).float(),
+                                dequant_mxfp4(w2[e], w2_scale[e], 32))
         out.index_add_(0, tok, y.to(torch.bfloat16).float())
     return out if shared is None else (out + shared.float()).to(torch.bfloat16)

@@ -7,7 +7,8 @@ over paged MXFP4 index-key records, and the exact selections `topk_rows` and `ca
   4-byte aligned, so every load is one scalar word) and dequantised to bf16 in registers
   (e2m1 * 2^e is exact); the tile then serves the block's tokens of its request in turn
   (prefill: TB tokens per dequantised tile): q . k on the matrix unit (fp32 accumulation),
-  relu, the head-weighted sum and the visibility mask. TB = 1 for decode-sized batches, 32 for
+  relu, the head-weighted sum and the visibility mask, rounded to bf16 where the reference
+  rounds (the dot, the weighted ReLU, the head sum). TB = 1 for decode-sized batches, 32 for
   prefill (was 8); tiles above every token of a block (the causal triangle of a prefill chunk)
   are stored as -inf unread. Not kept: 64 / HP tokens x heads as the rows of one wgmma product
   (faster prefill, slower decode: 8 warps at 255 registers hold one program per SM).
@@ -103,9 +104,11 @@ def _score_token(q_ptr, w_ptr, o_ptr, k, t, nv, j, H, N, sq_t, sq_h, sq_d, sw_t,
     hmask = hh < H
     q = tl.load(q_ptr + t * sq_t + hh[:, None] * sq_h + tl.arange(0, DI)[None, :] * sq_d,
                 mask=hmask[:, None], other=0.0)
-    s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0)  # [HP, BN] fp32
+    # the official code's bf16 rounding points: the per-head dot, the weighted ReLU, the head sum
+    s = tl.maximum(tl.dot(q, tl.trans(k)).to(tl.bfloat16).to(tl.float32), 0.0)  # [HP, BN]
     w = tl.load(w_ptr + t * sw_t + hh * sw_h, mask=hmask, other=0.0).to(tl.float32)
-    logit = tl.sum(s * w[:, None], axis=0)
+    logit = tl.sum((s * w[:, None]).to(tl.bfloat16).to(tl.float32), axis=0)
+    logit = logit.to(tl.bfloat16).to(tl.float32)
     logit = tl.where(j < nv, logit, float("-inf"))
     tl.store(o_ptr + t * N + j, logit, mask=j < N)
 
@@ -191,8 +194,8 @@ def index_scores_tuned(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
 def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                  block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
                  num_rows: int, rows_per_block: int) -> torch.Tensor:
-    """logit[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) -> [T, num_rows] fp32 (-inf if not
-    visible); k_j dequantised from the request's paged MXFP4 records (Di = 128 or 256, whose
+    """logit[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) -> [T, num_rows] fp32 holding bf16
+    values, rounded as the reference (-inf if not visible); k_j dequantised from the request's paged MXFP4 records (Di = 128 or 256, whose
     records are whole int32 words)."""
     return index_scores_tuned(q, weights, k_cache, block_table, req, n_visible, num_rows,
                               rows_per_block)
