@@ -32,25 +32,14 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     return torch.einsum(equation, *(x.double() for x in operands)).float()
 
 
-def mean_sq(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """fp32 mean of x^2 along `dim` (keepdim), accumulated in fp64."""
-    return x.double().square().mean(dim, keepdim=True).float()
-
-
-def rsqrt(x: torch.Tensor) -> torch.Tensor:
-    """fp32 1/sqrt(x) evaluated in fp64.
-
-    Transcendentals too: torch's CPU kernels evaluate a buffer's bulk with vectorised code and
-    its tail with scalar code, which can differ by an ulp, so the same row's result would depend
-    on where it sits in the batch. In fp64 that ulp vanishes in the rounding to fp32."""
-    return torch.rsqrt(x.double()).float()
-
-
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """fp32 exp evaluated in fp64 (see rsqrt)."""
+    """fp32 exp evaluated in fp64: torch's CPU kernels evaluate a buffer's bulk with vectorised
+    code and its tail with scalar code, which can differ by an ulp, so in fp32 the same row's
+    result would depend on where it sits in the batch; in fp64 that ulp vanishes in the rounding
+    to fp32."""
     return torch.exp(x.double()).float()
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sigmoid evaluated in fp64 (see rsqrt)."""
+    """fp32 sigmoid evaluated in fp64 (see exp)."""
     return torch.sigmoid(x.double()).float()

@@ -3,8 +3,9 @@ level-1 candidate block filter, masking, and the top-k row selection.
 
 Invariant: scores round where the official code's bf16 tensors round (model.md §2.7): the
 per-head dot, the weighted ReLU and the head sum are each rounded to bf16 (returned in an fp32
-tensor, so -inf and the selections' inputs keep one dtype); rows j >= n_p (not yet visible to the query) score -inf; the selection returns the
-top min(k, n_p) visible rows in ascending position order, -1 padded.
+tensor, so -inf and the selections' inputs keep one dtype); rows j >= n_p (not yet visible
+to the query) score -inf; the selection returns the top min(k, n_p) visible rows in ascending
+position order, -1 padded.
 """
 
 from __future__ import annotations

@@ -195,8 +195,8 @@ def index_scores(*, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
                  block_table: torch.Tensor, req: torch.Tensor, n_visible: torch.Tensor,
                  num_rows: int, rows_per_block: int) -> torch.Tensor:
     """logit[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) -> [T, num_rows] fp32 holding bf16
-    values, rounded as the reference (-inf if not visible); k_j dequantised from the request's paged MXFP4 records (Di = 128 or 256, whose
-    records are whole int32 words)."""
+    values, rounded as the reference (-inf if not visible); k_j dequantised from the request's
+    paged MXFP4 records (Di = 128 or 256, whose records are whole int32 words)."""
     return index_scores_tuned(q, weights, k_cache, block_table, req, n_visible, num_rows,
                               rows_per_block)
 
