@@ -1,6 +1,7 @@
 """Serving cost: the same workload through `LLM.generate` (offline) and through `shoal serve`
 (a loopback server over the same engine, streaming clients of the `openai` library at a given
-concurrency and request rate), in one run. Reports output tok/s of both, the server's share of
+concurrency and request rate, in a separate process so that they do not share the server's
+interpreter lock), in one run. Reports output tok/s of both, the server's share of
 the offline throughput, and TTFT / inter-token / end-to-end latency percentiles.
 
     python benchmarks/bench_serve.py --model mini --load-format dummy --num-prompts 256 \\
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import socket
 import statistics
@@ -71,6 +73,11 @@ async def _clients(base: str, prompts: list[list[int]], output_len: int, concurr
     return results, time.perf_counter() - t0
 
 
+def _client_process(base: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                    rate: float, out: multiprocessing.Queue) -> None:
+    out.put(asyncio.run(_clients(base, prompts, output_len, concurrency, rate)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mini")
@@ -114,9 +121,14 @@ def main() -> None:
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    results, served_s = asyncio.run(_clients(f"http://127.0.0.1:{port}", prompts,
-                                             args.output_len, args.concurrency,
-                                             args.request_rate))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    client = ctx.Process(target=_client_process, args=(
+        f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency,
+        args.request_rate, queue))
+    client.start()
+    results, served_s = queue.get()
+    client.join()
     server.should_exit = True
     thread.join(60)
     served_tokens = sum(r["tokens"] for r in results)

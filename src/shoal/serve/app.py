@@ -65,6 +65,7 @@ class Server:
         self.metrics = Metrics(lambda: self.loop.snapshot)
         context = llm.config.scheduler.max_model_len
         self.default_max_tokens = max(1, min(4096, context // 2))
+        self._token_texts: dict[int, str] = {}
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -130,7 +131,11 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def _token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token])
+        """One token's text, decoded once per id (a logprobs stream asks for every token)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.engine.tokenizer.decode([token])
+        return text
 
     @staticmethod
     def _top(lp: dict, n_top: int) -> list:

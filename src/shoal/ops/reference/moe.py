@@ -36,13 +36,14 @@ def router(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     id); w = s[ids] / (sum s[ids] + 1e-20) * route_scale (the unbiased scores).
     """
     logits = matmul_nt(x.float(), weight.float()) / gate_temp
-    # softplus in fp64 (fp32 CPU transcendentals depend on the batch), then the fp32 sqrt
-    scores = torch.nn.functional.softplus(logits.double()).float().sqrt()
+    # Deviation: sqrt-softplus and the renormalisation in fp64, rounded once (the official fp32
+    # forms depend on the platform's transcendentals and sum order; they differ by <= 1 ulp).
+    scores = torch.nn.functional.softplus(logits.double()).sqrt().float()
     order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
     ids = order[:, :k]
     w = scores.gather(1, ids)
     if k > 1:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = (w.double() / (w.double().sum(dim=-1, keepdim=True) + 1e-20)).float()
     return ids, w * route_scale
 
 
@@ -66,7 +67,9 @@ def swiglu_clamp(*, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor |
     bf16 (widened exactly), w [T] fp32 routing weight or None (shared expert)."""
     up = up.float().clamp(-limit, limit)
     gate = gate.float().clamp(max=limit)
-    h = torch.nn.functional.silu(gate) * up
+    # Deviation: silu in fp64, rounded once to fp32 (platform-independent; the official fp32 silu
+    # differs by <= 1 fp32 ulp with the platform's exp).
+    h = torch.nn.functional.silu(gate.double()).float() * up
     if weight is not None:
         h = weight.float().unsqueeze(-1) * h
     return h.to(torch.bfloat16)
