@@ -5,6 +5,8 @@ Invariant (model.md §2.5 step 7): K = V = the 512-d record; scores in fp32 over
 dim; online softmax over blocks of 64 indices (SWA indices first, then compressed), running max
 starting at -1e30, P rounded to bf16 relative to the running max before P.V, sink added to the
 denominator unscaled; index -1 contributes nothing; all-empty rows give 0; bf16 output.
+Deviation: products in fp64 and exp evaluated in fp64, each rounded once to fp32 (the official
+fp32 BLAS order and vectorised exp depend on the platform and on the batch).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._math import einsum, exp
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.records import (
     pack_compressed_record,
@@ -84,16 +87,16 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
         valid = idx[:, start:start + ATTN_BLOCK] >= 0  # [T, n]
         k_blk = keys[:, start:start + ATTN_BLOCK]  # [T, n, D]
         k_blk = k_blk * valid.unsqueeze(-1)  # empty rows zeroed, as the reference
-        s = torch.einsum("thd,tnd->thn", qf, k_blk)
+        s = einsum("thd,tnd->thn", qf, k_blk)
         s = torch.where(valid.unsqueeze(1), s, -torch.inf) * scale_t
         new_max = torch.maximum(run_max, s.amax(dim=-1))
-        rescale = torch.exp(run_max - new_max)
-        p = torch.exp(s - new_max.unsqueeze(-1))
-        denom = denom * rescale + p.sum(dim=-1)
+        rescale = exp(run_max - new_max)
+        p = exp(s - new_max.unsqueeze(-1))
+        denom = denom * rescale + p.double().sum(dim=-1).float()
         p16 = p.to(torch.bfloat16).float()
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("thn,tnd->thd", p16, k_blk)
+        acc = acc * rescale.unsqueeze(-1) + einsum("thn,tnd->thd", p16, k_blk)
         run_max = new_max
-    denom = denom + torch.exp(sink.float().unsqueeze(0) - run_max)
+    denom = denom + exp(sink.float().unsqueeze(0) - run_max)
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 

@@ -121,7 +121,9 @@ def compress_pool(*, kv: torch.Tensor, score: torch.Tensor, positions: torch.Ten
     st_idx = member_pos.remainder(state_kv.shape[1])
     kv_m = torch.where(same_req.unsqueeze(-1), kv[tok_clamped], state_kv[st_slot, st_idx])
     sc_m = torch.where(same_req.unsqueeze(-1), score[tok_clamped], state_score[st_slot, st_idx])
-    pooled = (kv_m * sc_m.softmax(dim=1)).sum(dim=1)  # the reference's fp32 expression
+    # Deviation: the softmax pooling in fp64, rounded once (the official fp32 softmax uses the
+    # platform's vectorised exp, which depends on the batch)
+    pooled = (kv_m.double() * sc_m.double().softmax(dim=1)).sum(dim=1).float()
     pooled = torch.where(closes.unsqueeze(1), pooled, 0.0)  # non-closing rows: garbage -> 0
     rows = torch.where(closes, positions // ratio, -1)
     # Park the last R positions of each request (unique (slot, p % R) entries). Boolean

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._math import sigmoid
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp8 import dequant_fp8_act, quant_fp8_act
 
@@ -123,10 +124,10 @@ def engram_mix(*, stream: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor
     value = kv[:, hc * d:].float()
     w = q_weight.float() * k_weight.float()
     h = stream.float()
-    # the reference's fp32 expression (same rounding)
+    # the reference's fp32 expression, except the sigmoid evaluated in fp64 (batch-invariant)
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * w * key).sum(-1) * rstd * d**-0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    gate = sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     if gate_mask is not None:
         gate = gate.masked_fill(~gate_mask.unsqueeze(-1), 0)
     return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(torch.bfloat16)
