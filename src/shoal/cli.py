@@ -48,11 +48,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "drafts before it at least this chance of acceptance (default 0: all)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="run each step synchronously (no host/device overlap)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_true", default=None,
+                   help="resume requests after the longest cached prefix (exact: ring "
+                   "snapshots at block boundaries)")
+    p.add_argument("--num-prefix-snapshots", dest="num_prefix_snapshots", type=int,
+                   default=None, help="ring snapshots kept for prefix caching (default 64)")
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
-                "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling")
+                "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling",
+                "enable_prefix_caching", "num_prefix_snapshots")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

@@ -25,11 +25,20 @@ class ShoalError(ValueError):
 class CacheConfig:
     """KV cache sizing. block_size: context tokens per paged block (multiple of 128).
     kv_cache_memory_gb: bytes for KV + request slots (None: 0.5 GB on CPU, or
-    gpu_memory_utilization of the free device memory after weights)."""
+    gpu_memory_utilization of the free device memory after weights).
+    enable_prefix_caching: a new request resumes after the longest cached prefix of its tokens
+    (full blocks, shared by reference count, evicted least recently used): its logits equal a
+    run without the cache. prefix_resume: how the per-request SWA rings are rebuilt at the
+    resume point: 'exact' (restore a ring snapshot saved at that block boundary).
+    num_prefix_snapshots: ring snapshots kept (each the backbone's window rows, 2.6 MiB for
+    Flash, taken from the KV budget)."""
 
     block_size: int = 256
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    prefix_resume: str = "exact"
+    num_prefix_snapshots: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 128:
@@ -39,6 +48,12 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ShoalError(f"gpu_memory_utilization: got {self.gpu_memory_utilization}, "
                              "expected in (0, 1]")
+        if self.prefix_resume != "exact":
+            raise ShoalError(f"prefix_resume: got {self.prefix_resume!r}, expected 'exact' "
+                             "(ring snapshots; a bounded replay is not available)")
+        if self.num_prefix_snapshots < 1:
+            raise ShoalError(f"num_prefix_snapshots: got {self.num_prefix_snapshots}, "
+                             "expected >= 1")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from shoal.engine.request import EngineRequest
 from shoal.runner.executor import Executor
 from shoal.runner.step_io import RunnerOutput
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
+from shoal.scheduler.prefix_cache import PrefixCacheSpec, TailRule
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import StepOutcome, StepPlan
@@ -77,6 +78,19 @@ class EngineStats:
     resolved_first: int = 0
 
 
+def prefix_cache_spec(config: EngineConfig, num_snapshots: int) -> PrefixCacheSpec | None:
+    """Prefix caching's settings for the scheduler (None when off). The hash chain's salt
+    names everything besides the tokens that changes the KV: model, weights, ops, cache."""
+    if not config.cache.enable_prefix_caching:
+        return None
+    mc, run = config.model_config, config.runner
+    rule = TailRule(run.prefill_mode, mc.sliding_window, run.replay_window,
+                    mc.num_layers - mc.decoder_start)
+    salt = repr((config.model, mc, run.load_format, run.seed, run.backends, run.device,
+                 config.cache.block_size, run.prefill_mode, run.replay_window)).encode()
+    return PrefixCacheSpec(num_snapshots, rule, salt)
+
+
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     vocab = config.model_config.vocab_size
     if config.is_preset:
@@ -107,7 +121,8 @@ class Engine:
         self.executor = Executor(config, self.tokenizer)
         self.runner = self.executor.runner  # in-process introspection (bench, tests)
         self.scheduler = Scheduler(config.scheduler, self.executor.num_blocks,
-                                   self.executor.num_slots, self.executor.block_size)
+                                   self.executor.num_slots, self.executor.block_size,
+                                   prefix_cache_spec(config, self.executor.num_snapshots))
         self.requests: dict[str, EngineRequest] = {}
         self.groups: dict[str, list[str]] = {}
         self.stats = EngineStats()
@@ -174,7 +189,9 @@ class Engine:
                 rid, ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                 eos_token_id=self.config.model_config.eos_token_id,
                 ignore_eos=params.ignore_eos, stop_token_ids=tuple(params.stop_token_ids),
-                sampling=params, seed=seed))
+                sampling=params, seed=seed,
+                # prompt logprobs need every prompt row's logits: no cached rows
+                cache_prefix=params.prompt_logprobs is None))
         if error is not None:
             self.stats.num_errors += 1
         else:

@@ -23,6 +23,9 @@ class RequestChunk:
     n-grams. prefill_len: tokens known when this (re)prefill began (the tail-only plan is
     relative to it). logits: which rows need logits: "last" (the chunk reaches the end of the
     known tokens), "all" (prompt logprobs: forces every decoder row) or "none".
+    restore_snapshot: the ring snapshot to copy into the slot before the forward (a prefix-cache
+    hit resuming at `start`; -1: none). save_snapshots: (block boundary, snapshot id) pairs to
+    save after the chunk is computed (model/ring_snapshots.py).
     """
 
     token_ids: Sequence[int]
@@ -32,6 +35,8 @@ class RequestChunk:
     prefill_len: int
     logits: str = "last"
     history: Sequence[int] = ()
+    restore_snapshot: int = -1
+    save_snapshots: Sequence[tuple[int, int]] = ()
 
     @classmethod
     def from_sequence(cls, ids: Sequence[int], start: int, num_new: int, slot: int,
@@ -59,6 +64,9 @@ class ForwardBatch:
     decoder_floor: torch.Tensor  # [T] int64, lowest SWA key position for decoder layers
     layer_rows: dict[int, LayerRows] = field(default_factory=dict)  # decoder layers only
     max_position: int = -1  # largest position in the step (host int: no device sync)
+    # ring snapshots (host data): ring_snapshots.Restore / Save tuples
+    snapshot_restores: tuple[tuple[int, int, int], ...] = ()
+    snapshot_saves: tuple[tuple[int, int, int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +146,10 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                          dtype=torch.int32)
     if width == 0:
         table = torch.full((num_req, 1), -1, dtype=torch.int32)
+    restores = tuple((ch.slot, ch.start, ch.restore_snapshot) for ch in chunks
+                     if ch.restore_snapshot >= 0)
+    saves = tuple((ch.slot, ch.start, int(first_row[r]), b, sid)
+                  for r, ch in enumerate(chunks) for b, sid in ch.save_snapshots)
     flat = [i for rows in logit_rows for i in rows]
     every = flat == list(range(t))  # every row, in order (decode): no gather before the head
     return ForwardBatch(
@@ -153,4 +165,6 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
         layer_rows=layer_rows,
         max_position=max((st + n - 1 for st, n in zip(starts, lengths, strict=True)),
                          default=-1),
+        snapshot_restores=restores,
+        snapshot_saves=saves,
     )

@@ -80,6 +80,10 @@ class CacheLayout:
     swa_value_bytes: int  # head_dim e4m3
     swa_scale_bytes: int  # head_dim // 32 UE8M0
     compressor_states: tuple[CompressorStateSpec, ...]
+    # a ring snapshot (prefix caching): the backbone layers' rows over the window below a block
+    # boundary (model/ring_snapshots.py)
+    snapshot_layers: int = 0
+    snapshot_window: int = 0
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, block_size: int = 256,
@@ -119,6 +123,7 @@ class CacheLayout:
                 layer_id=spec.layer_id, compress_ratio=spec.compress_ratio,
                 rows=compressor_state_rows or spec.compress_ratio + swa_slack, head_dim=d,
             ) for spec in sources if spec.compressor_gated),
+            snapshot_layers=len(config.backbone), snapshot_window=config.sliding_window,
         )
 
     # ---- paged global KV -----------------------------------------------------------------
@@ -147,3 +152,8 @@ class CacheLayout:
     @property
     def bytes_per_slot(self) -> int:
         return self.swa_bytes_per_slot + self.compressor_bytes_per_slot
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        """One ring snapshot (2.6 MiB for Flash: 40 x 128 x 528 B)."""
+        return self.snapshot_layers * self.snapshot_window * self.swa_record_bytes

@@ -29,6 +29,7 @@ from shoal.model.engram import engram
 from shoal.model.engram_hash import EngramConstants, engram_constants
 from shoal.model.hyper_connections import mhc_block
 from shoal.model.params import ModelParams
+from shoal.model.ring_snapshots import restore, save
 from shoal.model.state import KVCaches
 from shoal.ops.registry import OpTable
 
@@ -80,6 +81,7 @@ class DeepseekV41:
     def forward(self, batch: ForwardBatch, caches: KVCaches,
                 capture: bool = False) -> ForwardOutput:
         cfg, ops, p = self.config, self.ops, self.params
+        restore(caches, batch.snapshot_restores)  # prefix-cache hits: rings below their start
         ctx = StepContext.build(cfg, p, caches, ops, batch)
         t = batch.num_tokens
         hc = cfg.hc_mult
@@ -107,6 +109,7 @@ class DeepseekV41:
             else:
                 stream = stream.index_copy(0, full, r_full)
                 pre_prev = pre_prev.index_copy(0, full, pre_f)
+        save(caches, batch.snapshot_saves, committed=False)  # before the keys leave scratch
         ctx.flush_swa()
         rows = batch.logits_rows
         h = ops.hc_collapse_norm(stream=select(stream, rows), pre=select(pre_prev, rows),

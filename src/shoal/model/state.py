@@ -36,6 +36,9 @@ class KVCaches:
     # the planes of `swa` as one [layers, rows, rec] tensor (None: separate tensors), so one
     # copy commits a step's keys for a run of layers (StepContext.flush_swa)
     swa_stack: torch.Tensor | None = None
+    # prefix caching: ring snapshots, uint8 [num_snapshots, backbone layers, window, rec]
+    # (model/ring_snapshots.py); None without prefix caching
+    snapshots: torch.Tensor | None = None
 
     @property
     def scratch_base(self) -> int:
@@ -46,9 +49,10 @@ class KVCaches:
 
     @classmethod
     def from_layout(cls, layout: CacheLayout, *, num_blocks: int, num_slots: int,
-                    max_tokens: int, device: torch.device | str = "cpu") -> KVCaches:
-        """Zeroed caches of `layout`: `num_blocks` pages, `num_slots` request slots and a
-        scratch of `max_tokens` SWA rows for one step."""
+                    max_tokens: int, num_snapshots: int = 0,
+                    device: torch.device | str = "cpu") -> KVCaches:
+        """Zeroed caches of `layout`: `num_blocks` pages, `num_slots` request slots, a
+        scratch of `max_tokens` SWA rows for one step and `num_snapshots` ring snapshots."""
         ring = layout.swa_ring_len
         stack = torch.zeros(len(layout.swa_layer_ids), num_slots * ring + max_tokens,
                             layout.swa_record_bytes, dtype=torch.uint8, device=device)
@@ -65,16 +69,20 @@ class KVCaches:
             state[spec.layer_id] = (
                 torch.zeros(shape, dtype=torch.float32, device=device),
                 torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
+        snapshots = torch.zeros(
+            num_snapshots, layout.snapshot_layers, layout.snapshot_window,
+            layout.swa_record_bytes, dtype=torch.uint8, device=device) if num_snapshots else None
         return cls(list(stack.unbind(0)), compressed, index_k, state, ratios, num_slots, ring,
-                   layout.block_size, max_tokens, stack)
+                   layout.block_size, max_tokens, stack, snapshots)
 
     @classmethod
     def allocate(cls, config: ModelConfig, *, num_blocks: int, num_slots: int, max_tokens: int,
-                 block_size: int = 256, ring_slack: int = 8,
+                 block_size: int = 256, ring_slack: int = 8, num_snapshots: int = 0,
                  device: torch.device | str = "cpu") -> KVCaches:
         """`from_layout` of the layout of `config` with `ring_slack` rows of SWA and
         compressor-ring slack (tests and benchmarks)."""
         layout = CacheLayout.from_model_config(config, block_size=block_size,
                                                swa_slack=ring_slack)
         return cls.from_layout(layout, num_blocks=num_blocks, num_slots=num_slots,
-                               max_tokens=max_tokens, device=device)
+                               max_tokens=max_tokens, num_snapshots=num_snapshots,
+                               device=device)

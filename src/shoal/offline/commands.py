@@ -60,6 +60,15 @@ def check_paths(input_path: str | None, output_path: str | None) -> None:
         raise ShoalError(str(exc)) from None
 
 
+def prefix_summary(stats) -> str:
+    """The prefix cache's line of the summary ('' when caching is off)."""
+    if stats is None:
+        return ""
+    return (f" | prefix cache: {stats.hit_tokens}/{stats.query_tokens} prompt tokens hit "
+            f"({stats.hit_rate:.0%}), {stats.snapshots_saved} ring snapshots saved, "
+            f"{stats.snapshot_evictions} evicted")
+
+
 def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
     if llm.engine is None:  # data-parallel replicas: what the outputs say
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -74,6 +83,7 @@ def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
           f"tokens {s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
           f"{s.output_tokens / max(elapsed, 1e-9):.1f} output tok/s | tail-only prefill "
           f"skipped {share:.0%} of decoder work"
+          + prefix_summary(llm.engine.scheduler.prefix_stats)
           + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed} (mean accepted "
              f"length {s.mean_accepted_length:.2f}; by position "
              + " ".join(f"{a}/{p}" for a, p in zip(s.drafts_accepted_at, s.drafts_proposed_at,

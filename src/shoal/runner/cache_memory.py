@@ -23,6 +23,8 @@ class MemoryPlan:
     bytes_per_slot: int
     max_blocks_per_request: int  # ceil(max_model_len / block_size)
     budget_bytes: int
+    num_snapshots: int = 0  # prefix caching's ring snapshots
+    bytes_per_snapshot: int = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -33,8 +35,12 @@ class MemoryPlan:
         return self.num_slots * self.bytes_per_slot
 
     @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.bytes_per_snapshot
+
+    @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.slot_bytes
+        return self.kv_bytes + self.slot_bytes + self.snapshot_bytes
 
     @property
     def max_context_tokens(self) -> int:
@@ -43,8 +49,9 @@ class MemoryPlan:
 
 
 def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
-                max_model_len: int) -> MemoryPlan:
-    """Split `budget_bytes` into request slots and KV blocks.
+                max_model_len: int, num_snapshots: int = 0) -> MemoryPlan:
+    """Split `budget_bytes` into request slots and KV blocks (after `num_snapshots` ring
+    snapshots of prefix caching, taken off the top).
 
     1. Reserve one max-length request: `ceil(max_model_len / block_size)` blocks + one slot;
        if the budget cannot hold that, raise ValueError.
@@ -58,12 +65,17 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
         raise ValueError(f"max_model_len={max_model_len}: expected >= 1")
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes}: expected >= 0")
+    if num_snapshots < 0:
+        raise ValueError(f"num_snapshots={num_snapshots}: expected >= 0")
+    full_budget = budget_bytes
+    budget_bytes -= num_snapshots * layout.bytes_per_snapshot
     per_block, per_slot = layout.bytes_per_block, layout.bytes_per_slot
     max_blocks = -(-max_model_len // layout.block_size)
     one_request = per_slot + max_blocks * per_block
     if budget_bytes < one_request:
         raise ValueError(
-            f"KV budget of {budget_bytes} B cannot hold one request of max_model_len="
+            f"KV budget of {full_budget} B (after {num_snapshots} ring snapshots) cannot hold "
+            f"one request of max_model_len="
             f"{max_model_len}: that needs {one_request} B ({max_blocks} blocks x {per_block} B "
             f"+ one slot of {per_slot} B); raise the memory budget or lower max_model_len")
     num_slots = max_num_seqs
@@ -73,4 +85,5 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
     num_blocks = min(num_blocks, num_slots * max_blocks)
     return MemoryPlan(block_size=layout.block_size, num_blocks=num_blocks, num_slots=num_slots,
                       bytes_per_block=per_block, bytes_per_slot=per_slot,
-                      max_blocks_per_request=max_blocks, budget_bytes=budget_bytes)
+                      max_blocks_per_request=max_blocks, budget_bytes=full_budget,
+                      num_snapshots=num_snapshots, bytes_per_snapshot=layout.bytes_per_snapshot)

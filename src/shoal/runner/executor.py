@@ -38,6 +38,11 @@ class Executor:
         return self.runner.layout.block_size
 
     @property
+    def num_snapshots(self) -> int:
+        """Ring snapshots the caches hold (prefix caching)."""
+        return self.runner.memory.num_snapshots
+
+    @property
     def num_in_flight(self) -> int:
         """Steps submitted and not yet collected."""
         return len(self._pending)

@@ -28,6 +28,7 @@ import torch
 
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.deepseek_v41 import ForwardOutput
+from shoal.model.ring_snapshots import save as save_snapshots
 from shoal.model.state import KVCaches
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.inflight import upload
@@ -69,7 +70,8 @@ class ModelRunner:
         self.caches = KVCaches.from_layout(
             self.layout, num_blocks=self.memory.num_blocks + 1,
             num_slots=self.memory.num_slots + 1,
-            max_tokens=config.scheduler.max_num_batched_tokens, device=self.device)
+            max_tokens=config.scheduler.max_num_batched_tokens,
+            num_snapshots=self.memory.num_snapshots, device=self.device)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self._last: LaunchedStep | None = None  # the latest launched step (token patches)
@@ -80,8 +82,10 @@ class ModelRunner:
     def _plan_memory(self) -> MemoryPlan:
         sched = self.config.scheduler
         try:
+            cache = self.config.cache
             return plan_memory(self.layout, kv_budget_bytes(self.config, self.device),
-                               sched.max_num_seqs, sched.max_model_len)
+                               sched.max_num_seqs, sched.max_model_len,
+                               cache.num_prefix_snapshots if cache.enable_prefix_caching else 0)
         except ValueError as exc:
             raise ShoalError(f"KV cache: {exc}") from None
 
@@ -117,6 +121,8 @@ class ModelRunner:
             if inputs.graphed:  # pure decode: static inputs, graph replay (speculative is eager)
                 assert self.graphs is not None
                 result = ForwardOutput(self.graphs.forward(batch, inputs.patch))
+                # a decode row's boundary is its chunk's end: its window is in the rings now
+                save_snapshots(self.caches, batch.snapshot_saves, committed=True)
             else:
                 if inputs.patch is not None:
                     inputs.patch.apply(batch.input_ids)

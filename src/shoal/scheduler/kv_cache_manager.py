@@ -9,9 +9,15 @@ Owns: `KVCacheManager`, the only writer of `Request.block_ids` and `Request.slot
   incl. the draft layers, compressor pending groups). Taken on admission, returned on
   finish / preemption; the lowest free slot is taken first.
 
+- Prefix caching (optional, `scheduler/prefix_cache.py`): computed full blocks are registered
+  by hash (`register_computed`) and outlive their requests as evictable blocks; a new request
+  may start from a cached prefix (`find_prefix`, then `allocate(..., hit=)`), sharing those
+  blocks by reference count.
+
 Invariant: a request holding resources has a slot and exactly
 `ceil(covered_tokens / block_size)` blocks, where covered_tokens >= num_computed_tokens; every
-block and slot is returned exactly once (`free`), so an idle manager has all blocks and slots free.
+block and slot is returned exactly once (`free`), so an idle manager has all blocks and slots free
+(cached blocks count as free: evictable).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import heapq
 from dataclasses import dataclass
 
 from shoal.scheduler.block_pool import BlockPool
+from shoal.scheduler.prefix_cache import Hit, PrefixCache, PrefixCacheSpec
 from shoal.scheduler.request import Request
 
 
@@ -43,14 +50,21 @@ class KVCacheUsage:
 class KVCacheManager:
     """Block tables and slots for the requests that currently hold resources."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int,
+                 prefix: PrefixCacheSpec | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: expected an integer >= 1")
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: expected an integer >= 1")
         self.block_size = block_size
         self.num_slots = num_slots
+        self.prefix: PrefixCache | None = None
         self.pool = BlockPool(num_blocks)
+        if prefix is not None:
+            self.prefix = PrefixCache(self.pool, block_size, prefix.num_snapshots, prefix.rule,
+                                      prefix.salt)
+            self.pool = BlockPool(num_blocks, on_evict=self.prefix.on_evict)
+            self.prefix.pool = self.pool
         self._free_slots = list(range(num_slots))  # min-heap
         self._holders: dict[str, Request] = {}
 
@@ -73,20 +87,38 @@ class KVCacheManager:
         return max(0, self.blocks_for_tokens(target) - len(request.block_ids))
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     num_lookahead_tokens: int = 0) -> bool:
-        """True if `allocate` would succeed now (blocks, and a slot if the request has none)."""
+                     num_lookahead_tokens: int = 0, hit: Hit | None = None) -> bool:
+        """True if `allocate` would succeed now (blocks, and a slot if the request has none).
+        With a prefix `hit` (a request holding nothing yet), `num_new_tokens` count from the
+        hit's boundary, and hit blocks that are evictable count against the free ones."""
         if request.slot is None and not self._free_slots:
             return False
-        need = self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens)
-        return need <= self.pool.num_free
+        if hit is None or not hit.block_ids:
+            need = self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens)
+            return need <= self.pool.num_free
+        n_hit = len(hit.block_ids)
+        need = self.blocks_for_tokens(n_hit * self.block_size + num_new_tokens
+                                      + num_lookahead_tokens) - n_hit
+        revived = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        return max(0, need) + revived <= self.pool.num_free
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 num_lookahead_tokens: int = 0) -> list[int]:
+                 num_lookahead_tokens: int = 0, hit: Hit | None = None) -> list[int]:
         """Grow the request's table to cover computed + new tokens; take a slot if it has none.
+        With a prefix `hit`, the table starts with the hit's cached blocks (the caller sets
+        `num_computed_tokens` to the hit's boundary first).
 
         Returns the newly added block ids (ascending, lowest free first). Raises
         `BlockPoolError` / RuntimeError if called when `can_allocate` is False.
         """
+        if hit is not None and hit.block_ids:
+            if request.block_ids:
+                raise RuntimeError(f"allocate({request.request_id!r}) with a prefix hit, but "
+                                   "it already holds blocks")
+            for block_id in hit.block_ids:
+                self.pool.take(block_id)
+            request.block_ids = list(hit.block_ids)
+            request.num_registered_blocks = len(hit.block_ids)
         if not self.can_allocate(request, num_new_tokens, num_lookahead_tokens):
             raise RuntimeError(f"allocate({request.request_id!r}, {num_new_tokens}): "
                                "not enough free blocks or slots (check can_allocate first)")
@@ -98,10 +130,34 @@ class KVCacheManager:
         request.block_ids.extend(new_ids)
         return new_ids
 
+    # ---- prefix caching ---------------------------------------------------------------------
+    def find_prefix(self, request: Request) -> Hit | None:
+        """The longest resumable cached prefix of a request that holds nothing yet (None when
+        prefix caching is off or the request opted out)."""
+        if self.prefix is None or not request.cache_prefix:
+            return None
+        n = request.num_tokens
+        hashes = self.prefix.hashes(request.all_token_ids(), request.block_hashes,
+                                    (n - 1) // self.block_size)
+        return self.prefix.find(hashes, n)
+
+    def register_computed(self, request: Request) -> None:
+        """Register the request's fully computed blocks (their tokens are all known)."""
+        if self.prefix is None or not request.cache_prefix:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if full <= request.num_registered_blocks:
+            return
+        hashes = self.prefix.hashes(request.all_token_ids(), request.block_hashes, full)
+        for i in range(request.num_registered_blocks, full):
+            self.prefix.register(hashes[i], request.block_ids[i])
+        request.num_registered_blocks = full
+
     def free(self, request: Request) -> list[int]:
         """Return every block and the slot of `request`; returns the block ids released."""
         released = self.pool.free(reversed(request.block_ids)) if request.block_ids else []
         request.block_ids = []
+        request.num_registered_blocks = 0
         if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
             request.slot = None
@@ -115,6 +171,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Full consistency check of pool, slots and holders (tests)."""
         self.pool.check_invariants()
+        if self.prefix is not None:
+            self.prefix.check_invariants()
         held_blocks: dict[int, int] = {}
         held_slots = set()
         for req in self._holders.values():

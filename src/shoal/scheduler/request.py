@@ -102,10 +102,17 @@ class Request:
     # prompt + outputs after a preemption (recompute). 0 before the first admission.
     prefill_len: int = 0
     needs_slot_reset: bool = False  # next scheduled chunk is the first one in a fresh slot
+    # prefix caching: False opts out (prompt logprobs need every prompt row computed);
+    # block_hashes: the chained hashes of the full blocks of the known tokens computed so far;
+    # restore_snapshot: the ring snapshot the next chunk restores into the slot (-1: none)
+    cache_prefix: bool = True
+    block_hashes: list[bytes] = field(default_factory=list)
+    restore_snapshot: int = -1
 
     # ---- resources (written only by KVCacheManager) -----------------------------------
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading block_ids registered in the prefix cache
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
@@ -151,6 +158,9 @@ class Request:
         if position < n_prompt:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - n_prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens at positions [start, stop) of prompt + outputs."""

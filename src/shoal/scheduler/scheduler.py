@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 from shoal.scheduler.config import SchedulerConfig
 from shoal.scheduler.kv_cache_manager import KVCacheManager, KVCacheUsage
+from shoal.scheduler.prefix_cache import PrefixCacheSpec, PrefixCacheStats
 from shoal.scheduler.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -71,10 +72,10 @@ class Scheduler:
     cache layout's page size) and `num_slots` request slots."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, num_slots: int,
-                 block_size: int) -> None:
+                 block_size: int, prefix_cache: PrefixCacheSpec | None = None) -> None:
         self.config = config
         self.block_size = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, num_slots)
+        self.kv = KVCacheManager(num_blocks, block_size, num_slots, prefix_cache)
         self.max_running = min(config.max_num_seqs, num_slots)
         self.requests: dict[str, Request] = {}  # every request not yet returned by update()
         self.waiting: deque[Request] = deque()
@@ -82,6 +83,8 @@ class Scheduler:
         self._finished_for_plan: list[str] = []  # ids for the next plan's finished_ids
         self._finished_for_update: list[Request] = []  # returned by the next update()
         self._new: list[NewRequest] = []  # the plan being built: requests new to the runner
+        # ring snapshots the outstanding plan saves: (request, boundary, snapshot id)
+        self._saves: list[tuple[Request, int, int]] = []
         self._outstanding: StepPlan | None = None  # scheduled, not yet advanced
         self._unresolved: StepPlan | None = None  # advanced, its tokens not yet resolved
         self._next_arrival = 0
@@ -132,6 +135,10 @@ class Scheduler:
 
     def usage(self) -> KVCacheUsage:
         return self.kv.usage()
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        return None if self.kv.prefix is None else self.kv.prefix.stats
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -223,6 +230,7 @@ class Scheduler:
                                f"{self._unresolved.step_id}")
         self._outstanding = None
         self._unresolved = plan
+        saves, self._saves = self._saves, []
         max_len = self.config.max_model_len
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
@@ -244,6 +252,7 @@ class Scheduler:
                     raise RuntimeError(f"StepResult has no sampled token for "
                                        f"{item.request_id!r}, which was scheduled with "
                                        "sample=True")
+            self.kv.register_computed(request)  # before a finish below frees the blocks
             for _ in range(num_tokens):
                 request.output_token_ids.append(UNRESOLVED)
                 if ((request.max_tokens is not None
@@ -251,6 +260,20 @@ class Scheduler:
                         or request.num_tokens >= max_len):
                     self._finish(request, FINISH_LENGTH)
                     break
+        self._bind_snapshots(saves)
+
+    def _bind_snapshots(self, saves: list[tuple[Request, int, int]]) -> None:
+        """Bind the snapshots the applied plan saved to their blocks' hashes (released where
+        the request no longer holds the boundary's block: rejected drafts, a finish or an
+        abort before the step was applied)."""
+        prefix = self.kv.prefix
+        for request, boundary, sid in saves:
+            index = boundary // self.block_size - 1
+            key = None
+            if (request.num_computed_tokens >= boundary and index < len(request.block_hashes)
+                    and index < request.num_registered_blocks):
+                key = request.block_hashes[index]
+            prefix.bind_snapshot(sid, key)
 
     def resolve(self, plan: StepPlan, result: StepResult) -> StepOutcome:
         """Finish `result.invalid_ids` with `error`, replace the placeholders of the advanced
@@ -340,8 +363,10 @@ class Scheduler:
 
 
     # ---- internals -------------------------------------------------------------------------
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_tokens_to_schedule(self, request: Request, budget: int,
+                                start: int | None = None) -> int:
+        """start: the position the chunk starts at (default: num_computed_tokens)."""
+        num_new = request.num_tokens - (request.num_computed_tokens if start is None else start)
         if num_new == 1 and request.spec_token_ids:  # a decode step verifying drafts
             room = self.config.max_model_len - request.num_tokens
             if request.max_tokens is not None:
@@ -355,11 +380,13 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            num_new = self._num_tokens_to_schedule(request, budget)
-            remaining = request.num_tokens - request.num_computed_tokens
+            hit = self.kv.find_prefix(request)
+            start = len(hit.block_ids) * self.block_size if hit else 0
+            num_new = self._num_tokens_to_schedule(request, budget, start)
+            remaining = request.num_tokens - start
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break  # whole-prompt mode: wait for a step with enough budget (strict FIFO)
-            if not self.kv.can_allocate(request, num_new):
+            if not self.kv.can_allocate(request, num_new, hit=hit):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -367,7 +394,11 @@ class Scheduler:
             self._next_admission += 1
             request.prefill_len = request.num_tokens
             request.needs_slot_reset = True
-            self.kv.allocate(request, num_new)
+            if hit is not None and hit.block_ids:
+                self.kv.prefix.count_hit(hit)
+                request.num_computed_tokens = start
+                request.restore_snapshot = hit.snapshot
+            self.kv.allocate(request, num_new, hit=hit)
             self.running.append(request)
             scheduled.append(self._make_scheduled(request, num_new))
             budget -= num_new
@@ -391,7 +422,10 @@ class Scheduler:
             sample=end - num_spec == request.num_tokens, is_new_in_slot=request.needs_slot_reset,
             history_token_ids=history,
             num_spec_tokens=num_spec,
+            restore_snapshot=request.restore_snapshot,
+            save_snapshots=self._snapshot_saves(request, start, end),
         )
+        request.restore_snapshot = -1
         if not request.sent_to_runner:
             request.sent_to_runner = True
             self._new.append(NewRequest(request.request_id, tuple(request.prompt_token_ids),
@@ -400,11 +434,34 @@ class Scheduler:
         request.spec_token_ids = []
         return item
 
+    def _snapshot_saves(self, request: Request, start: int,
+                        end: int) -> tuple[tuple[int, int], ...]:
+        """(boundary, snapshot id) for each block boundary in (start, end] that has no snapshot
+        yet (ids are reserved now and bound when the plan is applied)."""
+        prefix = self.kv.prefix
+        if prefix is None or not request.cache_prefix:
+            return ()
+        bs = self.block_size
+        saves = []
+        for boundary in range(-(-(start + 1) // bs) * bs, end + 1, bs):
+            index = boundary // bs - 1
+            if index < len(request.block_hashes) and prefix.has_snapshot(
+                    request.block_hashes[index]):
+                continue
+            sid = prefix.reserve_snapshot(
+                prefix.rule.decoder_rings_exact(boundary, request.prefill_len))
+            if sid < 0:
+                break
+            saves.append((boundary, sid))
+            self._saves.append((request, boundary, sid))
+        return tuple(saves)
+
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free everything, keep outputs, go to the front of the queue."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.restore_snapshot = -1
         request.num_preemptions += 1
         request.needs_slot_reset = False
         self.waiting.appendleft(request)

@@ -60,6 +60,10 @@ class ScheduledRequest:
       admission or re-admission after preemption).
     - `history_token_ids`: up to `num_history_tokens` tokens just before `start_position`
       (Engram n-gram context), so a runner needs no per-slot id history.
+    - `restore_snapshot`: a prefix-cache hit resumes here: before the forward, copy ring
+      snapshot `restore_snapshot` into the slot's rings (the window below `start_position`).
+    - `save_snapshots`: (boundary, snapshot id) pairs: after computing the chunk, save the slot's
+      rings over the window below each block boundary into that snapshot.
     """
 
     request_id: str
@@ -77,6 +81,8 @@ class ScheduledRequest:
     # runner returns the accepted prefix + one target token, and only 1 + accepted positions
     # count as computed
     num_spec_tokens: int = 0
+    restore_snapshot: int = -1
+    save_snapshots: tuple[tuple[int, int], ...] = ()
 
     @property
     def end_position(self) -> int:

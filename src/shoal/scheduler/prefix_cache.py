@@ -1,0 +1,249 @@
+"""Prefix caching: block hashes over token ids, the longest cached prefix of a new request, and
+the ring snapshots that let it resume exactly after that prefix.
+
+What a resume at a block boundary B needs (model.md §3, encoder-side replay):
+- the paged compressed KV and index keys of [0, B): the cached blocks (ref-counted, shared);
+- no compressor state: B is a multiple of the block size, so no ratio-2 group is pending;
+- the Engram history: token ids, which the scheduler has;
+- every layer's SWA ring over [B - window, B): not paged, per request. A *ring snapshot* taken
+  when some request's rings held exactly those rows is restored into the new request's slot.
+
+Which rings are exact depends on the tail-only prefill (`TailRule`): the encoder layers run every
+prompt row, so their rings are exact at any boundary; the decoder layers' rings are exact only
+where every decoder layer computed its kv (every row in `full` mode, from the prompt's end in
+`staircase` mode, never under `bounded` floors). A snapshot records whether its decoder rings
+are exact, and a hit uses it only where the new request will read them (`needs_decoder_rings`):
+under `bounded` or `staircase` a long enough new tail never reads decoder rows below B, so an
+encoder-exact snapshot resumes it exactly. Logits of a resumed request therefore equal those of
+a run without the cache.
+
+Keys: block i's hash chains the previous block's hash with block i's token ids; the chain starts
+from a salt of everything else that changes the KV (model, block size, prefill mode). Blocks are
+registered when computed; an unreferenced cached block stays in the pool as evictable (LRU) and
+its snapshot goes with it when it is evicted. Snapshot ids are a fixed pool (device memory),
+reserved when a plan asks the runner to save one and bound to the block hash when the step is
+applied; bound snapshots are evicted least recently used first.
+
+Invariant: a hash maps to at most one block and a block to at most one hash; a bound snapshot's
+hash is a cached block's; every snapshot id is free, pending (in a plan) or bound, exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shoal.scheduler.block_pool import BlockPool
+
+TAIL_MODES = ("full", "staircase", "bounded")
+
+
+@dataclass(frozen=True)
+class TailRule:
+    """The tail-only prefill's rows, as far as ring snapshots care (the arithmetic of
+    `model/tail_prefill.decoder_thresholds`, restated without torch; a test keeps them equal).
+
+    mode: 'full' | 'staircase' | 'bounded'; window: the SWA window; replay_window: bounded's W;
+    num_decoder_layers: layers from the first decoder layer to the last backbone layer."""
+
+    mode: str = "full"
+    window: int = 128
+    replay_window: int = 140
+    num_decoder_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in TAIL_MODES:
+            raise ValueError(f"TailRule.mode={self.mode!r}: expected one of {TAIL_MODES}")
+
+    def _staircase_full_start(self, k: int, n: int) -> int:
+        w, m = self.window, self.num_decoder_layers
+        return max(0, n - (w + (m - 2 - k) * (w - 1)))
+
+    def needs_decoder_rings(self, boundary: int, prefill_len: int) -> bool:
+        """True if a prefill of `prefill_len` tokens resumed at `boundary` reads a decoder
+        layer's SWA key below `boundary` (then the snapshot's decoder rings must be exact)."""
+        if not self.num_decoder_layers:
+            return False
+        w = self.window
+        if self.mode == "full":
+            return True
+        if self.mode == "bounded":
+            return max(0, prefill_len - self.replay_window) < boundary
+        return self._staircase_full_start(0, prefill_len) < boundary + w - 1
+
+    def decoder_rings_exact(self, boundary: int, prefill_len: int) -> bool:
+        """True if, after computing up to `boundary` in a (re)prefill of `prefill_len` tokens,
+        every decoder layer's ring holds exact kv for the window below `boundary`."""
+        if not self.num_decoder_layers or self.mode == "full":
+            return True
+        if self.mode == "bounded":
+            return False
+        w = self.window
+        last = self.num_decoder_layers - 1
+        kv_start = max(0, self._staircase_full_start(last, prefill_len) - (w - 1))
+        return kv_start <= max(0, boundary - w + 1)
+
+
+@dataclass(frozen=True)
+class PrefixCacheSpec:
+    """Prefix caching settings for the KV manager: `num_snapshots` ring snapshots (device
+    memory the runner reserved), the tail-only prefill's `rule`, and the hash chain's `salt`."""
+
+    num_snapshots: int
+    rule: TailRule
+    salt: bytes = b""
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of the cache (monotonic; the engine reports them)."""
+
+    queries: int = 0  # admissions that looked up a prefix
+    query_tokens: int = 0  # their tokens
+    hit_tokens: int = 0  # tokens resumed from the cache instead of computed
+    snapshots_saved: int = 0
+    snapshot_evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A resume point: the first `num_blocks` blocks are cached; restore `snapshot` (-1: none,
+    the request starts at 0)."""
+
+    block_ids: tuple[int, ...] = ()
+    snapshot: int = -1
+
+
+@dataclass
+class _Snapshot:
+    decoder_exact: bool
+    key: bytes | None = None  # the block hash it is bound to (None while pending)
+
+
+@dataclass
+class PrefixCache:
+    """Hashes and snapshots over a `BlockPool` (which keeps cached blocks as evictable)."""
+
+    pool: BlockPool
+    block_size: int
+    num_snapshots: int
+    rule: TailRule
+    salt: bytes = b""
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        if self.num_snapshots < 0:
+            raise ValueError(f"num_snapshots={self.num_snapshots}: expected >= 0")
+        self._root = hashlib.sha256(b"shoal-prefix-v1" + self.salt).digest()
+        self._block_of: dict[bytes, int] = {}  # hash -> cached block
+        self._hash_of: dict[int, bytes] = {}  # cached block -> hash
+        self._snapshot_of: dict[bytes, int] = {}  # hash -> bound snapshot id
+        self._bound: OrderedDict[int, None] = OrderedDict()  # bound snapshot ids, LRU first
+        self._snapshots: dict[int, _Snapshot] = {}  # pending and bound
+        self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))  # pop -> lowest
+
+    # ---- hashing --------------------------------------------------------------------------
+    def hashes(self, tokens: list[int], known: list[bytes], num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first `num_blocks` full blocks of `tokens`, extending
+        `known` (a request's hashes so far) in place."""
+        bs = self.block_size
+        while len(known) < num_blocks:
+            i = len(known)
+            parent = known[-1] if known else self._root
+            ids = array("q", tokens[i * bs:(i + 1) * bs]).tobytes()
+            known.append(hashlib.sha256(parent + ids).digest())
+        return known[:num_blocks]
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def find(self, hashes: list[bytes], prefill_len: int) -> Hit:
+        """The longest resumable prefix: cached blocks 0..j-1 whose boundary j * block_size
+        has a snapshot usable for a prefill of `prefill_len` tokens (at least one token is
+        always left to compute)."""
+        cached = 0
+        for key in hashes:
+            if key not in self._block_of:
+                break
+            cached += 1
+        self.stats.queries += 1
+        self.stats.query_tokens += prefill_len
+        for j in range(cached, 0, -1):
+            boundary = j * self.block_size
+            sid = self._snapshot_of.get(hashes[j - 1])
+            if boundary >= prefill_len or sid is None:
+                continue
+            if (self.rule.needs_decoder_rings(boundary, prefill_len)
+                    and not self._snapshots[sid].decoder_exact):
+                continue
+            self._bound.move_to_end(sid)
+            return Hit(tuple(self._block_of[k] for k in hashes[:j]), sid)
+        return Hit()
+
+    def count_hit(self, hit: Hit) -> None:
+        self.stats.hit_tokens += len(hit.block_ids) * self.block_size
+
+    def has_snapshot(self, key: bytes) -> bool:
+        return key in self._snapshot_of
+
+    # ---- registration ---------------------------------------------------------------------
+    def register(self, key: bytes, block_id: int) -> None:
+        """Block `block_id` (used, fully computed) holds the content of `key`. A hash already
+        held by another block keeps that block (this one stays private to its request)."""
+        if key in self._block_of or block_id in self._hash_of:
+            return
+        self._block_of[key] = block_id
+        self._hash_of[block_id] = key
+        self.pool.mark_cached(block_id)
+
+    def on_evict(self, block_id: int) -> None:
+        """The pool reuses a cached block: forget its hash and the snapshot bound to it."""
+        key = self._hash_of.pop(block_id)
+        del self._block_of[key]
+        sid = self._snapshot_of.pop(key, None)
+        if sid is not None:
+            self._release(sid)
+
+    # ---- snapshots ------------------------------------------------------------------------
+    def reserve_snapshot(self, decoder_exact: bool) -> int:
+        """A snapshot id for the runner to save into (-1 if every id is pending)."""
+        if not self._free_snapshots and self._bound:
+            sid, _ = self._bound.popitem(last=False)
+            del self._snapshot_of[self._snapshots.pop(sid).key]
+            self.stats.snapshot_evictions += 1
+            self._free_snapshots.append(sid)
+        if not self._free_snapshots:
+            return -1
+        sid = self._free_snapshots.pop()
+        self._snapshots[sid] = _Snapshot(decoder_exact)
+        return sid
+
+    def bind_snapshot(self, sid: int, key: bytes | None) -> None:
+        """The step that saved `sid` was applied: bind it to the cached block `key`, or release
+        it (None, a block that is not cached, or a hash that has a snapshot already)."""
+        if key is None or key not in self._block_of or key in self._snapshot_of:
+            self._release(sid)
+            return
+        self._snapshots[sid].key = key
+        self._snapshot_of[key] = sid
+        self._bound[sid] = None
+        self.stats.snapshots_saved += 1
+
+    def _release(self, sid: int) -> None:
+        self._snapshots.pop(sid)
+        self._bound.pop(sid, None)
+        self._free_snapshots.append(sid)
+
+    def check_invariants(self) -> None:
+        assert len(self._block_of) == len(self._hash_of)
+        for key, block_id in self._block_of.items():
+            assert self._hash_of[block_id] == key and self.pool.is_cached(block_id)
+        for key, sid in self._snapshot_of.items():
+            assert key in self._block_of and self._snapshots[sid].key == key
+        assert len(self._bound) == len(self._snapshot_of)
+        ids = list(self._snapshots) + self._free_snapshots
+        assert sorted(ids) == list(range(self.num_snapshots)), "a snapshot id leaked"
