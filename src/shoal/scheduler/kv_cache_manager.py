@@ -141,6 +141,24 @@ class KVCacheManager:
                                     (n - 1) // self.block_size)
         return self.prefix.find(hashes, n)
 
+    def admitted(self, request: Request, hit: Hit | None) -> None:
+        """Count the admission, and mark the known blocks the request will compute as pending
+        (a request that needs them next waits for them)."""
+        if hit is None:
+            return
+        self.prefix.count_admission(hit, request.num_tokens)
+        self.prefix.set_pending(request.request_id,
+                                request.block_hashes[len(hit.block_ids):])
+
+    def waits_for_prefix(self, request: Request, hit: Hit | None) -> bool:
+        """True if the block right after `hit` is being computed by a running request: the
+        request then waits (a step or a few) and resumes after it instead of computing it too."""
+        if hit is None:
+            return False
+        n_hit = len(hit.block_ids)
+        hashes = request.block_hashes
+        return n_hit < len(hashes) and self.prefix.is_pending(hashes[n_hit])
+
     def register_computed(self, request: Request) -> None:
         """Register the request's fully computed blocks (their tokens are all known)."""
         if self.prefix is None or not request.cache_prefix:
@@ -155,6 +173,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> list[int]:
         """Return every block and the slot of `request`; returns the block ids released."""
+        if self.prefix is not None:
+            self.prefix.clear_pending(request.request_id, request.block_hashes)
         released = self.pool.free(reversed(request.block_ids)) if request.block_ids else []
         request.block_ids = []
         request.num_registered_blocks = 0

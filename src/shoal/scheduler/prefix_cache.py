@@ -22,7 +22,11 @@ from a salt of everything else that changes the KV (model, block size, prefill m
 registered when computed; an unreferenced cached block stays in the pool as evictable (LRU) and
 its snapshot goes with it when it is evicted. Snapshot ids are a fixed pool (device memory),
 reserved when a plan asks the runner to save one and bound to the block hash when the step is
-applied; bound snapshots are evicted least recently used first.
+applied. Every request saves at every boundary it computes, so most snapshots are never used
+(a unique suffix); eviction is a segmented LRU: a snapshot enters on probation and moves to
+the protected segment (at most half the pool; its oldest falls back to probation) when a hit
+uses it; saves evict from probation only and are skipped when it is empty, so a busy shared
+prefix keeps its snapshot however many unique suffixes pass by.
 
 Invariant: a hash maps to at most one block and a block to at most one hash; a bound snapshot's
 hash is a cached block's; every snapshot id is free, pending (in a plan) or bound, exactly once.
@@ -79,7 +83,7 @@ class TailRule:
         if not self.num_decoder_layers or self.mode == "full":
             return True
         if self.mode == "bounded":
-            return False
+            return prefill_len <= self.replay_window  # no floor: every row ran in full
         w = self.window
         last = self.num_decoder_layers - 1
         kv_start = max(0, self._staircase_full_start(last, prefill_len) - (w - 1))
@@ -144,9 +148,12 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}  # hash -> cached block
         self._hash_of: dict[int, bytes] = {}  # cached block -> hash
         self._snapshot_of: dict[bytes, int] = {}  # hash -> bound snapshot id
-        self._bound: OrderedDict[int, None] = OrderedDict()  # bound snapshot ids, LRU first
+        # bound snapshot ids, least recently used first: never hit yet / hit at least once
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
         self._snapshots: dict[int, _Snapshot] = {}  # pending and bound
         self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))  # pop -> lowest
+        self._pending: dict[bytes, str] = {}  # hash -> the running request computing it
 
     # ---- hashing --------------------------------------------------------------------------
     def hashes(self, tokens: list[int], known: list[bytes], num_blocks: int) -> list[bytes]:
@@ -170,8 +177,6 @@ class PrefixCache:
             if key not in self._block_of:
                 break
             cached += 1
-        self.stats.queries += 1
-        self.stats.query_tokens += prefill_len
         for j in range(cached, 0, -1):
             boundary = j * self.block_size
             sid = self._snapshot_of.get(hashes[j - 1])
@@ -180,11 +185,33 @@ class PrefixCache:
             if (self.rule.needs_decoder_rings(boundary, prefill_len)
                     and not self._snapshots[sid].decoder_exact):
                 continue
-            self._bound.move_to_end(sid)
+            self._probation.pop(sid, None)
+            self._protected[sid] = None
+            self._protected.move_to_end(sid)
+            if len(self._protected) > self.num_snapshots // 2:
+                oldest, _ = self._protected.popitem(last=False)
+                self._probation[oldest] = None
             return Hit(tuple(self._block_of[k] for k in hashes[:j]), sid)
         return Hit()
 
-    def count_hit(self, hit: Hit) -> None:
+    def is_pending(self, key: bytes) -> bool:
+        """A running request is computing the block of `key` (a request needing it next waits
+        for it rather than computing it twice)."""
+        return key in self._pending
+
+    def set_pending(self, request_id: str, keys: list[bytes]) -> None:
+        for key in keys:
+            if key not in self._block_of:
+                self._pending.setdefault(key, request_id)
+
+    def clear_pending(self, request_id: str, keys: list[bytes]) -> None:
+        for key in keys:
+            if self._pending.get(key) == request_id:
+                del self._pending[key]
+
+    def count_admission(self, hit: Hit, prefill_len: int) -> None:
+        self.stats.queries += 1
+        self.stats.query_tokens += prefill_len
         self.stats.hit_tokens += len(hit.block_ids) * self.block_size
 
     def has_snapshot(self, key: bytes) -> bool:
@@ -194,6 +221,8 @@ class PrefixCache:
     def register(self, key: bytes, block_id: int) -> None:
         """Block `block_id` (used, fully computed) holds the content of `key`. A hash already
         held by another block keeps that block (this one stays private to its request)."""
+        if self._pending.get(key) is not None and key not in self._block_of:
+            del self._pending[key]
         if key in self._block_of or block_id in self._hash_of:
             return
         self._block_of[key] = block_id
@@ -210,9 +239,9 @@ class PrefixCache:
 
     # ---- snapshots ------------------------------------------------------------------------
     def reserve_snapshot(self, decoder_exact: bool) -> int:
-        """A snapshot id for the runner to save into (-1 if every id is pending)."""
-        if not self._free_snapshots and self._bound:
-            sid, _ = self._bound.popitem(last=False)
+        """A snapshot id for the runner to save into (-1 if none is free or on probation)."""
+        if not self._free_snapshots and self._probation:
+            sid, _ = self._probation.popitem(last=False)
             del self._snapshot_of[self._snapshots.pop(sid).key]
             self.stats.snapshot_evictions += 1
             self._free_snapshots.append(sid)
@@ -230,12 +259,13 @@ class PrefixCache:
             return
         self._snapshots[sid].key = key
         self._snapshot_of[key] = sid
-        self._bound[sid] = None
+        self._probation[sid] = None
         self.stats.snapshots_saved += 1
 
     def _release(self, sid: int) -> None:
         self._snapshots.pop(sid)
-        self._bound.pop(sid, None)
+        self._probation.pop(sid, None)
+        self._protected.pop(sid, None)
         self._free_snapshots.append(sid)
 
     def check_invariants(self) -> None:
@@ -244,6 +274,7 @@ class PrefixCache:
             assert self._hash_of[block_id] == key and self.pool.is_cached(block_id)
         for key, sid in self._snapshot_of.items():
             assert key in self._block_of and self._snapshots[sid].key == key
-        assert len(self._bound) == len(self._snapshot_of)
+        assert self._probation.keys().isdisjoint(self._protected)
+        assert len(self._probation) + len(self._protected) == len(self._snapshot_of)
         ids = list(self._snapshots) + self._free_snapshots
         assert sorted(ids) == list(range(self.num_snapshots)), "a snapshot id leaked"

@@ -381,6 +381,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             hit = self.kv.find_prefix(request)
+            if self.kv.waits_for_prefix(request, hit):
+                break  # a running request is computing its next block: resume after it
             start = len(hit.block_ids) * self.block_size if hit else 0
             num_new = self._num_tokens_to_schedule(request, budget, start)
             remaining = request.num_tokens - start
@@ -395,10 +397,10 @@ class Scheduler:
             request.prefill_len = request.num_tokens
             request.needs_slot_reset = True
             if hit is not None and hit.block_ids:
-                self.kv.prefix.count_hit(hit)
                 request.num_computed_tokens = start
                 request.restore_snapshot = hit.snapshot
             self.kv.allocate(request, num_new, hit=hit)
+            self.kv.admitted(request, hit)
             self.running.append(request)
             scheduled.append(self._make_scheduled(request, num_new))
             budget -= num_new
@@ -437,13 +439,14 @@ class Scheduler:
     def _snapshot_saves(self, request: Request, start: int,
                         end: int) -> tuple[tuple[int, int], ...]:
         """(boundary, snapshot id) for each block boundary in (start, end] that has no snapshot
-        yet (ids are reserved now and bound when the plan is applied)."""
+        yet, the latest first while ids last (the longest resume); ids are reserved now and
+        bound when the plan is applied."""
         prefix = self.kv.prefix
         if prefix is None or not request.cache_prefix:
             return ()
         bs = self.block_size
         saves = []
-        for boundary in range(-(-(start + 1) // bs) * bs, end + 1, bs):
+        for boundary in range(end // bs * bs, start, -bs):
             index = boundary // bs - 1
             if index < len(request.block_hashes) and prefix.has_snapshot(
                     request.block_hashes[index]):
