@@ -277,3 +277,24 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_prefix_cache_hits_show_in_the_metrics() -> None:
+    """The same 200-token prompt twice: the second resumes at the 128-token boundary (the same
+    completion), and /metrics counts the hit."""
+    server = LiveServer(max_num_seqs=4, max_model_len=256, block_size=128,
+                        enable_prefix_caching=True, prefill_mode="full")
+    try:
+        prompt = [3 + (7 * i) % 400 for i in range(200)]
+        texts = [server.client().completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+        assert texts[0] == texts[1]
+        req = urllib.request.Request(server.base + "/metrics",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        assert "shoal_prefix_hit_tokens_total 128.0" in text, text
+        assert "shoal_prefix_query_tokens_total 400.0" in text
+    finally:
+        server.stop()

@@ -199,3 +199,11 @@ class EngineLoop:
             "drafts_proposed": s.drafts_proposed, "drafts_accepted": s.drafts_accepted,
             "steps": s.steps,
         }
+        prefix = scheduler.prefix_stats
+        if prefix is not None:
+            self.snapshot.update(
+                prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
+                prefix_snapshots_saved=prefix.snapshots_saved,
+                prefix_snapshot_evictions=prefix.snapshot_evictions,
+                kv_block_evictions=scheduler.kv.pool.num_evictions,
+                kv_blocks_cached_idle=scheduler.kv.pool.num_evictable)

@@ -12,11 +12,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 GAUGES = {"running": "requests running", "waiting": "requests waiting for admission",
           "queued_requests": "requests without a first token yet",
-          "kv_blocks_used": "KV blocks in use", "kv_blocks_total": "KV blocks in the pool"}
+          "kv_blocks_used": "KV blocks in use", "kv_blocks_total": "KV blocks in the pool",
+          "kv_blocks_cached_idle": "cached KV blocks no request holds (evictable)"}
 COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
             "preemptions": "preemptions of finished requests", "requests": "requests added",
             "errors": "requests rejected", "drafts_proposed": "speculative drafts verified",
-            "drafts_accepted": "speculative drafts accepted", "steps": "engine steps"}
+            "drafts_accepted": "speculative drafts accepted", "steps": "engine steps",
+            "prefix_query_tokens": "prompt tokens of admissions that looked up the prefix cache",
+            "prefix_hit_tokens": "prompt tokens resumed from the prefix cache",
+            "prefix_snapshots_saved": "ring snapshots saved", "prefix_snapshot_evictions":
+            "ring snapshots evicted", "kv_block_evictions": "cached KV blocks evicted"}
 
 
 class _Snapshot:
