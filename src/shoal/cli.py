@@ -54,12 +54,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "snapshots at block boundaries)")
     p.add_argument("--num-prefix-snapshots", dest="num_prefix_snapshots", type=int,
                    default=None, help="ring snapshots kept for prefix caching (default 64)")
+    p.add_argument("--kv-host-memory-gb", dest="kv_host_memory_gb", type=float, default=None,
+                   help="prefix caching's host tier: evicted blocks and snapshots kept in "
+                   "pinned host memory (default 0: none)")
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
                 "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling",
-                "enable_prefix_caching", "num_prefix_snapshots")
+                "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

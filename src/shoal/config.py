@@ -31,7 +31,9 @@ class CacheConfig:
     run without the cache. prefix_resume: how the per-request SWA rings are rebuilt at the
     resume point: 'exact' (restore a ring snapshot saved at that block boundary).
     num_prefix_snapshots: ring snapshots kept (each the backbone's window rows, 2.6 MiB for
-    Flash, taken from the KV budget)."""
+    Flash, taken from the KV budget). kv_host_memory_gb: the prefix cache's host tier (pinned
+    memory): cached blocks and snapshots evicted from the device move there, and a hit copies
+    them back (0: no host tier)."""
 
     block_size: int = 256
     kv_cache_memory_gb: float | None = None
@@ -39,6 +41,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     prefix_resume: str = "exact"
     num_prefix_snapshots: int = 64
+    kv_host_memory_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 128:
@@ -51,6 +54,8 @@ class CacheConfig:
         if self.prefix_resume != "exact":
             raise ShoalError(f"prefix_resume: got {self.prefix_resume!r}, expected 'exact' "
                              "(ring snapshots; a bounded replay is not available)")
+        if self.kv_host_memory_gb < 0:
+            raise ShoalError(f"kv_host_memory_gb: got {self.kv_host_memory_gb}, expected >= 0")
         if self.num_prefix_snapshots < 1:
             raise ShoalError(f"num_prefix_snapshots: got {self.num_prefix_snapshots}, "
                              "expected >= 1")

@@ -13,6 +13,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.checkpoint.writer import write_checkpoint
+from shoal.model.cache_layout import CacheLayout
 from shoal.model.presets import TINY
 
 BLOCK = 128
@@ -82,3 +83,38 @@ def test_one_batch_with_async_scheduling_n_and_prompt_logprobs(checkpoint: Path)
     assert cached.engine.scheduler.prefix_stats.hit_tokens == hits  # it did not resume
     usage = cached.engine.scheduler.usage()
     assert usage.num_free_blocks == usage.num_blocks
+
+
+def test_blocks_evicted_to_the_host_tier_come_back_for_a_hit(checkpoint: Path) -> None:
+    """A device pool of 7 blocks: two long unrelated prompts evict the shared prefix's blocks;
+    with a host tier they move to host memory and the next request sharing the prefix copies
+    them back (a quarter of its hit) and still gets bitwise the tokens and log-probs of a run
+    without the cache."""
+    layout = CacheLayout.from_model_config(
+        dataclasses.replace(TINY, max_position_embeddings=1024), block_size=BLOCK)
+    snapshots = 8
+    budget = (2 * layout.bytes_per_slot + 7.5 * layout.bytes_per_block
+              + snapshots * layout.bytes_per_snapshot)
+    rng = random.Random(3)
+    shared = [rng.randint(3, 500) for _ in range(300)]
+
+    def other(n: int) -> list[int]:
+        return [rng.randint(3, 500) for _ in range(n)]
+
+    batch = [shared + other(10), other(500), other(500), shared + other(50), shared[:260]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    runs = []
+    for cache, host in ((False, 0.0), (True, 0.0), (True, 0.001)):
+        engine = LLM(str(checkpoint), device="cpu", max_model_len=600,
+                     kv_cache_memory_gb=budget / 1e9, max_num_seqs=2, prefill_mode="full",
+                     block_size=BLOCK, enable_prefix_caching=cache,
+                     num_prefix_snapshots=snapshots, kv_host_memory_gb=host,
+                     async_scheduling=False)
+        runs.append(([outputs(engine, [p], params) for p in batch],
+                     engine.engine.scheduler.prefix_stats))
+        if cache:
+            engine.engine.scheduler.check_invariants()
+    (plain, _), (device_only, device_stats), (tiered, host_stats) = runs
+    assert device_only == plain and tiered == plain
+    assert (device_stats.hit_tokens, device_stats.host_hit_tokens) == (256, 0)
+    assert (host_stats.hit_tokens, host_stats.host_hit_tokens) == (512, 256)

@@ -194,3 +194,81 @@ def test_tail_rule_matches_the_tail_prefill_plan(mode: str) -> None:
         for boundary in range(1, n + 1):
             exact = floor == 0 and all(kv <= max(0, boundary - w + 1) for _, kv in layers)
             assert rule.decoder_rings_exact(boundary, n) == exact, (n, boundary)
+
+
+class ShadowMemory:
+    """What each device block / snapshot and host slot holds, by content key: the transfers
+    move keys, computed blocks and saved snapshots write them. A resumed request must find
+    its own prefix's keys in every block below its start and in the snapshot it restores."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.prefix = scheduler.kv.prefix
+        self.block_size = scheduler.block_size
+        self.device: dict[int, bytes] = {}
+        self.device_snap: dict[int, bytes] = {}
+        self.host: dict[int, bytes] = {}
+        self.host_snap: dict[int, bytes] = {}
+        self.resumed = 0
+
+    def keys(self, request: Request, count: int) -> list[bytes]:
+        return self.prefix.hashes(request.all_token_ids(), [], count)
+
+    def step(self, scheduler: Scheduler, plan) -> None:
+        for t in plan.transfers:
+            if t.kind == "block_out":
+                self.host[t.host] = self.device[t.device]
+            elif t.kind == "block_in":
+                self.device[t.device] = self.host[t.host]
+            elif t.kind == "snapshot_out":
+                self.host_snap[t.host] = self.device_snap[t.device]
+            else:
+                self.device_snap[t.device] = self.host_snap[t.host]
+        bs = self.block_size
+        for item in plan.scheduled:
+            request = scheduler.requests[item.request_id]
+            first = item.start_position // bs
+            keys = self.keys(request, item.end_position // bs)
+            if item.restore_snapshot >= 0:
+                self.resumed += 1
+                assert self.device_snap[item.restore_snapshot] == keys[first - 1]
+                for i in range(first):
+                    assert self.device[item.block_ids[i]] == keys[i], (item.request_id, i)
+            for i in range(first, len(keys)):  # blocks this chunk completes
+                self.device[item.block_ids[i]] = keys[i]
+            for boundary, sid in item.save_snapshots:
+                if boundary // bs <= len(keys):
+                    self.device_snap[sid] = keys[boundary // bs - 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_host_tier_moves_the_right_contents(seed: int) -> None:
+    """Many requests over a few long shared prefixes, a device pool and snapshot pool too small
+    for them and a host tier: every resumed request finds its prefix's contents in its blocks
+    and snapshot, whether they stayed on the device or came back from the host."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randint(3, 500) for _ in range(rng.randint(20, 60))] for _ in range(5)]
+    requests = []
+    for i in range(400):
+        prompt = list(rng.choice(prefixes))[:rng.randint(9, 60)]
+        prompt += [rng.randint(3, 500) for _ in range(rng.randint(0, 8))]
+        requests.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, 6),
+                                eos_token_id=EOS))
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    spec = PrefixCacheSpec(6, TailRule("full", 8, 140, 4), host_blocks=24, host_snapshots=8)
+    scheduler = Scheduler(config, num_blocks=28, num_slots=4, block_size=4, prefix_cache=spec)
+    shadow = ShadowMemory(scheduler)
+    pending = list(requests)
+    while pending or scheduler.has_unfinished():
+        for request in pending[:2]:
+            scheduler.add_request(request)
+        pending = pending[2:]
+        plan = scheduler.schedule()
+        shadow.step(scheduler, plan)
+        result = StepResult({item.request_id: [fake_token(item.request_id, item.end_position)]
+                             for item in plan.scheduled if item.sample})
+        scheduler.update(plan, result)
+        scheduler.check_invariants()
+    stats = scheduler.prefix_stats
+    assert stats.host_hit_tokens > 0 and shadow.resumed > 50
+    assert shadow.host_snap  # snapshots went to the host too
+    assert scheduler.usage().num_free_blocks == scheduler.kv.num_blocks

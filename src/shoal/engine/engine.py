@@ -78,7 +78,8 @@ class EngineStats:
     resolved_first: int = 0
 
 
-def prefix_cache_spec(config: EngineConfig, num_snapshots: int) -> PrefixCacheSpec | None:
+def prefix_cache_spec(config: EngineConfig, num_snapshots: int,
+                      host_slots: tuple[int, int] = (0, 0)) -> PrefixCacheSpec | None:
     """Prefix caching's settings for the scheduler (None when off). The hash chain's salt
     names everything besides the tokens that changes the KV: model, weights, ops, cache."""
     if not config.cache.enable_prefix_caching:
@@ -88,7 +89,7 @@ def prefix_cache_spec(config: EngineConfig, num_snapshots: int) -> PrefixCacheSp
                     mc.num_layers - mc.decoder_start)
     salt = repr((config.model, mc, run.load_format, run.seed, run.backends, run.device,
                  config.cache.block_size, run.prefill_mode, run.replay_window)).encode()
-    return PrefixCacheSpec(num_snapshots, rule, salt)
+    return PrefixCacheSpec(num_snapshots, rule, salt, *host_slots)
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
@@ -122,7 +123,8 @@ class Engine:
         self.runner = self.executor.runner  # in-process introspection (bench, tests)
         self.scheduler = Scheduler(config.scheduler, self.executor.num_blocks,
                                    self.executor.num_slots, self.executor.block_size,
-                                   prefix_cache_spec(config, self.executor.num_snapshots))
+                                   prefix_cache_spec(config, self.executor.num_snapshots,
+                                                     self.executor.host_slots))
         self.requests: dict[str, EngineRequest] = {}
         self.groups: dict[str, list[str]] = {}
         self.stats = EngineStats()

@@ -38,6 +38,12 @@ class Executor:
         return self.runner.layout.block_size
 
     @property
+    def host_slots(self) -> tuple[int, int]:
+        """The host tier's (block, snapshot) slots (prefix caching; (0, 0): none)."""
+        host = self.runner.host_kv
+        return (0, 0) if host is None else (host.num_blocks, host.num_snapshots)
+
+    @property
     def num_snapshots(self) -> int:
         """Ring snapshots the caches hold (prefix caching)."""
         return self.runner.memory.num_snapshots

@@ -33,6 +33,7 @@ from shoal.model.state import KVCaches
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.inflight import upload
 from shoal.runner.inputs import prepare_inputs
+from shoal.runner.kv_offload import HostKV, host_slots
 from shoal.runner.loading import kv_budget_bytes, load_model, pick_device
 from shoal.runner.sampling_step import (
     RequestState,
@@ -72,6 +73,7 @@ class ModelRunner:
             num_slots=self.memory.num_slots + 1,
             max_tokens=config.scheduler.max_num_batched_tokens,
             num_snapshots=self.memory.num_snapshots, device=self.device)
+        self.host_kv = self._host_kv()
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self._last: LaunchedStep | None = None  # the latest launched step (token patches)
@@ -89,6 +91,16 @@ class ModelRunner:
         except ValueError as exc:
             raise ShoalError(f"KV cache: {exc}") from None
 
+    def _host_kv(self) -> HostKV | None:
+        cache = self.config.cache
+        if not (cache.enable_prefix_caching and cache.kv_host_memory_gb):
+            return None
+        blocks, snapshots = host_slots(self.layout, int(cache.kv_host_memory_gb * 1e9))
+        if not blocks:
+            raise ShoalError(f"kv_host_memory_gb={cache.kv_host_memory_gb} holds no KV block "
+                             f"({self.layout.bytes_per_block} B each)")
+        return HostKV(self.layout, blocks, snapshots, self.device)
+
     # ---- one step ---------------------------------------------------------------------------
     def launch(self, plan: StepPlan,
                grammar_masks: Mapping[str, torch.Tensor] = NO_MASKS) -> LaunchedStep:
@@ -105,6 +117,9 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState.from_new(new)
         step = LaunchedStep(plan, RunnerOutput())
+        if plan.transfers:  # the host tier's copies precede every read and write of the step
+            assert self.host_kv is not None, "a plan with host transfers but no host tier"
+            self.host_kv.apply(self.caches, plan.transfers)
         if not plan.scheduled:
             return step
         t0 = time.perf_counter()

@@ -65,6 +65,14 @@ class BlockPool:
             raise BlockPoolError(f"mark_cached of free block {block_id}")
         self._cached.add(block_id)
 
+    def uncache_all(self) -> None:
+        """Forget every registration (the prefix cache was dropped): evictable blocks become
+        plainly free."""
+        for block_id in self._evictable:
+            heapq.heappush(self._free_heap, block_id)
+        self._evictable.clear()
+        self._cached.clear()
+
     def take(self, block_id: int) -> None:
         """Add a holder to a cached block (a prefix hit), reviving it if it was evictable."""
         self._check_id(block_id)

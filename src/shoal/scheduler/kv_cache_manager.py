@@ -26,6 +26,7 @@ import heapq
 from dataclasses import dataclass
 
 from shoal.scheduler.block_pool import BlockPool
+from shoal.scheduler.host_tier import HostTier
 from shoal.scheduler.prefix_cache import Hit, PrefixCache, PrefixCacheSpec
 from shoal.scheduler.request import Request
 
@@ -61,8 +62,10 @@ class KVCacheManager:
         self.prefix: PrefixCache | None = None
         self.pool = BlockPool(num_blocks)
         if prefix is not None:
+            host = HostTier(prefix.host_blocks, prefix.host_snapshots) \
+                if prefix.host_blocks else None
             self.prefix = PrefixCache(self.pool, block_size, prefix.num_snapshots, prefix.rule,
-                                      prefix.salt)
+                                      prefix.salt, host)
             self.pool = BlockPool(num_blocks, on_evict=self.prefix.on_evict)
             self.prefix.pool = self.pool
         self._free_slots = list(range(num_slots))  # min-heap
@@ -99,7 +102,8 @@ class KVCacheManager:
         n_hit = len(hit.block_ids)
         need = self.blocks_for_tokens(n_hit * self.block_size + num_new_tokens
                                       + num_lookahead_tokens) - n_hit
-        revived = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        # revived evictable blocks and fresh blocks for host-resident ones use free blocks
+        revived = sum(1 for b in hit.block_ids if b < 0 or self.pool.ref_count(b) == 0)
         return max(0, need) + revived <= self.pool.num_free
 
     def allocate(self, request: Request, num_new_tokens: int,
@@ -116,8 +120,17 @@ class KVCacheManager:
                 raise RuntimeError(f"allocate({request.request_id!r}) with a prefix hit, but "
                                    "it already holds blocks")
             for block_id in hit.block_ids:
-                self.pool.take(block_id)
-            request.block_ids = list(hit.block_ids)
+                if block_id >= 0:  # first, so that allocating below cannot evict them
+                    self.pool.take(block_id)
+            host = self.prefix.host
+            if host is not None:
+                host.held = frozenset(hit.keys)  # evictions below must not take them
+            fresh = self.pool.allocate(hit.num_host_blocks)
+            request.restore_snapshot = self.prefix.load(hit, fresh)
+            if host is not None:
+                host.held = frozenset()
+            fresh_iter = iter(fresh)
+            request.block_ids = [b if b >= 0 else next(fresh_iter) for b in hit.block_ids]
             request.num_registered_blocks = len(hit.block_ids)
         if not self.can_allocate(request, num_new_tokens, num_lookahead_tokens):
             raise RuntimeError(f"allocate({request.request_id!r}, {num_new_tokens}): "
@@ -158,6 +171,11 @@ class KVCacheManager:
         n_hit = len(hit.block_ids)
         hashes = request.block_hashes
         return n_hit < len(hashes) and self.prefix.is_pending(hashes[n_hit])
+
+    def drain_transfers(self) -> tuple:
+        """The host tier's copies for the plan being built."""
+        host = self.prefix.host if self.prefix is not None else None
+        return host.drain() if host is not None else ()
 
     def register_computed(self, request: Request) -> None:
         """Register the request's fully computed blocks (their tokens are all known)."""

@@ -28,8 +28,14 @@ the protected segment (at most half the pool; its oldest falls back to probation
 uses it; saves evict from probation only and are skipped when it is empty, so a busy shared
 prefix keeps its snapshot however many unique suffixes pass by.
 
+With a host tier (`scheduler/host_tier.py`), an evicted block and an evicted snapshot move to
+host slots instead of vanishing; a hit may then continue through host-resident blocks, which
+are copied into fresh device blocks (and a host snapshot into a device snapshot id) before the
+request's first forward.
+
 Invariant: a hash maps to at most one block and a block to at most one hash; a bound snapshot's
-hash is a cached block's; every snapshot id is free, pending (in a plan) or bound, exactly once.
+hash is a cached block's or a host block's; every snapshot id is free, pending (in a plan) or
+bound, exactly once.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shoal.scheduler.block_pool import BlockPool
+from shoal.scheduler.host_tier import HostTier
 
 TAIL_MODES = ("full", "staircase", "bounded")
 
@@ -98,6 +105,8 @@ class PrefixCacheSpec:
     num_snapshots: int
     rule: TailRule
     salt: bytes = b""
+    host_blocks: int = 0  # host tier: block slots (0: no host tier)
+    host_snapshots: int = 0  # host tier: snapshot slots
 
 
 @dataclass
@@ -107,6 +116,7 @@ class PrefixCacheStats:
     queries: int = 0  # admissions that looked up a prefix
     query_tokens: int = 0  # their tokens
     hit_tokens: int = 0  # tokens resumed from the cache instead of computed
+    host_hit_tokens: int = 0  # of those, in blocks copied back from the host tier
     snapshots_saved: int = 0
     snapshot_evictions: int = 0
 
@@ -117,11 +127,22 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True)
 class Hit:
-    """A resume point: the first `num_blocks` blocks are cached; restore `snapshot` (-1: none,
-    the request starts at 0)."""
+    """A resume point after `len(keys)` cached blocks: `block_ids[i]` is block i's device
+    block, or -1 where it is in the host tier; restore device snapshot `snapshot`, or, when
+    that is -1 and `host_snapshot` is set, the host tier's snapshot of the last key."""
 
+    keys: tuple[bytes, ...] = ()
     block_ids: tuple[int, ...] = ()
     snapshot: int = -1
+    host_snapshot: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(1 for b in self.block_ids if b < 0)
 
 
 @dataclass
@@ -139,6 +160,7 @@ class PrefixCache:
     num_snapshots: int
     rule: TailRule
     salt: bytes = b""
+    host: HostTier | None = None
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -172,27 +194,61 @@ class PrefixCache:
         """The longest resumable prefix: cached blocks 0..j-1 whose boundary j * block_size
         has a snapshot usable for a prefill of `prefill_len` tokens (at least one token is
         always left to compute)."""
+        host = self.host
         cached = 0
         for key in hashes:
-            if key not in self._block_of:
+            if key not in self._block_of and (host is None or key not in host.blocks):
                 break
             cached += 1
         for j in range(cached, 0, -1):
-            boundary = j * self.block_size
-            sid = self._snapshot_of.get(hashes[j - 1])
-            if boundary >= prefill_len or sid is None:
+            boundary, key = j * self.block_size, hashes[j - 1]
+            if boundary >= prefill_len:
                 continue
-            if (self.rule.needs_decoder_rings(boundary, prefill_len)
-                    and not self._snapshots[sid].decoder_exact):
+            sid = self._snapshot_of.get(key)
+            if sid is not None:
+                exact = self._snapshots[sid].decoder_exact
+            elif host is not None and key in host.snapshots and self._can_reserve():
+                exact = host.snapshot_exact[key]
+            else:
                 continue
+            if self.rule.needs_decoder_rings(boundary, prefill_len) and not exact:
+                continue
+            ids = tuple(self._block_of.get(k, -1) for k in hashes[:j])
+            if sid is None:
+                return Hit(tuple(hashes[:j]), ids, -1, True)
             self._probation.pop(sid, None)
             self._protected[sid] = None
             self._protected.move_to_end(sid)
             if len(self._protected) > self.num_snapshots // 2:
                 oldest, _ = self._protected.popitem(last=False)
                 self._probation[oldest] = None
-            return Hit(tuple(self._block_of[k] for k in hashes[:j]), sid)
+            return Hit(tuple(hashes[:j]), ids, sid)
         return Hit()
+
+    def _can_reserve(self) -> bool:
+        return bool(self._free_snapshots or self._probation)
+
+    def load(self, hit: Hit, block_ids: list[int]) -> int:
+        """Copy the hit's host-resident blocks into `block_ids` (fresh device blocks, one per
+        -1 in the hit) and its host snapshot into a device id; returns the snapshot id to
+        restore."""
+        fresh = iter(block_ids)
+        for key, block_id in zip(hit.keys, hit.block_ids, strict=True):
+            if block_id < 0:
+                target = next(fresh)
+                self.register(key, target)
+                self.host.block_in(key, target)
+        self.stats.host_hit_tokens += hit.num_host_blocks * self.block_size
+        if not hit.host_snapshot:
+            return hit.snapshot
+        key = hit.keys[-1]
+        sid = self.reserve_snapshot(self.host.snapshot_exact[key])
+        assert sid >= 0, "find() checked that a snapshot id can be reserved"
+        self.host.snapshot_in(key, sid)
+        self._snapshots[sid].key = key
+        self._snapshot_of[key] = sid
+        self._protected[sid] = None
+        return sid
 
     def is_pending(self, key: bytes) -> bool:
         """A running request is computing the block of `key` (a request needing it next waits
@@ -212,7 +268,7 @@ class PrefixCache:
     def count_admission(self, hit: Hit, prefill_len: int) -> None:
         self.stats.queries += 1
         self.stats.query_tokens += prefill_len
-        self.stats.hit_tokens += len(hit.block_ids) * self.block_size
+        self.stats.hit_tokens += hit.num_blocks * self.block_size
 
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._snapshot_of
@@ -230,19 +286,31 @@ class PrefixCache:
         self.pool.mark_cached(block_id)
 
     def on_evict(self, block_id: int) -> None:
-        """The pool reuses a cached block: forget its hash and the snapshot bound to it."""
+        """The pool reuses a cached block: move it to the host tier, or forget its hash and
+        its snapshots (and those of a key the host tier evicts for it)."""
         key = self._hash_of.pop(block_id)
         del self._block_of[key]
+        gone = key if self.host is None else self.host.block_out(key, block_id)
+        if gone is not None:
+            self._forget(gone)
+
+    def _forget(self, key: bytes) -> None:
+        """`key` left every tier: so do its snapshots."""
         sid = self._snapshot_of.pop(key, None)
         if sid is not None:
             self._release(sid)
+        if self.host is not None:
+            self.host.forget(key)
 
     # ---- snapshots ------------------------------------------------------------------------
     def reserve_snapshot(self, decoder_exact: bool) -> int:
         """A snapshot id for the runner to save into (-1 if none is free or on probation)."""
         if not self._free_snapshots and self._probation:
             sid, _ = self._probation.popitem(last=False)
-            del self._snapshot_of[self._snapshots.pop(sid).key]
+            evicted = self._snapshots.pop(sid)
+            del self._snapshot_of[evicted.key]
+            if self.host is not None:  # (the copy out precedes this step's save into sid)
+                self.host.snapshot_out(evicted.key, sid, evicted.decoder_exact)
             self.stats.snapshot_evictions += 1
             self._free_snapshots.append(sid)
         if not self._free_snapshots:
@@ -254,7 +322,8 @@ class PrefixCache:
     def bind_snapshot(self, sid: int, key: bytes | None) -> None:
         """The step that saved `sid` was applied: bind it to the cached block `key`, or release
         it (None, a block that is not cached, or a hash that has a snapshot already)."""
-        if key is None or key not in self._block_of or key in self._snapshot_of:
+        if key is None or key not in self._block_of or key in self._snapshot_of \
+                or (self.host is not None and key in self.host.snapshots):
             self._release(sid)
             return
         self._snapshots[sid].key = key
@@ -268,13 +337,30 @@ class PrefixCache:
         self._protected.pop(sid, None)
         self._free_snapshots.append(sid)
 
+    def drop_all(self) -> None:
+        """Forget every cached block, host entry and snapshot (a plan whose transfers were
+        never applied left their contents unknown)."""
+        self.pool.uncache_all()
+        self._block_of.clear()
+        self._hash_of.clear()
+        for sid in list(self._snapshot_of.values()):
+            self._release(sid)
+        self._snapshot_of.clear()
+        if self.host is not None:
+            self.host = HostTier(self.host.blocks.capacity, self.host.snapshots.capacity)
+
     def check_invariants(self) -> None:
         assert len(self._block_of) == len(self._hash_of)
         for key, block_id in self._block_of.items():
             assert self._hash_of[block_id] == key and self.pool.is_cached(block_id)
+        host = self.host
         for key, sid in self._snapshot_of.items():
-            assert key in self._block_of and self._snapshots[sid].key == key
+            assert key in self._block_of or (host is not None and key in host.blocks)
+            assert self._snapshots[sid].key == key
         assert self._probation.keys().isdisjoint(self._protected)
         assert len(self._probation) + len(self._protected) == len(self._snapshot_of)
         ids = list(self._snapshots) + self._free_snapshots
         assert sorted(ids) == list(range(self.num_snapshots)), "a snapshot id leaked"
+        if host is not None:
+            host.check_invariants()
+            assert all(k in self._block_of or k in host.blocks for k in host.snapshot_exact)

@@ -185,6 +185,7 @@ class Scheduler:
             preempted_ids=tuple(preempted), finished_ids=tuple(self._finished_for_plan),
             num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
             new_requests=tuple(self._new),
+            transfers=self.kv.drain_transfers(),
         )
         self._finished_for_plan = []
         self._next_step += 1
@@ -337,6 +338,8 @@ class Scheduler:
         exception between schedule() and update() / resolve()): every request in them is
         aborted, so the next schedule() starts from a consistent state."""
         plans = [p for p in (self._unresolved, self._outstanding) if p is not None]
+        if any(p.transfers for p in plans) and self.kv.prefix is not None:
+            self.kv.prefix.drop_all()  # their copies may never have run
         for item in (item for plan in plans for item in plan.scheduled):
             self.abort_request(item.request_id)
         outcome = StepOutcome()
@@ -397,8 +400,7 @@ class Scheduler:
             request.prefill_len = request.num_tokens
             request.needs_slot_reset = True
             if hit is not None and hit.block_ids:
-                request.num_computed_tokens = start
-                request.restore_snapshot = hit.snapshot
+                request.num_computed_tokens = start  # (allocate sets the snapshot to restore)
             self.kv.allocate(request, num_new, hit=hit)
             self.kv.admitted(request, hit)
             self.running.append(request)

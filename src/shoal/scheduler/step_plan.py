@@ -107,6 +107,8 @@ class StepPlan:
       slots and blocks are already free.
     - `num_scheduled_tokens`: sum of `num_new_tokens` (<= max_num_batched_tokens).
     - `new_requests`: the scheduled requests that no earlier plan scheduled.
+    - `transfers`: prefix caching's host tier: copies between device blocks / snapshots and
+      host slots, applied in order before the step's forward (`scheduler/host_tier.py`).
     """
 
     step_id: int
@@ -115,6 +117,7 @@ class StepPlan:
     finished_ids: tuple[str, ...] = ()
     num_scheduled_tokens: int = 0
     new_requests: tuple[NewRequest, ...] = ()
+    transfers: tuple[Any, ...] = ()
 
     @property
     def is_empty(self) -> bool:

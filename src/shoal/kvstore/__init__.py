@@ -1,0 +1,14 @@
+"""Persistent, content-addressed KV block store with 10 + 2 erasure coding: the disk tier of the
+prefix cache. Standalone (no torch): opaque byte objects under 32-byte content keys.
+
+- erasure.py: the k + m shard codec (any k shards rebuild an object)
+- store.py: layout on disk, index, reads, background writer (`KVStore`)
+- gc.py: TTL expiry and removal of expired objects and orphaned temp files
+"""
+
+from shoal.kvstore.erasure import ErasureCodec, InsufficientShardsError, decode, encode
+from shoal.kvstore.gc import GcReport
+from shoal.kvstore.store import KVStore, KVStoreConfig, KVStoreStats
+
+__all__ = ["ErasureCodec", "InsufficientShardsError", "encode", "decode", "GcReport", "KVStore",
+           "KVStoreConfig", "KVStoreStats"]

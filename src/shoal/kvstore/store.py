@@ -1,0 +1,398 @@
+"""The persistent, content-addressed KV block store (the disk tier of the prefix cache): on-disk
+layout, the in-memory index, reads, and the background writer.
+
+Layout: an object under a 32-byte key is cut by the erasure codec (erasure.py) into k data and
+m parity shards; shard i lives in directory i (`root/dNN`, one per disk) at
+`<dir>/<hex[:2]>/<hex>.kvs`, written as a temp file and renamed. A shard file is a 64-byte header
+(magic, format version, shard index, shard count, key, object length, creation time, xxh3-64
+checksum of the header's other fields and the payload) followed by the payload.
+The file's mtime is the object's `written_at`: set from the store's clock on write, moved by a
+refresh (a re-put of a present key touches the 12 files instead of rewriting them), read back
+when the index is rebuilt by scanning the directories on open.
+
+Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
+only if its checksum, key and index match, and fewer than k such shards is a miss. No call
+raises into the caller on I/O failure and `put` never blocks: a full queue drops the put, and
+a failed write or an unwritable directory disables the store with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from shoal.kvstore import gc
+from shoal.kvstore.erasure import ErasureCodec
+
+logger = logging.getLogger("shoal.kvstore")
+
+KEY_BYTES = 32
+FORMAT_VERSION = 1
+MAGIC = b"SKVS"
+# magic, version, shard index, shard count, key, object length, created, checksum: 64 bytes
+HEADER = struct.Struct("<4sHBB32sQdQ")
+CHECKED = HEADER.size - 8  # the checksum covers every header byte before it, then the payload
+SUFFIX = ".kvs"
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    num_dirs: int = 12  # shards per object, one directory (disk) each
+    data_shards: int = 10  # k: any k of the num_dirs shards rebuild an object
+    ttl_s: float = 3 * 86400.0  # an object expires this long after its last write or refresh
+    max_queue: int = 64  # pending writes; a put beyond this is dropped, never blocks
+
+    def __post_init__(self) -> None:
+        if self.data_shards < 1:
+            raise ValueError(f"data_shards must be >= 1, got {self.data_shards}")
+        if self.num_dirs <= self.data_shards:
+            raise ValueError(f"num_dirs must exceed data_shards ({self.data_shards}) to leave "
+                             f"parity shards, got {self.num_dirs}")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+
+@dataclass(frozen=True)
+class KVStoreStats:
+    enabled: bool
+    objects: int
+    bytes_on_disk: int
+    puts: int  # put() calls, refreshes and drops included
+    dropped_puts: int  # not written: queue full or store disabled
+    hits: int
+    misses: int
+    repaired_reads: int  # hits that rebuilt a missing or corrupt data shard from parity
+    lost_reads: int  # objects found with fewer than k good shards: a miss, and removed
+    expired_removed: int
+    orphans_removed: int  # dead writers' temp files and objects left with < k shard files
+
+
+@dataclass
+class _Entry:
+    written_at: float
+    disk_bytes: int
+
+
+@dataclass
+class _Counters:
+    puts: int = 0
+    dropped_puts: int = 0
+    hits: int = 0
+    misses: int = 0
+    repaired_reads: int = 0
+    lost_reads: int = 0
+    expired_removed: int = 0
+    orphans_removed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+class KVStore:
+    """Content-addressed object store over `num_dirs` directories (see the module docstring).
+
+    `root` is one directory (shards go to `root/d00 ..`) or a list of `num_dirs` directories.
+    `clock` gives the time used for `written_at` and expiry (tests pass a fake one).
+    """
+
+    def __init__(self, root: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 num_dirs: int | None = None, data_shards: int = 10,
+                 ttl_s: float = 3 * 86400.0, max_queue: int = 64,
+                 clock: Callable[[], float] = time.time) -> None:
+        if isinstance(root, str | os.PathLike):
+            n = 12 if num_dirs is None else num_dirs
+            dirs = [Path(root) / f"d{i:02d}" for i in range(n)]
+        else:
+            dirs = [Path(d) for d in root]
+            if num_dirs is not None and num_dirs != len(dirs):
+                raise ValueError(f"num_dirs ({num_dirs}) != number of directories ({len(dirs)})")
+        self.config = KVStoreConfig(num_dirs=len(dirs), data_shards=data_shards, ttl_s=ttl_s,
+                                    max_queue=max_queue)
+        if len({os.path.abspath(d) for d in dirs}) != len(dirs):
+            raise ValueError("directories must be distinct: shards of one object share a name")
+        self.dirs = tuple(dirs)
+        self._k, self._n = data_shards, len(dirs)
+        self._codec = ErasureCodec(self._k, self._n - self._k)
+        self._clock = clock
+        self._token = uuid.uuid4().hex[:16]  # names this writer's temp files (see gc.py)
+        self._index: dict[bytes, _Entry] = {}
+        self._disk_bytes = 0
+        self._io_lock = threading.Lock()  # writer's object writes, gc and lost-object removal
+        self._counters = _Counters()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._enabled = True
+        try:
+            self._prepare_dirs()
+            self._scan()
+        except OSError as exc:
+            self._disable(f"cannot use the shard directories: {exc}")
+            return
+        self.gc()
+        self._thread = threading.Thread(target=self._writer, name="shoal-kvstore-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        """Queue `data` under `key`; False if dropped (queue full or store disabled). A key already
+        present only gets its timestamp refreshed (no rewrite); the data is then not kept."""
+        _check_key(key)
+        self._counters.add(puts=1)
+        if not self._enabled or self._thread is None:
+            self._counters.add(dropped_puts=1)
+            return False
+        item = (key, None if self.contains(key) else bytes(data))
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._counters.add(dropped_puts=1)
+            return False
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        """The object under `key`, or None (absent, expired, disabled or unrecoverable)."""
+        _check_key(key)
+        if not self.contains(key):
+            self._counters.add(misses=1)
+            return None
+        shards: list[bytes | None] = [self._read_shard(i, key) for i in range(self._k)]
+        missing_data = shards.count(None)
+        # Parity is read only when a data shard is bad: with all k data shards good it is unused.
+        shards += [self._read_shard(i, key) if missing_data else None
+                   for i in range(self._k, self._n)]
+        data = None
+        if self._n - shards.count(None) >= self._k:
+            try:
+                data = self._codec.decode(shards)
+            except ValueError:
+                data = None
+        if data is None:
+            logger.debug("kvstore: %s has fewer than %d good shards; removed", key.hex(), self._k)
+            with self._io_lock:
+                self._remove_object(key)
+            self._counters.add(lost_reads=1, misses=1)
+            return None
+        self._counters.add(hits=1, repaired_reads=1 if missing_data else 0)
+        return data
+
+    def contains(self, key: bytes) -> bool:
+        entry = self._index.get(key)
+        return (self._enabled and entry is not None
+                and not gc.is_expired(entry.written_at, self._clock(), self.config.ttl_s))
+
+    def gc(self) -> gc.GcReport:
+        """Remove expired objects and orphaned temp files (run on open; the caller may repeat it)."""
+        if not self._enabled:
+            return gc.GcReport()
+        report = gc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
+                            lock=self._io_lock, remove_object=self._remove_object,
+                            dirs=self.dirs, live_token=self._token)
+        self._counters.add(expired_removed=report.expired, orphans_removed=report.orphans)
+        return report
+
+    def flush(self) -> None:
+        """Wait until every queued write is done (or dropped by a disabled store)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(_STOP)
+            thread.join()
+
+    def stats(self) -> KVStoreStats:
+        c = self._counters
+        with c.lock:
+            return KVStoreStats(
+                enabled=self._enabled, objects=len(self._index), bytes_on_disk=self._disk_bytes,
+                puts=c.puts, dropped_puts=c.dropped_puts, hits=c.hits, misses=c.misses,
+                repaired_reads=c.repaired_reads, lost_reads=c.lost_reads,
+                expired_removed=c.expired_removed, orphans_removed=c.orphans_removed)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- layout and index -------------------------------------------------------------------
+    def shard_path(self, i: int, key: bytes) -> Path:
+        h = key.hex()
+        return self.dirs[i] / h[:2] / (h + SUFFIX)
+
+    def _prepare_dirs(self) -> None:
+        for d in self.dirs:  # every directory must take a file, or the store is off
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / gc.temp_name("probe", self._token)
+            probe.write_bytes(b"")
+            probe.unlink()
+
+    def _scan(self) -> None:
+        """Rebuild the index from the shard files: one listing per directory, one stat per key."""
+        found: dict[bytes, list[Path]] = {}
+        for d in self.dirs:
+            for sub in os.scandir(d):
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                for e in os.scandir(sub.path):
+                    stem = e.name[:-len(SUFFIX)]
+                    if e.name.endswith(SUFFIX) and len(stem) == 2 * KEY_BYTES:
+                        try:
+                            found.setdefault(bytes.fromhex(stem), []).append(Path(e.path))
+                        except ValueError:
+                            pass  # not a shard name: not ours, left alone
+        incomplete = 0
+        for key, paths in found.items():
+            if len(paths) < self._k:  # unrecoverable (a crash mid-write, or lost disks)
+                incomplete += 1
+                _unlink_all(paths)
+                continue
+            st = paths[0].stat()
+            self._index_add(key, _Entry(st.st_mtime, st.st_size * len(paths)))
+        self._counters.add(orphans_removed=incomplete)
+
+    def _index_add(self, key: bytes, entry: _Entry) -> None:
+        old = self._index.get(key)
+        self._disk_bytes += entry.disk_bytes - (old.disk_bytes if old else 0)
+        self._index[key] = entry
+
+    def _remove_object(self, key: bytes) -> int:
+        """Drop `key`'s index entry and shard files (the caller holds _io_lock)."""
+        entry = self._index.pop(key, None)
+        freed = entry.disk_bytes if entry else 0
+        self._disk_bytes -= freed
+        _unlink_all(self.shard_path(i, key) for i in range(self._n))
+        return freed
+
+    # ---- reads ------------------------------------------------------------------------------
+    def _read_shard(self, i: int, key: bytes) -> bytes | None:
+        """Shard i's payload if its header and checksum check out, else None."""
+        try:
+            with open(self.shard_path(i, key), "rb") as f:
+                raw = f.read()
+        except OSError:
+            return None
+        if len(raw) < HEADER.size:
+            return None
+        magic, version, index, count, hkey, _, _, checksum = HEADER.unpack_from(raw)
+        if (magic, version, index, count, hkey) != (MAGIC, FORMAT_VERSION, i, self._n, key):
+            return None
+        view = memoryview(raw)
+        h = xxhash.xxh3_64(view[:CHECKED])
+        h.update(view[HEADER.size:])
+        return raw[HEADER.size:] if h.intdigest() == checksum else None
+
+    # ---- writes -----------------------------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                key, data = item
+                if not self._enabled:
+                    self._counters.add(dropped_puts=1)
+                    continue
+                with self._io_lock:
+                    # A put of a key written by an earlier put still in the queue only refreshes.
+                    if data is None or self.contains(key):
+                        self._refresh(key)
+                    else:
+                        self._write_object(key, data)
+            except OSError as exc:
+                self._counters.add(dropped_puts=1)
+                self._disable(f"write failed: {exc}")
+            except Exception:  # a bug must not kill the writer: flush() would then hang
+                logger.exception("kvstore writer failed")
+                self._counters.add(dropped_puts=1)
+                self._disable("writer error")
+            finally:
+                self._queue.task_done()
+
+    def _refresh(self, key: bytes) -> None:
+        entry = self._index.get(key)
+        if entry is None:
+            return  # removed by gc after the put was queued: nothing to refresh
+        now = self._clock()
+        for i in range(self._n):
+            try:
+                os.utime(self.shard_path(i, key), (now, now))
+            except FileNotFoundError:
+                pass  # a lost shard: reads rebuild from the others
+        entry.written_at = now
+
+    def _write_object(self, key: bytes, data: bytes) -> None:
+        now = self._clock()
+        shards = self._codec.encode(data)
+        done: list[Path] = []
+        tmp: Path | None = None
+        try:
+            for i, payload in enumerate(shards):
+                head = HEADER.pack(MAGIC, FORMAT_VERSION, i, self._n, key, len(data), now, 0)
+                h = xxhash.xxh3_64(head[:CHECKED])
+                h.update(payload)
+                head = head[:CHECKED] + struct.pack("<Q", h.intdigest())
+                final = self.shard_path(i, key)
+                tmp = final.with_name(gc.temp_name(final.stem, self._token))
+                _write_file(tmp, head, payload)
+                os.utime(tmp, (now, now))
+                os.replace(tmp, final)
+                tmp = None
+                done.append(final)
+        except BaseException:
+            _unlink_all(done + ([tmp] if tmp is not None else []))  # no partial object remains
+            raise
+        self._index_add(key, _Entry(now, sum(HEADER.size + len(s) for s in shards)))
+
+    def _disable(self, reason: str) -> None:
+        if self._enabled:
+            self._enabled = False
+            logger.warning("kvstore disabled (puts dropped, gets miss): %s", reason)
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {type(key).__name__} "
+                         f"of length {len(key) if hasattr(key, '__len__') else '?'}")
+
+
+def _write_file(path: Path, head: bytes, payload: bytes) -> None:
+    try:
+        f = open(path, "wb")
+    except FileNotFoundError:  # the fan-out directory is created on first use (or after loss)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "wb")
+    with f:
+        f.write(head)
+        f.write(payload)
+
+
+def _unlink_all(paths) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
