@@ -48,21 +48,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "drafts before it at least this chance of acceptance (default 0: all)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="run each step synchronously (no host/device overlap)")
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_true", default=None,
-                   help="resume requests after the longest cached prefix (exact: ring "
-                   "snapshots at block boundaries)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
+                   action="store_true", help="resume after the longest cached prefix (exact)")
     p.add_argument("--num-prefix-snapshots", dest="num_prefix_snapshots", type=int,
                    default=None, help="ring snapshots kept for prefix caching (default 64)")
     p.add_argument("--kv-host-memory-gb", dest="kv_host_memory_gb", type=float, default=None,
                    help="prefix caching's host tier: evicted blocks and snapshots kept in "
                    "pinned host memory (default 0: none)")
+    p.add_argument("--kv-store-path", dest="kv_store_path", default=None,
+                   help="prefix caching's persistent tier: blocks written to this directory "
+                   "(10 + 2 erasure-coded shards) and read back by later runs")
+    p.add_argument("--kv-store-ttl-days", dest="kv_store_ttl_days", type=float, default=None)
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
                 "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling",
-                "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb")
+                "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
+                "kv_store_path", "kv_store_ttl_days")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

@@ -33,7 +33,10 @@ class CacheConfig:
     num_prefix_snapshots: ring snapshots kept (each the backbone's window rows, 2.6 MiB for
     Flash, taken from the KV budget). kv_host_memory_gb: the prefix cache's host tier (pinned
     memory): cached blocks and snapshots evicted from the device move there, and a hit copies
-    them back (0: no host tier)."""
+    them back (0: no host tier). kv_store_path: the persistent tier: a directory where blocks
+    and prompt-end ring snapshots are written as they are made (10 + 2 erasure-coded shards
+    over 12 subdirectories, checksummed, `kv_store_ttl_days` to live), read back by later runs
+    and processes of the same model and settings (None: no store)."""
 
     block_size: int = 256
     kv_cache_memory_gb: float | None = None
@@ -42,6 +45,8 @@ class CacheConfig:
     prefix_resume: str = "exact"
     num_prefix_snapshots: int = 64
     kv_host_memory_gb: float = 0.0
+    kv_store_path: str | None = None
+    kv_store_ttl_days: float = 3.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 128:
@@ -56,6 +61,8 @@ class CacheConfig:
                              "(ring snapshots; a bounded replay is not available)")
         if self.kv_host_memory_gb < 0:
             raise ShoalError(f"kv_host_memory_gb: got {self.kv_host_memory_gb}, expected >= 0")
+        if self.kv_store_ttl_days <= 0:
+            raise ShoalError(f"kv_store_ttl_days: got {self.kv_store_ttl_days}, expected > 0")
         if self.num_prefix_snapshots < 1:
             raise ShoalError(f"num_prefix_snapshots: got {self.num_prefix_snapshots}, "
                              "expected >= 1")

@@ -118,3 +118,35 @@ def test_blocks_evicted_to_the_host_tier_come_back_for_a_hit(checkpoint: Path) -
     assert device_only == plain and tiered == plain
     assert (device_stats.hit_tokens, device_stats.host_hit_tokens) == (256, 0)
     assert (host_stats.hit_tokens, host_stats.host_hit_tokens) == (512, 256)
+
+
+def test_the_store_serves_a_new_engine_and_a_corrupt_store_is_a_miss(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """An engine writes its blocks and its prompt-end snapshot to the store; a new engine (a
+    restart) on the same directory resumes a request sharing the prefix from it, with the
+    tokens and log-probs of a run without the cache. With 3 of each object's 12 shards
+    corrupted, the objects are misses: nothing resumes, the outputs are still right."""
+    rng = random.Random(4)
+    shared = [rng.randint(3, 500) for _ in range(300)]
+    first, second = shared + [7] * 10, shared + [rng.randint(3, 500) for _ in range(50)]
+    store = tmp_path / "kv"
+    plain = llm(checkpoint, False, prefill_mode="full")
+    expected = outputs(plain, [second], GREEDY)
+
+    def run(prompt: list[int]) -> tuple[list, object]:
+        engine = llm(checkpoint, True, prefill_mode="full", kv_store_path=str(store))
+        got = outputs(engine, [prompt], GREEDY)
+        engine.engine.runner.offload.flush()
+        return got, engine.engine.scheduler.prefix_stats
+
+    run(first)
+    got, stats = run(second)
+    assert got == expected
+    assert (stats.hit_tokens, stats.store_hit_tokens) == (256, 256)
+    for shard_dir in sorted(store.iterdir())[:3]:
+        for path in shard_dir.rglob("*.kvs"):
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+    got, stats = run(second)
+    assert got == expected and stats.hit_tokens == 0

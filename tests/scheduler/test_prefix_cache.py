@@ -12,7 +12,8 @@ import pytest
 from shoal.model.presets import TINY
 from shoal.model.tail_prefill import decoder_thresholds
 from shoal.scheduler import BlockPool, Request, Scheduler, SchedulerConfig, StepResult
-from shoal.scheduler.prefix_cache import PrefixCacheSpec, TailRule
+from shoal.scheduler.prefix_cache import PrefixCacheSpec
+from shoal.scheduler.tail_rule import TailRule
 
 EOS = 1
 

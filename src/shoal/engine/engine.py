@@ -37,7 +37,6 @@ from shoal.engine.request import EngineRequest
 from shoal.runner.executor import Executor
 from shoal.runner.step_io import RunnerOutput
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
-from shoal.scheduler.prefix_cache import PrefixCacheSpec, TailRule
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import StepOutcome, StepPlan
@@ -78,20 +77,6 @@ class EngineStats:
     resolved_first: int = 0
 
 
-def prefix_cache_spec(config: EngineConfig, num_snapshots: int,
-                      host_slots: tuple[int, int] = (0, 0)) -> PrefixCacheSpec | None:
-    """Prefix caching's settings for the scheduler (None when off). The hash chain's salt
-    names everything besides the tokens that changes the KV: model, weights, ops, cache."""
-    if not config.cache.enable_prefix_caching:
-        return None
-    mc, run = config.model_config, config.runner
-    rule = TailRule(run.prefill_mode, mc.sliding_window, run.replay_window,
-                    mc.num_layers - mc.decoder_start)
-    salt = repr((config.model, mc, run.load_format, run.seed, run.backends, run.device,
-                 config.cache.block_size, run.prefill_mode, run.replay_window)).encode()
-    return PrefixCacheSpec(num_snapshots, rule, salt, *host_slots)
-
-
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     vocab = config.model_config.vocab_size
     if config.is_preset:
@@ -123,8 +108,7 @@ class Engine:
         self.runner = self.executor.runner  # in-process introspection (bench, tests)
         self.scheduler = Scheduler(config.scheduler, self.executor.num_blocks,
                                    self.executor.num_slots, self.executor.block_size,
-                                   prefix_cache_spec(config, self.executor.num_snapshots,
-                                                     self.executor.host_slots))
+                                   self.executor.prefix_cache_spec())
         self.requests: dict[str, EngineRequest] = {}
         self.groups: dict[str, list[str]] = {}
         self.stats = EngineStats()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# pyeclib with ISA-L Reed-Solomon (Vandermonde): ~12-18x zfec's encode and 4-20x its decode with
-# lost shards at 64 KiB-3 MiB (benchmarks/results/erasure_cpu_2026-12-03.txt); wheel bundles ISA-L.
+# pyeclib with ISA-L Reed-Solomon (Vandermonde): 9-16x zfec's encode, 3.5-19x its decode with lost
+# shards at 64 KiB-3 MiB (benchmarks/results/erasure_cpu_2026-12-03.txt); its wheel bundles ISA-L.
 from pyeclib.ec_iface import ECDriver, ECDriverError
 
 EC_TYPE = "isa_l_rs_vand"
@@ -64,6 +64,8 @@ class ErasureCodec:
             raise ValueError(f"shards do not decode to one object: {exc}") from exc
 
 
+# The functions build a codec per call (~0.25 ms of backend set-up): for one-off use; repeated
+# use (the store) holds one ErasureCodec.
 def encode(data: bytes, k: int = 10, m: int = 2) -> list[bytes]:
     """k data + m parity shards of `data`, equal length, the length recoverable from them."""
     return ErasureCodec(k, m).encode(data)

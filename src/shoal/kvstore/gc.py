@@ -1,6 +1,6 @@
-"""TTL expiry and garbage collection of the KV block store (src/shoal/kvstore/store.py): when an
-object counts as expired, the collection pass that removes expired objects, and the sweep of
-temp files left behind by a writer that died between writing a shard and renaming it.
+"""Garbage collection of the KV block store (src/shoal/kvstore/store.py): the names of its files,
+when an object counts as expired, the open-time recovery scan (which objects on disk are whole,
+which files are garbage) and the collection pass (expired objects, orphaned temp files).
 
 Invariants: an object is expired once `now - written_at >= ttl_s`, where `written_at` is its last
 write or refresh; an expired object is never served. The pass re-checks each candidate and
@@ -21,6 +21,7 @@ from typing import Protocol
 
 logger = logging.getLogger("shoal.kvstore")
 
+SHARD_SUFFIX = ".kvs"
 TEMP_SUFFIX = ".tmp"
 
 
@@ -39,6 +40,20 @@ def is_expired(written_at: float, now: float, ttl_s: float) -> bool:
     return now - written_at >= ttl_s
 
 
+def shard_name(key: bytes) -> str:
+    return key.hex() + SHARD_SUFFIX
+
+
+def _shard_key(name: str) -> bytes | None:
+    stem = name[:-len(SHARD_SUFFIX)]
+    if not name.endswith(SHARD_SUFFIX) or len(stem) != 64:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None  # not a shard name: not ours, left alone
+
+
 def temp_name(stem: str, token: str) -> str:
     """The temp file name a writer whose token is `token` uses for `stem` before its rename."""
     return f"{stem}.{token}{TEMP_SUFFIX}"
@@ -48,26 +63,64 @@ def is_orphan_temp(name: str, live_token: str) -> bool:
     return name.endswith(TEMP_SUFFIX) and not name.endswith(f".{live_token}{TEMP_SUFFIX}")
 
 
-def sweep_temps(dirs: Sequence[Path], live_token: str) -> int:
-    """Remove orphaned temp files under the shard directories (`dir/<fan-out>/<file>`)."""
+def _fanout_dirs(root: Path) -> list[str]:
+    """The `<hex[:2]>` subdirectories of a shard directory (none if it is missing)."""
+    try:
+        return [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def recover(dirs: Sequence[Path], *, min_shards: int,
+            live_token: str) -> tuple[dict[bytes, tuple[float, int]], int]:
+    """Open-time scan: one listing of every shard directory, one stat per object found.
+
+    Returns `{key: (written_at, disk_bytes)}` for the objects with at least `min_shards` shard
+    files (`written_at` is a shard file's mtime), and the number of garbage items removed:
+    orphaned temp files and objects with fewer shard files (a crash mid-write, or lost disks).
+    """
+    found: dict[bytes, list[str]] = {}
     removed = 0
     for root in dirs:
-        try:
-            subdirs = [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue  # a missing or unreadable directory holds nothing we can remove
-        for sub in subdirs:
+        for sub in _fanout_dirs(root):
+            for e in os.scandir(sub):
+                key = _shard_key(e.name)
+                if key is not None:
+                    found.setdefault(key, []).append(e.path)
+                elif is_orphan_temp(e.name, live_token):
+                    removed += unlink_quiet(e.path)
+    objects: dict[bytes, tuple[float, int]] = {}
+    for key, paths in found.items():
+        if len(paths) < min_shards:
+            removed += 1
+            for p in paths:
+                unlink_quiet(p)
+            continue
+        st = os.stat(paths[0])
+        objects[key] = (st.st_mtime, st.st_size * len(paths))
+    return objects, removed
+
+
+def sweep_temps(dirs: Sequence[Path], live_token: str) -> int:
+    """Remove orphaned temp files under the shard directories (`dir/<hex[:2]>/<file>`)."""
+    removed = 0
+    for root in dirs:
+        for sub in _fanout_dirs(root):
             try:
                 names = [e.name for e in os.scandir(sub) if is_orphan_temp(e.name, live_token)]
-            except OSError:
+            except FileNotFoundError:
                 continue
-            for name in names:
-                try:
-                    os.unlink(os.path.join(sub, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+            removed += sum(unlink_quiet(os.path.join(sub, name)) for name in names)
     return removed
+
+
+def unlink_quiet(path: str | Path) -> int:
+    """Remove a file; 1 if removed, 0 if it was already gone."""
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
 
 
 def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock: Lock,

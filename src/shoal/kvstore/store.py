@@ -7,8 +7,9 @@ m parity shards; shard i lives in directory i (`root/dNN`, one per disk) at
 (magic, format version, shard index, shard count, key, object length, creation time, xxh3-64
 checksum of the header's other fields and the payload) followed by the payload.
 The file's mtime is the object's `written_at`: set from the store's clock on write, moved by a
-refresh (a re-put of a present key touches the 12 files instead of rewriting them), read back
-when the index is rebuilt by scanning the directories on open.
+refresh (a re-put of a present key touches the shard files instead of rewriting them), read back
+when the index is rebuilt by scanning the directories on open (gc.recover). There is no fsync:
+this is a cache, and a shard torn by a power loss fails its checksum. One store per directory set.
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
@@ -18,6 +19,7 @@ a failed write or an unwritable directory disables the store with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,12 +28,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import xxhash
 
-from shoal.kvstore import gc
+from shoal.kvstore import gc as kvgc
 from shoal.kvstore.erasure import ErasureCodec
 
 logger = logging.getLogger("shoal.kvstore")
@@ -42,7 +44,6 @@ MAGIC = b"SKVS"
 # magic, version, shard index, shard count, key, object length, created, checksum: 64 bytes
 HEADER = struct.Struct("<4sHBB32sQdQ")
 CHECKED = HEADER.size - 8  # the checksum covers every header byte before it, then the payload
-SUFFIX = ".kvs"
 _STOP = object()
 
 
@@ -54,15 +55,12 @@ class KVStoreConfig:
     max_queue: int = 64  # pending writes; a put beyond this is dropped, never blocks
 
     def __post_init__(self) -> None:
-        if self.data_shards < 1:
-            raise ValueError(f"data_shards must be >= 1, got {self.data_shards}")
-        if self.num_dirs <= self.data_shards:
-            raise ValueError(f"num_dirs must exceed data_shards ({self.data_shards}) to leave "
-                             f"parity shards, got {self.num_dirs}")
-        if not self.ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        for name, ok, rule in [
+                ("data_shards", self.data_shards >= 1, ">= 1"),
+                ("num_dirs", self.num_dirs > self.data_shards, f"> data_shards ({self.data_shards})"),
+                ("ttl_s", self.ttl_s > 0, "> 0"), ("max_queue", self.max_queue >= 1, ">= 1")]:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class KVStoreStats:
     objects: int
     bytes_on_disk: int
     puts: int  # put() calls, refreshes and drops included
-    dropped_puts: int  # not written: queue full or store disabled
+    dropped_puts: int  # not written: queue full, store disabled or the write failed
     hits: int
     misses: int
     repaired_reads: int  # hits that rebuilt a missing or corrupt data shard from parity
@@ -86,30 +84,9 @@ class _Entry:
     disk_bytes: int
 
 
-@dataclass
-class _Counters:
-    puts: int = 0
-    dropped_puts: int = 0
-    hits: int = 0
-    misses: int = 0
-    repaired_reads: int = 0
-    lost_reads: int = 0
-    expired_removed: int = 0
-    orphans_removed: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, **deltas: int) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-
 class KVStore:
-    """Content-addressed object store over `num_dirs` directories (see the module docstring).
-
-    `root` is one directory (shards go to `root/d00 ..`) or a list of `num_dirs` directories.
-    `clock` gives the time used for `written_at` and expiry (tests pass a fake one).
-    """
+    """The store (see the module docstring). `root`: one directory (shards in `root/d00 ..`) or a
+    list of directories; `clock`: the time of writes and expiry (tests pass a fake one)."""
 
     def __init__(self, root: str | os.PathLike | Sequence[str | os.PathLike], *,
                  num_dirs: int | None = None, data_shards: int = 10,
@@ -134,22 +111,25 @@ class KVStore:
         self._index: dict[bytes, _Entry] = {}
         self._disk_bytes = 0
         self._io_lock = threading.Lock()  # writer's object writes, gc and lost-object removal
-        self._counters = _Counters()
+        self._lock = threading.Lock()  # the counters and the enabled flag
+        self._counts = {f.name: 0 for f in fields(KVStoreStats)[3:]}  # the counters of stats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self._enabled = True
         try:
             self._prepare_dirs()
-            self._scan()
+            objects, removed = kvgc.recover(self.dirs, min_shards=self._k, live_token=self._token)
         except OSError as exc:
             self._disable(f"cannot use the shard directories: {exc}")
             return
+        for key, (written_at, disk_bytes) in objects.items():  # the index, rebuilt from disk
+            self._index_add(key, _Entry(written_at, disk_bytes))
+        self._count(orphans_removed=removed)
         self.gc()
         self._thread = threading.Thread(target=self._writer, name="shoal-kvstore-writer",
                                         daemon=True)
         self._thread.start()
 
-    # ---- public API -------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
         return self._enabled
@@ -158,15 +138,15 @@ class KVStore:
         """Queue `data` under `key`; False if dropped (queue full or store disabled). A key already
         present only gets its timestamp refreshed (no rewrite); the data is then not kept."""
         _check_key(key)
-        self._counters.add(puts=1)
+        self._count(puts=1)
         if not self._enabled or self._thread is None:
-            self._counters.add(dropped_puts=1)
+            self._count(dropped_puts=1)
             return False
         item = (key, None if self.contains(key) else bytes(data))
         try:
             self._queue.put_nowait(item)
         except queue.Full:
-            self._counters.add(dropped_puts=1)
+            self._count(dropped_puts=1)
             return False
         return True
 
@@ -174,41 +154,47 @@ class KVStore:
         """The object under `key`, or None (absent, expired, disabled or unrecoverable)."""
         _check_key(key)
         if not self.contains(key):
-            self._counters.add(misses=1)
+            self._count(misses=1)
             return None
         shards: list[bytes | None] = [self._read_shard(i, key) for i in range(self._k)]
         missing_data = shards.count(None)
         # Parity is read only when a data shard is bad: with all k data shards good it is unused.
         shards += [self._read_shard(i, key) if missing_data else None
                    for i in range(self._k, self._n)]
-        data = None
-        if self._n - shards.count(None) >= self._k:
-            try:
-                data = self._codec.decode(shards)
-            except ValueError:
-                data = None
+        try:
+            data = self._codec.decode(shards)
+        except ValueError:  # fewer than k good shards (InsufficientShardsError)
+            data = None
         if data is None:
             logger.debug("kvstore: %s has fewer than %d good shards; removed", key.hex(), self._k)
-            with self._io_lock:
-                self._remove_object(key)
-            self._counters.add(lost_reads=1, misses=1)
+            self._count(lost_reads=1, misses=1)
+            try:  # so that contains() says no and a later put writes it afresh
+                with self._io_lock:
+                    self._remove_object(key)
+            except OSError as exc:
+                self._disable(f"cannot remove an unrecoverable object: {exc}")
             return None
-        self._counters.add(hits=1, repaired_reads=1 if missing_data else 0)
+        self._count(hits=1, repaired_reads=1 if missing_data else 0)
         return data
 
     def contains(self, key: bytes) -> bool:
+        """Index lookup (no I/O): present, not expired, store enabled."""
         entry = self._index.get(key)
         return (self._enabled and entry is not None
-                and not gc.is_expired(entry.written_at, self._clock(), self.config.ttl_s))
+                and not kvgc.is_expired(entry.written_at, self._clock(), self.config.ttl_s))
 
-    def gc(self) -> gc.GcReport:
+    def gc(self) -> kvgc.GcReport:
         """Remove expired objects and orphaned temp files (run on open; the caller may repeat it)."""
         if not self._enabled:
-            return gc.GcReport()
-        report = gc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
-                            lock=self._io_lock, remove_object=self._remove_object,
-                            dirs=self.dirs, live_token=self._token)
-        self._counters.add(expired_removed=report.expired, orphans_removed=report.orphans)
+            return kvgc.GcReport()
+        try:
+            report = kvgc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
+                                  lock=self._io_lock, remove_object=self._remove_object,
+                                  dirs=self.dirs, live_token=self._token)
+        except OSError as exc:
+            self._disable(f"gc failed: {exc}")
+            return kvgc.GcReport()
+        self._count(expired_removed=report.expired, orphans_removed=report.orphans)
         return report
 
     def flush(self) -> None:
@@ -224,13 +210,9 @@ class KVStore:
             thread.join()
 
     def stats(self) -> KVStoreStats:
-        c = self._counters
-        with c.lock:
-            return KVStoreStats(
-                enabled=self._enabled, objects=len(self._index), bytes_on_disk=self._disk_bytes,
-                puts=c.puts, dropped_puts=c.dropped_puts, hits=c.hits, misses=c.misses,
-                repaired_reads=c.repaired_reads, lost_reads=c.lost_reads,
-                expired_removed=c.expired_removed, orphans_removed=c.orphans_removed)
+        with self._lock:
+            return KVStoreStats(enabled=self._enabled, objects=len(self._index),
+                                bytes_on_disk=self._disk_bytes, **self._counts)
 
     def __enter__(self) -> KVStore:
         return self
@@ -238,41 +220,15 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- layout and index -------------------------------------------------------------------
     def shard_path(self, i: int, key: bytes) -> Path:
-        h = key.hex()
-        return self.dirs[i] / h[:2] / (h + SUFFIX)
+        return self.dirs[i] / key[:1].hex() / kvgc.shard_name(key)
 
     def _prepare_dirs(self) -> None:
         for d in self.dirs:  # every directory must take a file, or the store is off
             d.mkdir(parents=True, exist_ok=True)
-            probe = d / gc.temp_name("probe", self._token)
+            probe = d / kvgc.temp_name("probe", self._token)
             probe.write_bytes(b"")
             probe.unlink()
-
-    def _scan(self) -> None:
-        """Rebuild the index from the shard files: one listing per directory, one stat per key."""
-        found: dict[bytes, list[Path]] = {}
-        for d in self.dirs:
-            for sub in os.scandir(d):
-                if not sub.is_dir(follow_symlinks=False):
-                    continue
-                for e in os.scandir(sub.path):
-                    stem = e.name[:-len(SUFFIX)]
-                    if e.name.endswith(SUFFIX) and len(stem) == 2 * KEY_BYTES:
-                        try:
-                            found.setdefault(bytes.fromhex(stem), []).append(Path(e.path))
-                        except ValueError:
-                            pass  # not a shard name: not ours, left alone
-        incomplete = 0
-        for key, paths in found.items():
-            if len(paths) < self._k:  # unrecoverable (a crash mid-write, or lost disks)
-                incomplete += 1
-                _unlink_all(paths)
-                continue
-            st = paths[0].stat()
-            self._index_add(key, _Entry(st.st_mtime, st.st_size * len(paths)))
-        self._counters.add(orphans_removed=incomplete)
 
     def _index_add(self, key: bytes, entry: _Entry) -> None:
         old = self._index.get(key)
@@ -284,10 +240,10 @@ class KVStore:
         entry = self._index.pop(key, None)
         freed = entry.disk_bytes if entry else 0
         self._disk_bytes -= freed
-        _unlink_all(self.shard_path(i, key) for i in range(self._n))
+        for i in range(self._n):
+            kvgc.unlink_quiet(self.shard_path(i, key))
         return freed
 
-    # ---- reads ------------------------------------------------------------------------------
     def _read_shard(self, i: int, key: bytes) -> bytes | None:
         """Shard i's payload if its header and checksum check out, else None."""
         try:
@@ -305,7 +261,6 @@ class KVStore:
         h.update(view[HEADER.size:])
         return raw[HEADER.size:] if h.intdigest() == checksum else None
 
-    # ---- writes -----------------------------------------------------------------------------
     def _writer(self) -> None:
         while True:
             item = self._queue.get()
@@ -314,7 +269,7 @@ class KVStore:
                     return
                 key, data = item
                 if not self._enabled:
-                    self._counters.add(dropped_puts=1)
+                    self._count(dropped_puts=1)
                     continue
                 with self._io_lock:
                     # A put of a key written by an earlier put still in the queue only refreshes.
@@ -323,11 +278,11 @@ class KVStore:
                     else:
                         self._write_object(key, data)
             except OSError as exc:
-                self._counters.add(dropped_puts=1)
+                self._count(dropped_puts=1)
                 self._disable(f"write failed: {exc}")
             except Exception:  # a bug must not kill the writer: flush() would then hang
                 logger.exception("kvstore writer failed")
-                self._counters.add(dropped_puts=1)
+                self._count(dropped_puts=1)
                 self._disable("writer error")
             finally:
                 self._queue.task_done()
@@ -338,10 +293,8 @@ class KVStore:
             return  # removed by gc after the put was queued: nothing to refresh
         now = self._clock()
         for i in range(self._n):
-            try:
+            with contextlib.suppress(FileNotFoundError):  # a lost shard: reads rebuild it
                 os.utime(self.shard_path(i, key), (now, now))
-            except FileNotFoundError:
-                pass  # a lost shard: reads rebuild from the others
         entry.written_at = now
 
     def _write_object(self, key: bytes, data: bytes) -> None:
@@ -356,43 +309,38 @@ class KVStore:
                 h.update(payload)
                 head = head[:CHECKED] + struct.pack("<Q", h.intdigest())
                 final = self.shard_path(i, key)
-                tmp = final.with_name(gc.temp_name(final.stem, self._token))
-                _write_file(tmp, head, payload)
+                tmp = final.with_name(kvgc.temp_name(final.stem, self._token))
+                try:
+                    f = open(tmp, "wb")
+                except FileNotFoundError:  # fan-out directory: made on first use (or after loss)
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
+                    f = open(tmp, "wb")
+                with f:
+                    f.write(head)
+                    f.write(payload)
                 os.utime(tmp, (now, now))
                 os.replace(tmp, final)
                 tmp = None
                 done.append(final)
         except BaseException:
-            _unlink_all(done + ([tmp] if tmp is not None else []))  # no partial object remains
+            for p in done + ([tmp] if tmp is not None else []):  # no partial object remains
+                kvgc.unlink_quiet(p)
             raise
         self._index_add(key, _Entry(now, sum(HEADER.size + len(s) for s in shards)))
 
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
     def _disable(self, reason: str) -> None:
-        if self._enabled:
+        with self._lock:  # the writer and callers may fail at once: one warning
+            if not self._enabled:
+                return
             self._enabled = False
-            logger.warning("kvstore disabled (puts dropped, gets miss): %s", reason)
+        logger.warning("kvstore disabled (puts dropped, gets miss): %s", reason)
 
 
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise ValueError(f"key must be {KEY_BYTES} bytes, got {type(key).__name__} "
-                         f"of length {len(key) if hasattr(key, '__len__') else '?'}")
-
-
-def _write_file(path: Path, head: bytes, payload: bytes) -> None:
-    try:
-        f = open(path, "wb")
-    except FileNotFoundError:  # the fan-out directory is created on first use (or after loss)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "wb")
-    with f:
-        f.write(head)
-        f.write(payload)
-
-
-def _unlink_all(paths) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {key!r:.80}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +18,14 @@ import torch
 from shoal.config import EngineConfig
 from shoal.runner.model_runner import NO_MASKS, ModelRunner
 from shoal.runner.step_io import LaunchedStep, RunnerOutput
+from shoal.scheduler.prefix_cache import PrefixCacheSpec
 from shoal.scheduler.step_plan import StepPlan
+from shoal.scheduler.tail_rule import TailRule
 
 
 class Executor:
     def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
         self.runner = ModelRunner(config, tokenizer)
         self._pending: deque[LaunchedStep] = deque()  # submitted, not yet collected
 
@@ -40,13 +44,38 @@ class Executor:
     @property
     def host_slots(self) -> tuple[int, int]:
         """The host tier's (block, snapshot) slots (prefix caching; (0, 0): none)."""
-        host = self.runner.host_kv
-        return (0, 0) if host is None else (host.num_blocks, host.num_snapshots)
+        offload = self.runner.offload
+        return (0, 0) if offload is None else (offload.num_blocks, offload.num_snapshots)
+
+    @property
+    def kv_store(self):
+        """The prefix cache's persistent store (None: none)."""
+        return None if self.runner.offload is None else self.runner.offload.store
 
     @property
     def num_snapshots(self) -> int:
         """Ring snapshots the caches hold (prefix caching)."""
         return self.runner.memory.num_snapshots
+
+    def prefix_cache_spec(self) -> PrefixCacheSpec | None:
+        """Prefix caching's settings for the scheduler (None when off): the KV resources this
+        executor holds (snapshots, host slots, store) and the hash chain's salt, which names
+        everything besides the tokens that changes the KV, so that a store shared by runs and
+        processes never mixes them: model, weights (files' sizes and times), ops and device
+        kind, block size, prefill mode."""
+        config = self.config
+        if not config.cache.enable_prefix_caching:
+            return None
+        mc, run = config.model_config, config.runner
+        rule = TailRule(run.prefill_mode, mc.sliding_window, run.replay_window,
+                        mc.num_layers - mc.decoder_start)
+        files = () if config.is_preset else tuple(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(Path(config.model).glob("*")) if p.suffix in (".json", ".safetensors"))
+        salt = repr((config.model, mc, files, run.load_format, run.seed, run.backends,
+                     self.runner.device.type, config.cache.block_size, run.prefill_mode,
+                     run.replay_window)).encode()
+        return PrefixCacheSpec(self.num_snapshots, rule, salt, *self.host_slots, self.kv_store)
 
     @property
     def num_in_flight(self) -> int:

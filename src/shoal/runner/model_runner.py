@@ -33,7 +33,7 @@ from shoal.model.state import KVCaches
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.inflight import upload
 from shoal.runner.inputs import prepare_inputs
-from shoal.runner.kv_offload import HostKV, host_slots
+from shoal.runner.kv_offload import KVOffload, host_slots
 from shoal.runner.loading import kv_budget_bytes, load_model, pick_device
 from shoal.runner.sampling_step import (
     RequestState,
@@ -73,7 +73,7 @@ class ModelRunner:
             num_slots=self.memory.num_slots + 1,
             max_tokens=config.scheduler.max_num_batched_tokens,
             num_snapshots=self.memory.num_snapshots, device=self.device)
-        self.host_kv = self._host_kv()
+        self.offload = self._offload()
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self._last: LaunchedStep | None = None  # the latest launched step (token patches)
@@ -91,15 +91,22 @@ class ModelRunner:
         except ValueError as exc:
             raise ShoalError(f"KV cache: {exc}") from None
 
-    def _host_kv(self) -> HostKV | None:
+    def _offload(self) -> KVOffload | None:
+        """The prefix cache's host tier and store (None when it has neither)."""
         cache = self.config.cache
-        if not (cache.enable_prefix_caching and cache.kv_host_memory_gb):
+        if not cache.enable_prefix_caching or not (cache.kv_host_memory_gb
+                                                   or cache.kv_store_path):
             return None
         blocks, snapshots = host_slots(self.layout, int(cache.kv_host_memory_gb * 1e9))
-        if not blocks:
+        if cache.kv_host_memory_gb and not blocks:
             raise ShoalError(f"kv_host_memory_gb={cache.kv_host_memory_gb} holds no KV block "
                              f"({self.layout.bytes_per_block} B each)")
-        return HostKV(self.layout, blocks, snapshots, self.device)
+        store = None
+        if cache.kv_store_path:
+            from shoal.kvstore import KVStore
+
+            store = KVStore(cache.kv_store_path, ttl_s=cache.kv_store_ttl_days * 86400)
+        return KVOffload(self.layout, blocks, snapshots, self.device, store)
 
     # ---- one step ---------------------------------------------------------------------------
     def launch(self, plan: StepPlan,
@@ -118,8 +125,8 @@ class ModelRunner:
             self.requests[new.request_id] = RequestState.from_new(new)
         step = LaunchedStep(plan, RunnerOutput())
         if plan.transfers:  # the host tier's copies precede every read and write of the step
-            assert self.host_kv is not None, "a plan with host transfers but no host tier"
-            self.host_kv.apply(self.caches, plan.transfers)
+            assert self.offload is not None, "a plan with transfers but no host tier or store"
+            self.offload.apply(self.caches, plan.transfers)
         if not plan.scheduled:
             return step
         t0 = time.perf_counter()

@@ -1,10 +1,11 @@
 """The host-memory tier of the prefix cache: cached blocks and ring snapshots evicted from the
 device move to host slots (pinned memory the runner holds) and come back when a hit needs them.
 
-Owns which key sits in which host slot (an LRU per kind) and the transfers the next plan
-carries (`Transfer`: plain data; the runner copies them, in order, on its stream before the
+Owns which key sits in which host slot (an LRU per kind) and `Transfer`, the plain-data copy
+the next plan carries (the runner runs a plan's transfers, in order, on its stream before the
 step's forward, so an eviction's copy out precedes the new owner's writes, and a copy in
-precedes the reads). The scheduler side never touches the bytes.
+precedes the reads). The scheduler side never touches the bytes, except the store tier's reads
+(`store_tier.py`), which travel in the plan.
 
 Invariant: a key is in at most one host slot per kind; every slot is free or holds one key.
 """
@@ -16,15 +17,22 @@ from dataclasses import dataclass
 
 BLOCK_OUT, BLOCK_IN, SNAPSHOT_OUT, SNAPSHOT_IN = "block_out", "block_in", "snapshot_out", \
     "snapshot_in"
+# the store tier: write a device block / snapshot to the store under `key`; load `data` into it
+BLOCK_PERSIST, SNAPSHOT_PERSIST = "block_persist", "snapshot_persist"
+BLOCK_LOAD, SNAPSHOT_LOAD = "block_load", "snapshot_load"
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """Copy device block / snapshot `device` to host slot `host` (`*_out`) or back (`*_in`)."""
+    """Copy device block / snapshot `device` to host slot `host` (`*_out`) or back (`*_in`);
+    or write it to the store under `key`, after the header `data` (`*_persist`), or fill it
+    with `data` (`*_load`)."""
 
     kind: str
     device: int
-    host: int
+    host: int = -1
+    key: bytes = b""
+    data: bytes | None = None
 
 
 class SlotLRU:
@@ -81,11 +89,12 @@ class SlotLRU:
 class HostTier:
     """Host slots for `num_blocks` blocks and `num_snapshots` ring snapshots."""
 
-    def __init__(self, num_blocks: int, num_snapshots: int) -> None:
+    def __init__(self, num_blocks: int, num_snapshots: int,
+                 transfers: list[Transfer]) -> None:
         self.blocks = SlotLRU(num_blocks)
         self.snapshots = SlotLRU(num_snapshots)
         self.snapshot_exact: dict[bytes, bool] = {}  # host snapshot key -> decoder_exact
-        self._transfers: list[Transfer] = []
+        self._transfers = transfers  # the prefix cache's list for the plan being built
         self.blocks_in = 0  # blocks copied back to the device for hits (stats)
         # keys of the hit being loaded: no eviction while its blocks are allocated
         self.held: frozenset[bytes] = frozenset()
@@ -127,11 +136,6 @@ class HostTier:
         """`key` left every tier: drop its host snapshot."""
         if self.snapshots.pop(key) is not None:
             del self.snapshot_exact[key]
-
-    def drain(self) -> tuple[Transfer, ...]:
-        """The transfers of the plan being built (the scheduler calls this once per plan)."""
-        out, self._transfers = tuple(self._transfers), []
-        return out
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants()

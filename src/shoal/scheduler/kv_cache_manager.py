@@ -26,7 +26,6 @@ import heapq
 from dataclasses import dataclass
 
 from shoal.scheduler.block_pool import BlockPool
-from shoal.scheduler.host_tier import HostTier
 from shoal.scheduler.prefix_cache import Hit, PrefixCache, PrefixCacheSpec
 from shoal.scheduler.request import Request
 
@@ -62,14 +61,15 @@ class KVCacheManager:
         self.prefix: PrefixCache | None = None
         self.pool = BlockPool(num_blocks)
         if prefix is not None:
-            host = HostTier(prefix.host_blocks, prefix.host_snapshots) \
-                if prefix.host_blocks else None
             self.prefix = PrefixCache(self.pool, block_size, prefix.num_snapshots, prefix.rule,
-                                      prefix.salt, host)
+                                      prefix.salt, prefix.host_blocks, prefix.host_snapshots,
+                                      prefix.store)
             self.pool = BlockPool(num_blocks, on_evict=self.prefix.on_evict)
             self.prefix.pool = self.pool
         self._free_slots = list(range(num_slots))  # min-heap
         self._holders: dict[str, Request] = {}
+        # ring snapshots the outstanding plan saves: (request, boundary, snapshot id)
+        self._saves: list[tuple[Request, int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -125,7 +125,7 @@ class KVCacheManager:
             host = self.prefix.host
             if host is not None:
                 host.held = frozenset(hit.keys)  # evictions below must not take them
-            fresh = self.pool.allocate(hit.num_host_blocks)
+            fresh = self.pool.allocate(hit.num_loaded_blocks)
             request.restore_snapshot = self.prefix.load(hit, fresh)
             if host is not None:
                 host.held = frozenset()
@@ -174,8 +174,45 @@ class KVCacheManager:
 
     def drain_transfers(self) -> tuple:
         """The host tier's copies for the plan being built."""
-        host = self.prefix.host if self.prefix is not None else None
-        return host.drain() if host is not None else ()
+        return self.prefix.drain() if self.prefix is not None else ()
+
+    def snapshot_saves(self, request: Request, start: int,
+                       end: int) -> tuple[tuple[int, int], ...]:
+        """(boundary, snapshot id) for each block boundary in (start, end] of a chunk being
+        planned that has no snapshot yet, the latest first while ids last (the longest
+        resume); ids are reserved now and bound by `bind_snapshots` when the plan is applied."""
+        prefix = self.prefix
+        if prefix is None or not request.cache_prefix:
+            return ()
+        bs = self.block_size
+        saves = []
+        for boundary in range(end // bs * bs, start, -bs):
+            index = boundary // bs - 1
+            if index < len(request.block_hashes) and prefix.has_snapshot(
+                    request.block_hashes[index]):
+                continue
+            sid = prefix.reserve_snapshot(
+                prefix.rule.decoder_rings_exact(boundary, request.prefill_len))
+            if sid < 0:
+                break
+            saves.append((boundary, sid))
+            self._saves.append((request, boundary, sid))
+        return tuple(saves)
+
+    def bind_snapshots(self) -> None:
+        """Bind the snapshots of the plan being applied to their blocks' hashes (released where
+        the request no longer holds the boundary's block: rejected drafts, a finish or an
+        abort before the step was applied). The prompt's last boundary, where the same prompt
+        resumes, is also persisted."""
+        saves, self._saves = self._saves, []
+        for request, boundary, sid in saves:
+            index = boundary // self.block_size - 1
+            key = None
+            if (request.num_computed_tokens >= boundary and index < len(request.block_hashes)
+                    and index < request.num_registered_blocks):
+                key = request.block_hashes[index]
+            last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            self.prefix.bind_snapshot(sid, key, persist=boundary == last)
 
     def register_computed(self, request: Request) -> None:
         """Register the request's fully computed blocks (their tokens are all known)."""

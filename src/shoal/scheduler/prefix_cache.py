@@ -29,9 +29,10 @@ uses it; saves evict from probation only and are skipped when it is empty, so a 
 prefix keeps its snapshot however many unique suffixes pass by.
 
 With a host tier (`scheduler/host_tier.py`), an evicted block and an evicted snapshot move to
-host slots instead of vanishing; a hit may then continue through host-resident blocks, which
-are copied into fresh device blocks (and a host snapshot into a device snapshot id) before the
-request's first forward.
+host slots instead of vanishing; with a store (`scheduler/store_tier.py`), blocks and some
+snapshots are also written to disk as they are made. A hit may then continue through blocks
+that are in host memory or in the store only: they are copied into fresh device blocks (and
+such a snapshot into a device snapshot id) before the request's first forward.
 
 Invariant: a hash maps to at most one block and a block to at most one hash; a bound snapshot's
 hash is a cached block's or a host block's; every snapshot id is free, pending (in a plan) or
@@ -44,57 +45,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.scheduler.block_pool import BlockPool
-from shoal.scheduler.host_tier import HostTier
-
-TAIL_MODES = ("full", "staircase", "bounded")
-
-
-@dataclass(frozen=True)
-class TailRule:
-    """The tail-only prefill's rows, as far as ring snapshots care (the arithmetic of
-    `model/tail_prefill.decoder_thresholds`, restated without torch; a test keeps them equal).
-
-    mode: 'full' | 'staircase' | 'bounded'; window: the SWA window; replay_window: bounded's W;
-    num_decoder_layers: layers from the first decoder layer to the last backbone layer."""
-
-    mode: str = "full"
-    window: int = 128
-    replay_window: int = 140
-    num_decoder_layers: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mode not in TAIL_MODES:
-            raise ValueError(f"TailRule.mode={self.mode!r}: expected one of {TAIL_MODES}")
-
-    def _staircase_full_start(self, k: int, n: int) -> int:
-        w, m = self.window, self.num_decoder_layers
-        return max(0, n - (w + (m - 2 - k) * (w - 1)))
-
-    def needs_decoder_rings(self, boundary: int, prefill_len: int) -> bool:
-        """True if a prefill of `prefill_len` tokens resumed at `boundary` reads a decoder
-        layer's SWA key below `boundary` (then the snapshot's decoder rings must be exact)."""
-        if not self.num_decoder_layers:
-            return False
-        w = self.window
-        if self.mode == "full":
-            return True
-        if self.mode == "bounded":
-            return max(0, prefill_len - self.replay_window) < boundary
-        return self._staircase_full_start(0, prefill_len) < boundary + w - 1
-
-    def decoder_rings_exact(self, boundary: int, prefill_len: int) -> bool:
-        """True if, after computing up to `boundary` in a (re)prefill of `prefill_len` tokens,
-        every decoder layer's ring holds exact kv for the window below `boundary`."""
-        if not self.num_decoder_layers or self.mode == "full":
-            return True
-        if self.mode == "bounded":
-            return prefill_len <= self.replay_window  # no floor: every row ran in full
-        w = self.window
-        last = self.num_decoder_layers - 1
-        kv_start = max(0, self._staircase_full_start(last, prefill_len) - (w - 1))
-        return kv_start <= max(0, boundary - w + 1)
+from shoal.scheduler.host_tier import HostTier, Transfer
+from shoal.scheduler.store_tier import StoreTier
+from shoal.scheduler.tail_rule import TailRule
 
 
 @dataclass(frozen=True)
@@ -107,6 +63,7 @@ class PrefixCacheSpec:
     salt: bytes = b""
     host_blocks: int = 0  # host tier: block slots (0: no host tier)
     host_snapshots: int = 0  # host tier: snapshot slots
+    store: Any = None  # the persistent tier: a shoal.kvstore.KVStore (None: none)
 
 
 @dataclass
@@ -117,6 +74,7 @@ class PrefixCacheStats:
     query_tokens: int = 0  # their tokens
     hit_tokens: int = 0  # tokens resumed from the cache instead of computed
     host_hit_tokens: int = 0  # of those, in blocks copied back from the host tier
+    store_hit_tokens: int = 0  # of those, in blocks read from the store
     snapshots_saved: int = 0
     snapshot_evictions: int = 0
 
@@ -128,20 +86,21 @@ class PrefixCacheStats:
 @dataclass(frozen=True)
 class Hit:
     """A resume point after `len(keys)` cached blocks: `block_ids[i]` is block i's device
-    block, or -1 where it is in the host tier; restore device snapshot `snapshot`, or, when
-    that is -1 and `host_snapshot` is set, the host tier's snapshot of the last key."""
+    block, or -1 where it is in the host tier or the store only; restore device snapshot
+    `snapshot`, or, when that is -1, the snapshot of the last key in `snapshot_tier`."""
 
     keys: tuple[bytes, ...] = ()
     block_ids: tuple[int, ...] = ()
     snapshot: int = -1
-    host_snapshot: bool = False
+    snapshot_tier: str = ""  # "host" | "store" when `snapshot` is -1
 
     @property
     def num_blocks(self) -> int:
         return len(self.keys)
 
     @property
-    def num_host_blocks(self) -> int:
+    def num_loaded_blocks(self) -> int:
+        """Blocks copied in from the host tier or the store."""
         return sum(1 for b in self.block_ids if b < 0)
 
 
@@ -160,7 +119,9 @@ class PrefixCache:
     num_snapshots: int
     rule: TailRule
     salt: bytes = b""
-    host: HostTier | None = None
+    host_blocks: int = 0
+    host_snapshots: int = 0
+    store: Any = None
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -176,6 +137,11 @@ class PrefixCache:
         self._snapshots: dict[int, _Snapshot] = {}  # pending and bound
         self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))  # pop -> lowest
         self._pending: dict[bytes, str] = {}  # hash -> the running request computing it
+        self._transfers: list[Transfer] = []  # of the plan being built, in order
+        self.host = HostTier(self.host_blocks, self.host_snapshots, self._transfers) \
+            if self.host_blocks else None
+        self.store_tier = StoreTier(self.store, self._transfers) \
+            if self.store is not None else None
 
     # ---- hashing --------------------------------------------------------------------------
     def hashes(self, tokens: list[int], known: list[bytes], num_blocks: int) -> list[bytes]:
@@ -194,28 +160,37 @@ class PrefixCache:
         """The longest resumable prefix: cached blocks 0..j-1 whose boundary j * block_size
         has a snapshot usable for a prefill of `prefill_len` tokens (at least one token is
         always left to compute)."""
-        host = self.host
+        host, store = self.host, self.store_tier
         cached = 0
         for key in hashes:
-            if key not in self._block_of and (host is None or key not in host.blocks):
+            if key not in self._block_of and (host is None or key not in host.blocks) and (
+                    store is None or not store.has_block(key)):
                 break
             cached += 1
         for j in range(cached, 0, -1):
             boundary, key = j * self.block_size, hashes[j - 1]
             if boundary >= prefill_len:
                 continue
-            sid = self._snapshot_of.get(key)
+            sid, tier = self._snapshot_of.get(key), ""
             if sid is not None:
                 exact = self._snapshots[sid].decoder_exact
-            elif host is not None and key in host.snapshots and self._can_reserve():
-                exact = host.snapshot_exact[key]
+            elif not self._can_reserve():
+                continue
+            elif host is not None and key in host.snapshots:
+                exact, tier = host.snapshot_exact[key], "host"
+            elif store is not None and (found := store.snapshot(key)) is not None:
+                exact, tier = found[0], "store"
             else:
                 continue
             if self.rule.needs_decoder_rings(boundary, prefill_len) and not exact:
                 continue
+            if not self._readable(hashes[:j]):
+                continue  # a block only the store holds did not read back
             ids = tuple(self._block_of.get(k, -1) for k in hashes[:j])
             if sid is None:
-                return Hit(tuple(hashes[:j]), ids, -1, True)
+                return Hit(tuple(hashes[:j]), ids, -1, tier)
+            if sid in self._probation and self.store_tier is not None:  # its first hit
+                self.store_tier.persist_snapshot(key, sid, exact)
             self._probation.pop(sid, None)
             self._protected[sid] = None
             self._protected.move_to_end(sid)
@@ -228,23 +203,40 @@ class PrefixCache:
     def _can_reserve(self) -> bool:
         return bool(self._free_snapshots or self._probation)
 
+    def _readable(self, keys: list[bytes]) -> bool:
+        """Every key is on the device, in the host tier, or reads back from the store."""
+        host, store = self.host, self.store_tier
+        return all(k in self._block_of or (host is not None and k in host.blocks)
+                   or store.block(k) is not None for k in keys)
+
     def load(self, hit: Hit, block_ids: list[int]) -> int:
-        """Copy the hit's host-resident blocks into `block_ids` (fresh device blocks, one per
-        -1 in the hit) and its host snapshot into a device id; returns the snapshot id to
-        restore."""
+        """Copy the hit's blocks that are not on the device into `block_ids` (fresh device
+        blocks, one per -1 in the hit) and a snapshot from the host or the store into a device
+        id; returns the snapshot id to restore."""
         fresh = iter(block_ids)
+        host, store = self.host, self.store_tier
         for key, block_id in zip(hit.keys, hit.block_ids, strict=True):
             if block_id < 0:
                 target = next(fresh)
-                self.register(key, target)
-                self.host.block_in(key, target)
-        self.stats.host_hit_tokens += hit.num_host_blocks * self.block_size
-        if not hit.host_snapshot:
+                in_host = host is not None and key in host.blocks
+                self.register(key, target, persist=False)
+                if in_host:
+                    host.block_in(key, target)
+                    self.stats.host_hit_tokens += self.block_size
+                else:
+                    store.load_block(key, target)
+                    self.stats.store_hit_tokens += self.block_size
+        if not hit.snapshot_tier:
             return hit.snapshot
         key = hit.keys[-1]
-        sid = self.reserve_snapshot(self.host.snapshot_exact[key])
-        assert sid >= 0, "find() checked that a snapshot id can be reserved"
-        self.host.snapshot_in(key, sid)
+        if hit.snapshot_tier == "host":
+            sid = self.reserve_snapshot(host.snapshot_exact[key])
+            assert sid >= 0, "find() checked that a snapshot id can be reserved"
+            host.snapshot_in(key, sid)
+        else:
+            sid = self.reserve_snapshot(store.snapshot(key)[0])
+            assert sid >= 0, "find() checked that a snapshot id can be reserved"
+            store.load_snapshot(key, sid)
         self._snapshots[sid].key = key
         self._snapshot_of[key] = sid
         self._protected[sid] = None
@@ -274,9 +266,10 @@ class PrefixCache:
         return key in self._snapshot_of
 
     # ---- registration ---------------------------------------------------------------------
-    def register(self, key: bytes, block_id: int) -> None:
-        """Block `block_id` (used, fully computed) holds the content of `key`. A hash already
-        held by another block keeps that block (this one stays private to its request)."""
+    def register(self, key: bytes, block_id: int, persist: bool = True) -> None:
+        """Block `block_id` (used, fully computed) holds the content of `key` (written to the
+        store too, if there is one). A hash already held by another block keeps that block
+        (this one stays private to its request)."""
         if self._pending.get(key) is not None and key not in self._block_of:
             del self._pending[key]
         if key in self._block_of or block_id in self._hash_of:
@@ -284,6 +277,14 @@ class PrefixCache:
         self._block_of[key] = block_id
         self._hash_of[block_id] = key
         self.pool.mark_cached(block_id)
+        if persist and self.store_tier is not None:
+            self.store_tier.persist_block(key, block_id)
+
+    def drain(self) -> tuple[Transfer, ...]:
+        """The transfers of the plan being built (the scheduler calls this once per plan)."""
+        out = tuple(self._transfers)
+        self._transfers.clear()
+        return out
 
     def on_evict(self, block_id: int) -> None:
         """The pool reuses a cached block: move it to the host tier, or forget its hash and
@@ -319,9 +320,10 @@ class PrefixCache:
         self._snapshots[sid] = _Snapshot(decoder_exact)
         return sid
 
-    def bind_snapshot(self, sid: int, key: bytes | None) -> None:
-        """The step that saved `sid` was applied: bind it to the cached block `key`, or release
-        it (None, a block that is not cached, or a hash that has a snapshot already)."""
+    def bind_snapshot(self, sid: int, key: bytes | None, persist: bool = False) -> None:
+        """The step that saved `sid` was applied: bind it to the cached block `key` (and write
+        it to the store if `persist`), or release it (None, a block that is not cached, or a
+        hash that has a snapshot already)."""
         if key is None or key not in self._block_of or key in self._snapshot_of \
                 or (self.host is not None and key in self.host.snapshots):
             self._release(sid)
@@ -330,6 +332,8 @@ class PrefixCache:
         self._snapshot_of[key] = sid
         self._probation[sid] = None
         self.stats.snapshots_saved += 1
+        if persist and self.store_tier is not None:
+            self.store_tier.persist_snapshot(key, sid, self._snapshots[sid].decoder_exact)
 
     def _release(self, sid: int) -> None:
         self._snapshots.pop(sid)
@@ -346,8 +350,9 @@ class PrefixCache:
         for sid in list(self._snapshot_of.values()):
             self._release(sid)
         self._snapshot_of.clear()
+        self._transfers.clear()
         if self.host is not None:
-            self.host = HostTier(self.host.blocks.capacity, self.host.snapshots.capacity)
+            self.host = HostTier(self.host_blocks, self.host_snapshots, self._transfers)
 
     def check_invariants(self) -> None:
         assert len(self._block_of) == len(self._hash_of)

@@ -83,8 +83,6 @@ class Scheduler:
         self._finished_for_plan: list[str] = []  # ids for the next plan's finished_ids
         self._finished_for_update: list[Request] = []  # returned by the next update()
         self._new: list[NewRequest] = []  # the plan being built: requests new to the runner
-        # ring snapshots the outstanding plan saves: (request, boundary, snapshot id)
-        self._saves: list[tuple[Request, int, int]] = []
         self._outstanding: StepPlan | None = None  # scheduled, not yet advanced
         self._unresolved: StepPlan | None = None  # advanced, its tokens not yet resolved
         self._next_arrival = 0
@@ -231,7 +229,6 @@ class Scheduler:
                                f"{self._unresolved.step_id}")
         self._outstanding = None
         self._unresolved = plan
-        saves, self._saves = self._saves, []
         max_len = self.config.max_model_len
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
@@ -261,20 +258,7 @@ class Scheduler:
                         or request.num_tokens >= max_len):
                     self._finish(request, FINISH_LENGTH)
                     break
-        self._bind_snapshots(saves)
-
-    def _bind_snapshots(self, saves: list[tuple[Request, int, int]]) -> None:
-        """Bind the snapshots the applied plan saved to their blocks' hashes (released where
-        the request no longer holds the boundary's block: rejected drafts, a finish or an
-        abort before the step was applied)."""
-        prefix = self.kv.prefix
-        for request, boundary, sid in saves:
-            index = boundary // self.block_size - 1
-            key = None
-            if (request.num_computed_tokens >= boundary and index < len(request.block_hashes)
-                    and index < request.num_registered_blocks):
-                key = request.block_hashes[index]
-            prefix.bind_snapshot(sid, key)
+        self.kv.bind_snapshots()
 
     def resolve(self, plan: StepPlan, result: StepResult) -> StepOutcome:
         """Finish `result.invalid_ids` with `error`, replace the placeholders of the advanced
@@ -427,7 +411,7 @@ class Scheduler:
             history_token_ids=history,
             num_spec_tokens=num_spec,
             restore_snapshot=request.restore_snapshot,
-            save_snapshots=self._snapshot_saves(request, start, end),
+            save_snapshots=self.kv.snapshot_saves(request, start, end),
         )
         request.restore_snapshot = -1
         if not request.sent_to_runner:
@@ -437,29 +421,6 @@ class Scheduler:
         request.needs_slot_reset = False
         request.spec_token_ids = []
         return item
-
-    def _snapshot_saves(self, request: Request, start: int,
-                        end: int) -> tuple[tuple[int, int], ...]:
-        """(boundary, snapshot id) for each block boundary in (start, end] that has no snapshot
-        yet, the latest first while ids last (the longest resume); ids are reserved now and
-        bound when the plan is applied."""
-        prefix = self.kv.prefix
-        if prefix is None or not request.cache_prefix:
-            return ()
-        bs = self.block_size
-        saves = []
-        for boundary in range(end // bs * bs, start, -bs):
-            index = boundary // bs - 1
-            if index < len(request.block_hashes) and prefix.has_snapshot(
-                    request.block_hashes[index]):
-                continue
-            sid = prefix.reserve_snapshot(
-                prefix.rule.decoder_rings_exact(boundary, request.prefill_len))
-            if sid < 0:
-                break
-            saves.append((boundary, sid))
-            self._saves.append((request, boundary, sid))
-        return tuple(saves)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free everything, keep outputs, go to the front of the queue."""
