@@ -19,22 +19,15 @@ import json
 import os
 import platform
 import struct
-import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
 
+from shoal.bench import git_commit
+
 K, M = 10, 2
 SIZES = (64 << 10, 256 << 10, 3 << 20)
 LOST = {0: (), 1: (0,), 2: (0, 1)}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def cpu_name() -> str:

@@ -34,6 +34,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=None)
     p.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=None)
+    p.add_argument("--block-size", dest="block_size", type=int, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
     p.add_argument("--seed", type=int, default=None, help="engine seed")
@@ -65,7 +66,7 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
                 "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling",
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
-                "kv_store_path", "kv_store_ttl_days")
+                "kv_store_path", "kv_store_ttl_days", "block_size")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

@@ -29,7 +29,9 @@ class CacheConfig:
     enable_prefix_caching: a new request resumes after the longest cached prefix of its tokens
     (full blocks, shared by reference count, evicted least recently used): its logits equal a
     run without the cache. prefix_resume: how the per-request SWA rings are rebuilt at the
-    resume point: 'exact' (restore a ring snapshot saved at that block boundary).
+    resume point: 'exact' (restore a ring snapshot saved at that block boundary) or 'bounded'
+    (recompute the last replay_window rows before it through every layer, their SWA reads
+    floored there, as the bounded prefill does: no snapshots, approximate).
     num_prefix_snapshots: ring snapshots kept (each the backbone's window rows, 2.6 MiB for
     Flash, taken from the KV budget). kv_host_memory_gb: the prefix cache's host tier (pinned
     memory): cached blocks and snapshots evicted from the device move there, and a hit copies
@@ -56,9 +58,9 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ShoalError(f"gpu_memory_utilization: got {self.gpu_memory_utilization}, "
                              "expected in (0, 1]")
-        if self.prefix_resume != "exact":
+        if self.prefix_resume not in ("exact", "bounded"):
             raise ShoalError(f"prefix_resume: got {self.prefix_resume!r}, expected 'exact' "
-                             "(ring snapshots; a bounded replay is not available)")
+                             "or 'bounded'")
         if self.kv_host_memory_gb < 0:
             raise ShoalError(f"kv_host_memory_gb: got {self.kv_host_memory_gb}, expected >= 0")
         if self.kv_store_ttl_days <= 0:

@@ -115,3 +115,28 @@ def test_chat_cli_two_turns(monkeypatch: pytest.MonkeyPatch,
                  "--temperature", "0"]) == 0
     assert seen == [["user"], ["user", "assistant", "user"]]
     assert "error" not in capsys.readouterr().out
+
+
+def test_generate_with_prefix_caching_reports_the_hits(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Three requests sharing a 200-token prompt prefix, then the flags of the cache: the later
+    two resume at the 128-token block boundary (a one-step wait for the first one's blocks),
+    their outputs equal a run without the cache, and the summary counts the hits."""
+    prefix = [3 + (11 * i) % 400 for i in range(200)]
+    lines = [json.dumps({"prompt_token_ids": prefix + [5 + i]}) for i in range(3)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    common = ["generate", "--model", "tiny", "--device", "cpu", "--input", str(src),
+              "--max-model-len", "256", "--block-size", "128", "--prefill-mode", "full",
+              *GREEDY_ARGS]
+    outs = []
+    for extra in ([], ["--enable-prefix-caching", "--num-prefix-snapshots", "4",
+                       "--kv-host-memory-gb", "0.01", "--kv-store-path",
+                       str(tmp_path / "kv")]):
+        dst = tmp_path / f"out{len(outs)}.jsonl"
+        assert main([*common, "--output", str(dst), *extra]) == 0
+        outs.append([r["outputs"] for r in _records(dst.read_text(encoding="utf-8"))])
+    assert outs[0] == outs[1]
+    err = capsys.readouterr().err
+    assert "prefix cache: 256/603 prompt tokens hit (42%; 0 from host memory, 0 from the " \
+           "store)" in err, err

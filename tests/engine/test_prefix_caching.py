@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from shoal import LLM, SamplingParams
 from shoal.checkpoint.writer import write_checkpoint
@@ -150,3 +151,31 @@ def test_the_store_serves_a_new_engine_and_a_corrupt_store_is_a_miss(
             path.write_bytes(bytes(data))
     got, stats = run(second)
     assert got == expected and stats.hit_tokens == 0
+
+
+def pages(caches, blocks: list[int]) -> list[torch.Tensor]:
+    """Copies of `blocks`' pages in every source's compressed-KV and index-K planes."""
+    return [plane[b * caches.rows_per_block(source):][:caches.rows_per_block(source)].clone()
+            for planes in (caches.compressed, caches.index_k)
+            for source, plane in planes.items() for b in blocks]
+
+
+def test_bounded_resume_replays_without_touching_the_shared_blocks(checkpoint: Path) -> None:
+    """prefix_resume='bounded': no snapshots; a hit recomputes the replay_window rows below its
+    boundary (rings only, SWA reads floored there). With a window past tiny's SWA dependency
+    depth (8 x 12 layers) that is exact; with 8 rows it drifts. Either way the shared cached
+    blocks keep their bytes."""
+    batch = prompts(13)
+    plain = outputs(llm(checkpoint, False, prefill_mode="full"), batch[:3], GREEDY)
+    for window, exact in ((140, True), (8, False)):
+        engine = llm(checkpoint, True, prefill_mode="full", prefix_resume="bounded",
+                     replay_window=window, async_scheduling=False)
+        got = [outputs(engine, [batch[0]], GREEDY)[0]]
+        caches = engine.engine.runner.caches
+        shared = sorted(engine.engine.scheduler.kv.prefix._block_of.values())
+        before = pages(caches, shared)
+        got += [outputs(engine, [p], GREEDY)[0] for p in batch[1:3]]
+        assert all(torch.equal(x, y) for x, y in zip(pages(caches, shared), before, strict=True))
+        stats = engine.engine.scheduler.prefix_stats
+        assert stats.hit_tokens == 2 * 256 and stats.snapshots_saved == 0
+        assert (got == plain) == exact, window

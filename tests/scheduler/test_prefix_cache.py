@@ -273,3 +273,20 @@ def test_the_host_tier_moves_the_right_contents(seed: int) -> None:
     assert stats.host_hit_tokens > 0 and shadow.resumed > 50
     assert shadow.host_snap  # snapshots went to the host too
     assert scheduler.usage().num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_bounded_resume_plans_a_replay_and_saves_no_snapshot() -> None:
+    """replay_window 20: a hit at 96 starts its chunk at 76 with replay (76, 96); a chunk
+    split by the budget keeps the replay until it passes the boundary; no snapshot is saved."""
+    rng = random.Random(5)
+    base = [rng.randint(3, 500) for _ in range(120)]
+    config = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=256)
+    spec = PrefixCacheSpec(4, TailRule("full", 8, 140, 4), replay_window=20)
+    scheduler = Scheduler(config, num_blocks=64, num_slots=4, block_size=16, prefix_cache=spec)
+    _, _, first = run(scheduler, [Request("a", base, max_tokens=2, eos_token_id=EOS)])
+    assert not any(item.save_snapshots for item in first)
+    _, _, items = run(scheduler, [Request("b", base[:100], max_tokens=2, eos_token_id=EOS)])
+    spans = [(i.start_position, i.end_position, i.replay) for i in items]
+    assert spans[:3] == [(76, 88, (76, 96)), (88, 100, (76, 96)),
+                         (100, 101, None)]
+    assert items[0].restore_snapshot == -1 and scheduler.prefix_stats.hit_tokens == 96

@@ -25,7 +25,10 @@ class RequestChunk:
     known tokens), "all" (prompt logprobs: forces every decoder row) or "none".
     restore_snapshot: the ring snapshot to copy into the slot before the forward (a prefix-cache
     hit resuming at `start`; -1: none). save_snapshots: (block boundary, snapshot id) pairs to
-    save after the chunk is computed (model/ring_snapshots.py).
+    save after the chunk is computed (model/ring_snapshots.py). replay: (first, boundary) of a
+    prefix-cache hit resumed by a bounded replay: positions first .. boundary - 1 are computed
+    again only to rebuild the SWA rings (their paged KV is the cache's and is not written), and
+    every layer's SWA reads are floored at `first` (older ring rows are not this request's).
     """
 
     token_ids: Sequence[int]
@@ -37,6 +40,7 @@ class RequestChunk:
     history: Sequence[int] = ()
     restore_snapshot: int = -1
     save_snapshots: Sequence[tuple[int, int]] = ()
+    replay: tuple[int, int] | None = None
 
     @classmethod
     def from_sequence(cls, ids: Sequence[int], start: int, num_new: int, slot: int,
@@ -67,6 +71,10 @@ class ForwardBatch:
     # ring snapshots (host data): ring_snapshots.Restore / Save tuples
     snapshot_restores: tuple[tuple[int, int, int], ...] = ()
     snapshot_saves: tuple[tuple[int, int, int, int, int], ...] = ()
+    # prefix-cache bounded replay (None when no request replays): per row, the lowest SWA key
+    # position of every layer; per request, the first position whose paged KV is written
+    swa_floor: torch.Tensor | None = None  # [T] int64
+    kv_write_start: torch.Tensor | None = None  # [R] int64
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +158,11 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                      if ch.restore_snapshot >= 0)
     saves = tuple((ch.slot, ch.start, int(first_row[r]), b, sid)
                   for r, ch in enumerate(chunks) for b, sid in ch.save_snapshots)
+    swa_floor = kv_write_start = None
+    if any(ch.replay for ch in chunks):
+        firsts = torch.tensor([ch.replay[0] if ch.replay else 0 for ch in chunks])
+        kv_write_start = torch.tensor([ch.replay[1] if ch.replay else 0 for ch in chunks])
+        swa_floor = firsts[req]
     flat = [i for rows in logit_rows for i in rows]
     every = flat == list(range(t))  # every row, in order (decode): no gather before the head
     return ForwardBatch(
@@ -167,4 +180,6 @@ def build_forward_batch(config: ModelConfig, chunks: Sequence[RequestChunk], *,
                          default=-1),
         snapshot_restores=restores,
         snapshot_saves=saves,
+        swa_floor=None if swa_floor is None else swa_floor.to(device),
+        kv_write_start=None if kv_write_start is None else kv_write_start.to(device),
     )

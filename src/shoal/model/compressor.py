@@ -40,6 +40,10 @@ def run_compressor(ctx: StepContext, spec: LayerSpec, x: torch.Tensor,
         row_ids = pos
     if row_ids.numel() == 0:
         return
+    write_start = ctx.batch.kv_write_start
+    if write_start is not None:  # a prefix-cache replay: those rows are the cache's (shared)
+        # (the boundary is a block boundary: no group straddles it)
+        row_ids = torch.where(pos >= write_start[req], row_ids, -1)
     latent = ops.rmsnorm(x=pooled, weight=p[pre + "norm.weight"], eps=cfg.norm_eps)
     rope = rope_params(cfg, spec)
     row_pos = row_ids.clamp_min(0) * r  # a row stands for the first token of its group

@@ -71,8 +71,11 @@ class StepContext:
                       chunk_start=batch.chunk_start[batch.req_index],
                       ring_base=token_slot * caches.ring_size, window=config.sliding_window,
                       ring_size=caches.ring_size, scratch_base=caches.scratch_base)
-        enc = ops.swa_indices(floor=torch.zeros_like(batch.positions), **common)
-        dec = ops.swa_indices(floor=batch.decoder_floor, **common)
+        floor, dec_floor = torch.zeros_like(batch.positions), batch.decoder_floor
+        if batch.swa_floor is not None:  # a prefix-cache replay: no ring rows below its start
+            floor, dec_floor = batch.swa_floor, torch.maximum(dec_floor, batch.swa_floor)
+        enc = ops.swa_indices(floor=floor, **common)
+        dec = ops.swa_indices(floor=dec_floor, **common)
         return cls(config, params, caches, ops, batch, enc, dec, token_slot)
 
     def n_visible(self, ratio: int, rows: torch.Tensor | None) -> torch.Tensor:

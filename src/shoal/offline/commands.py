@@ -65,8 +65,9 @@ def prefix_summary(stats) -> str:
     if stats is None:
         return ""
     return (f" | prefix cache: {stats.hit_tokens}/{stats.query_tokens} prompt tokens hit "
-            f"({stats.hit_rate:.0%}), {stats.snapshots_saved} ring snapshots saved, "
-            f"{stats.snapshot_evictions} evicted")
+            f"({stats.hit_rate:.0%}; {stats.host_hit_tokens} from host memory, "
+            f"{stats.store_hit_tokens} from the store), {stats.snapshots_saved} ring "
+            f"snapshots saved, {stats.snapshot_evictions} evicted")
 
 
 def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:

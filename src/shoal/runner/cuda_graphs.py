@@ -61,7 +61,8 @@ def context_bounds(max_context: int, min_bound: int = MIN_CONTEXT_BOUND) -> list
 
 def is_pure_decode(chunks: Sequence[RequestChunk]) -> bool:
     """Every request computes exactly one token and samples from it (the captured step)."""
-    return bool(chunks) and all(ch.num_new == 1 and ch.logits == "last" for ch in chunks)
+    return bool(chunks) and all(ch.num_new == 1 and ch.logits == "last" and ch.replay is None
+                                for ch in chunks)
 
 
 class DecodeGraphs:

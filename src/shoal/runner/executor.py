@@ -75,7 +75,9 @@ class Executor:
         salt = repr((config.model, mc, files, run.load_format, run.seed, run.backends,
                      self.runner.device.type, config.cache.block_size, run.prefill_mode,
                      run.replay_window)).encode()
-        return PrefixCacheSpec(self.num_snapshots, rule, salt, *self.host_slots, self.kv_store)
+        replay = run.replay_window if config.cache.prefix_resume == "bounded" else 0
+        return PrefixCacheSpec(self.num_snapshots, rule, salt, *self.host_slots, self.kv_store,
+                               replay)
 
     @property
     def num_in_flight(self) -> int:

@@ -54,7 +54,7 @@ def prepare_inputs(config: EngineConfig, plan: StepPlan, states: Mapping[str, Re
             prompt_chunks.append(len(chunks))
         chunks.append(RequestChunk(ids, item.start_position, item.slot, item.block_ids,
                                    item.prefill_len, logits, item.history_token_ids,
-                                   item.restore_snapshot, item.save_snapshots))
+                                   item.restore_snapshot, item.save_snapshots, item.replay))
         if item.sample:
             first = at + (item.num_new_tokens - 1 - item.num_spec_tokens
                           if logits == "all" else 0)

@@ -87,7 +87,8 @@ class ModelRunner:
             cache = self.config.cache
             return plan_memory(self.layout, kv_budget_bytes(self.config, self.device),
                                sched.max_num_seqs, sched.max_model_len,
-                               cache.num_prefix_snapshots if cache.enable_prefix_caching else 0)
+                               cache.num_prefix_snapshots if cache.enable_prefix_caching
+                               and cache.prefix_resume == "exact" else 0)
         except ValueError as exc:
             raise ShoalError(f"KV cache: {exc}") from None
 

@@ -63,7 +63,7 @@ class KVCacheManager:
         if prefix is not None:
             self.prefix = PrefixCache(self.pool, block_size, prefix.num_snapshots, prefix.rule,
                                       prefix.salt, prefix.host_blocks, prefix.host_snapshots,
-                                      prefix.store)
+                                      prefix.store, prefix.replay_window)
             self.pool = BlockPool(num_blocks, on_evict=self.prefix.on_evict)
             self.prefix.pool = self.pool
         self._free_slots = list(range(num_slots))  # min-heap
@@ -182,7 +182,7 @@ class KVCacheManager:
         planned that has no snapshot yet, the latest first while ids last (the longest
         resume); ids are reserved now and bound by `bind_snapshots` when the plan is applied."""
         prefix = self.prefix
-        if prefix is None or not request.cache_prefix:
+        if prefix is None or not request.cache_prefix or prefix.replay_window:
             return ()
         bs = self.block_size
         saves = []

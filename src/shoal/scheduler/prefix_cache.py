@@ -64,6 +64,7 @@ class PrefixCacheSpec:
     host_blocks: int = 0  # host tier: block slots (0: no host tier)
     host_snapshots: int = 0  # host tier: snapshot slots
     store: Any = None  # the persistent tier: a shoal.kvstore.KVStore (None: none)
+    replay_window: int = 0  # > 0: resume by a bounded replay of this many rows, no snapshots
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Hit:
     block_ids: tuple[int, ...] = ()
     snapshot: int = -1
     snapshot_tier: str = ""  # "host" | "store" when `snapshot` is -1
+    replay: bool = False  # resumed by a bounded replay instead (no snapshot)
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +124,7 @@ class PrefixCache:
     host_blocks: int = 0
     host_snapshots: int = 0
     store: Any = None
+    replay_window: int = 0
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,11 @@ class PrefixCache:
             boundary, key = j * self.block_size, hashes[j - 1]
             if boundary >= prefill_len:
                 continue
+            if self.replay_window:  # bounded replay: any cached boundary
+                if not self._readable(hashes[:j]):
+                    continue
+                ids = tuple(self._block_of.get(k, -1) for k in hashes[:j])
+                return Hit(tuple(hashes[:j]), ids, replay=True)
             sid, tier = self._snapshot_of.get(key), ""
             if sid is not None:
                 exact = self._snapshots[sid].decoder_exact

@@ -108,6 +108,7 @@ class Request:
     cache_prefix: bool = True
     block_hashes: list[bytes] = field(default_factory=list)
     restore_snapshot: int = -1
+    replay: tuple[int, int] | None = None  # (first, boundary) of a bounded-replay resume
 
     # ---- resources (written only by KVCacheManager) -----------------------------------
     slot: int | None = None

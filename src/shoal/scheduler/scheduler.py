@@ -348,7 +348,6 @@ class Scheduler:
             if request is not None and not request.is_finished:
                 self._finish(request, FINISH_ERROR, INVALID_ROW_ERROR)
 
-
     # ---- internals -------------------------------------------------------------------------
     def _num_tokens_to_schedule(self, request: Request, budget: int,
                                 start: int | None = None) -> int:
@@ -370,12 +369,14 @@ class Scheduler:
             hit = self.kv.find_prefix(request)
             if self.kv.waits_for_prefix(request, hit):
                 break  # a running request is computing its next block: resume after it
-            start = len(hit.block_ids) * self.block_size if hit else 0
+            boundary = start = len(hit.block_ids) * self.block_size if hit else 0
+            if hit is not None and hit.replay:  # rebuild the rings from the rows before it
+                start = max(0, boundary - self.kv.prefix.replay_window)
             num_new = self._num_tokens_to_schedule(request, budget, start)
             remaining = request.num_tokens - start
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break  # whole-prompt mode: wait for a step with enough budget (strict FIFO)
-            if not self.kv.can_allocate(request, num_new, hit=hit):
+            if not self.kv.can_allocate(request, max(0, start + num_new - boundary), hit=hit):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -385,6 +386,7 @@ class Scheduler:
             request.needs_slot_reset = True
             if hit is not None and hit.block_ids:
                 request.num_computed_tokens = start  # (allocate sets the snapshot to restore)
+                request.replay = (start, boundary) if hit.replay else None
             self.kv.allocate(request, num_new, hit=hit)
             self.kv.admitted(request, hit)
             self.running.append(request)
@@ -411,6 +413,7 @@ class Scheduler:
             history_token_ids=history,
             num_spec_tokens=num_spec,
             restore_snapshot=request.restore_snapshot,
+            replay=request.replay if request.replay and start < request.replay[1] else None,
             save_snapshots=self.kv.snapshot_saves(request, start, end),
         )
         request.restore_snapshot = -1
@@ -428,6 +431,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.restore_snapshot = -1
+        request.replay = None
         request.num_preemptions += 1
         request.needs_slot_reset = False
         self.waiting.appendleft(request)

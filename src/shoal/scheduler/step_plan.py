@@ -64,6 +64,9 @@ class ScheduledRequest:
       snapshot `restore_snapshot` into the slot's rings (the window below `start_position`).
     - `save_snapshots`: (boundary, snapshot id) pairs: after computing the chunk, save the slot's
       rings over the window below each block boundary into that snapshot.
+    - `replay`: (first, boundary) while a prefix-cache hit is resumed by a bounded replay:
+      positions below `boundary` rebuild the SWA rings only (their paged KV is the cache's), and
+      SWA reads are floored at `first`.
     """
 
     request_id: str
@@ -83,6 +86,7 @@ class ScheduledRequest:
     num_spec_tokens: int = 0
     restore_snapshot: int = -1
     save_snapshots: tuple[tuple[int, int], ...] = ()
+    replay: tuple[int, int] | None = None
 
     @property
     def end_position(self) -> int:

@@ -76,16 +76,21 @@ class StoreTier:
         return bool(data[0]), data[1:]
 
     def load_block(self, key: bytes, block_id: int) -> None:
-        data = self._fetched.pop(key)
-        assert data is not None
+        data = self._take(key)
         self._transfers.append(Transfer(BLOCK_LOAD, block_id, key=key, data=data))
         self.blocks_loaded += 1
 
     def load_snapshot(self, key: bytes, sid: int) -> None:
-        data = self._fetched.pop(snapshot_key(key))
-        assert data is not None
+        data = self._take(snapshot_key(key))
         self._transfers.append(Transfer(SNAPSHOT_LOAD, sid, key=key, data=data[1:]))
         self.snapshots_loaded += 1
+
+    def _take(self, key: bytes) -> bytes:
+        """A fetched object for a load (read again if a long lookup pushed it out)."""
+        data = self._fetched.pop(key, None) or self.store.get(key)
+        if data is None:
+            raise RuntimeError(f"store object {key.hex()[:16]} vanished between lookup and load")
+        return data
 
     def _fetch(self, key: bytes) -> bytes | None:
         if key not in self._fetched:

@@ -203,6 +203,8 @@ class EngineLoop:
         if prefix is not None:
             self.snapshot.update(
                 prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
+                prefix_host_hit_tokens=prefix.host_hit_tokens,
+                prefix_store_hit_tokens=prefix.store_hit_tokens,
                 prefix_snapshots_saved=prefix.snapshots_saved,
                 prefix_snapshot_evictions=prefix.snapshot_evictions,
                 kv_block_evictions=scheduler.kv.pool.num_evictions,

@@ -20,6 +20,8 @@ COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
             "drafts_accepted": "speculative drafts accepted", "steps": "engine steps",
             "prefix_query_tokens": "prompt tokens of admissions that looked up the prefix cache",
             "prefix_hit_tokens": "prompt tokens resumed from the prefix cache",
+            "prefix_host_hit_tokens": "of those, in blocks copied back from host memory",
+            "prefix_store_hit_tokens": "of those, in blocks read from the KV store",
             "prefix_snapshots_saved": "ring snapshots saved", "prefix_snapshot_evictions":
             "ring snapshots evicted", "kv_block_evictions": "cached KV blocks evicted"}
 
