@@ -2,9 +2,11 @@
 tokens each, O output tokens, submitted together; the same requests with caching off, with the
 device tier only, and from the store only (a fresh engine: cold device, warm disk), in one run.
 
-Prints per variant the wall time, output tok/s, TTFT percentiles (submission to first token)
-and the prompt tokens resumed from the cache against the ideal (every request but the first
-resumes at the last block boundary of the shared prefix). Ends with one JSON line.
+Prints per variant the wall time, output tok/s, TTFT percentiles (submission to first token),
+the prompt tokens resumed from the cache against the ideal (every request but the first
+resumes at the last block boundary of the shared prefix), and against caching off the share
+of identical outputs and the largest log-prob difference of the sampled tokens (0 for the exact
+resume; the drift of `prefix_resume="bounded"` otherwise). Ends with one JSON line.
 
     python benchmarks/bench_prefix.py --model mini --load-format dummy   # H200
     .venv/bin/python benchmarks/bench_prefix.py --model tiny --num-requests 8 --prefix-len 300 \\
@@ -37,11 +39,14 @@ def run(args, prompts: list[list[int]], **cache) -> dict:
     llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
               block_size=args.block_size, prefill_mode=args.prefill_mode,
               max_num_seqs=args.max_num_seqs, **cache)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            logprobs=1)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    samples = [[(t, d[t].logprob) for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                   strict=True)] for o in outs]
     ttft = [1e3 * (o.metrics.first_token_time - o.metrics.arrival_time) for o in outs]
     stats = llm.engine.scheduler.prefix_stats
     offload = llm.engine.runner.offload
@@ -49,7 +54,8 @@ def run(args, prompts: list[list[int]], **cache) -> dict:
         offload.flush()  # the store variant reads what this one wrote
     row = {"seconds": seconds, "output_tok_s": tokens / seconds, "ttft_ms": percentiles(ttft),
            "hit_tokens": 0 if stats is None else stats.hit_tokens,
-           "store_hit_tokens": 0 if stats is None else stats.store_hit_tokens}
+           "store_hit_tokens": 0 if stats is None else stats.store_hit_tokens,
+           "samples": samples}
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -87,7 +93,21 @@ def main() -> None:
                 "device+store write": run(args, prompts, enable_prefix_caching=True,
                                           kv_store_path=store),
                 "store (cold device)": run(args, prompts, enable_prefix_caching=True,
-                                           kv_store_path=store)}
+                                           kv_store_path=store),
+                "device, bounded resume": run(args, prompts, enable_prefix_caching=True,
+                                              prefix_resume="bounded")}
+    ideal["device, bounded resume"] = ideal["device"]
+    reference = rows["off"]["samples"]
+    for row in rows.values():  # against caching off: same outputs? log-prob drift?
+        same = drift = 0.0
+        for ours, theirs in zip(row.pop("samples"), reference, strict=True):
+            same += ours == theirs
+            for (t, lp), (t_ref, lp_ref) in zip(ours, theirs, strict=True):
+                if t != t_ref:
+                    break
+                drift = max(drift, abs(lp - lp_ref))
+        row["identical_outputs"] = same / n
+        row["max_logprob_drift"] = drift
     print(f"{n} requests x ({args.prefix_len} shared + {args.distinct_len}) tokens, "
           f"{args.output_len} out, block {args.block_size}, prefill {args.prefill_mode}")
     for name, row in rows.items():
@@ -95,7 +115,8 @@ def main() -> None:
         print(f"{name:>20}: {row['seconds']:8.2f} s {row['output_tok_s']:9.1f} out tok/s  "
               f"TTFT p50 {row['ttft_ms']['p50']:9.1f} ms p90 {row['ttft_ms']['p90']:9.1f} ms  "
               f"hit {row['hit_tokens']} of ideal {ideal[name]} "
-              f"({row['store_hit_tokens']} from the store)")
+              f"({row['store_hit_tokens']} from the store)  identical outputs "
+              f"{row['identical_outputs']:.0%}, drift {row['max_logprob_drift']:.3g}")
     print(json.dumps({"bench": "prefix", "commit": git_commit(),
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                       else "cpu", "config": vars(args), "variants": rows}))
