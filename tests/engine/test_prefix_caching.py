@@ -179,3 +179,17 @@ def test_bounded_resume_replays_without_touching_the_shared_blocks(checkpoint: P
         stats = engine.engine.scheduler.prefix_stats
         assert stats.hit_tokens == 2 * 256 and stats.snapshots_saved == 0
         assert (got == plain) == exact, window
+
+
+def test_speculative_decoding_over_resumed_requests(checkpoint: Path) -> None:
+    """DSpark drafts with exact verification on requests that resume from the cache (the
+    draft layers' rings are not in the snapshots, so drafts may differ): the outputs are still
+    plain decoding's."""
+    batch = prompts(14)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = llm(checkpoint, False, prefill_mode="full")
+    spec = llm(checkpoint, True, prefill_mode="full", speculative=True)
+    expected = [outputs(plain, [p], params) for p in batch]
+    assert [outputs(spec, [p], params) for p in batch] == expected
+    assert spec.engine.scheduler.prefix_stats.hit_tokens == 2 * 256
+    assert spec.engine.stats.drafts_proposed > 0
