@@ -34,6 +34,10 @@ snapshots are also written to disk as they are made. A hit may then continue thr
 that are in host memory or in the store only: they are copied into fresh device blocks (and
 such a snapshot into a device snapshot id) before the request's first forward.
 
+With `replay_window` set (`prefix_resume="bounded"`) there are no snapshots: any cached
+boundary resumes, and the scheduler starts the chunk that many rows below it (a replay that
+rebuilds the rings approximately, see `ScheduledRequest.replay`).
+
 Invariant: a hash maps to at most one block and a block to at most one hash; a bound snapshot's
 hash is a cached block's or a host block's; every snapshot id is free, pending (in a plan) or
 bound, exactly once.
