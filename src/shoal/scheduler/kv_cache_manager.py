@@ -150,9 +150,10 @@ class KVCacheManager:
         if self.prefix is None or not request.cache_prefix:
             return None
         n = request.num_tokens
-        hashes = self.prefix.hashes(request.all_token_ids(), request.block_hashes,
-                                    (n - 1) // self.block_size)
-        return self.prefix.find(hashes, n)
+        count = (n - 1) // self.block_size
+        if len(request.block_hashes) < count:  # (a waiting head is looked up every step)
+            self.prefix.hashes(request.all_token_ids(), request.block_hashes, count)
+        return self.prefix.find(request.block_hashes[:count], n)
 
     def admitted(self, request: Request, hit: Hit | None) -> None:
         """Count the admission, and mark the known blocks the request will compute as pending
