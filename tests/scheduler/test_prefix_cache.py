@@ -147,19 +147,28 @@ def test_snapshots_are_evicted_least_recently_used_and_never_leak() -> None:
     assert items[0].start_position == 0  # its boundaries' snapshots were evicted
 
 
+def shared_prefix_requests(rng: random.Random, count: int, *, num_prefixes: int, shortest: int,
+                           cut: int, suffix: int, max_tokens: int) -> list[Request]:
+    """`count` requests: a random cut (>= `cut` tokens) of one of `num_prefixes` prefixes of
+    `shortest` to 60 tokens, up to `suffix` own tokens, 1 to `max_tokens` outputs."""
+    prefixes = [[rng.randint(3, 500) for _ in range(rng.randint(shortest, 60))]
+                for _ in range(num_prefixes)]
+    requests = []
+    for i in range(count):
+        prompt = list(rng.choice(prefixes))[:rng.randint(cut, 60)]
+        prompt += [rng.randint(3, 500) for _ in range(rng.randint(0, suffix))]
+        requests.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, max_tokens),
+                                eos_token_id=EOS))
+    return requests
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_mixed_requests_under_a_small_pool_evict_preempt_and_leak_nothing(seed: int) -> None:
     """1,000 requests over a few shared prefixes and a pool too small for them: blocks are
     evicted, requests holding shared blocks are preempted, outputs equal the fake model's,
     and every block and snapshot comes back."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randint(3, 500) for _ in range(rng.randint(10, 60))] for _ in range(6)]
-    requests = []
-    for i in range(1000):
-        prompt = list(rng.choice(prefixes))[:rng.randint(5, 60)]
-        prompt += [rng.randint(3, 500) for _ in range(rng.randint(0, 12))]
-        requests.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, 12),
-                                eos_token_id=EOS))
+    requests = shared_prefix_requests(random.Random(seed), 1000, num_prefixes=6,
+                                      shortest=10, cut=5, suffix=12, max_tokens=12)
     scheduler = make_scheduler(block_size=4, num_blocks=48, num_slots=8, budget=64,
                                snapshots=12)
     _, done, _ = run(scheduler, requests, arrive_per_step=3)
@@ -246,14 +255,8 @@ def test_the_host_tier_moves_the_right_contents(seed: int) -> None:
     """Many requests over a few long shared prefixes, a device pool and snapshot pool too small
     for them and a host tier: every resumed request finds its prefix's contents in its blocks
     and snapshot, whether they stayed on the device or came back from the host."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randint(3, 500) for _ in range(rng.randint(20, 60))] for _ in range(5)]
-    requests = []
-    for i in range(400):
-        prompt = list(rng.choice(prefixes))[:rng.randint(9, 60)]
-        prompt += [rng.randint(3, 500) for _ in range(rng.randint(0, 8))]
-        requests.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, 6),
-                                eos_token_id=EOS))
+    requests = shared_prefix_requests(random.Random(seed), 400, num_prefixes=5,
+                                      shortest=20, cut=9, suffix=8, max_tokens=6)
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
     spec = PrefixCacheSpec(6, TailRule("full", 8, 140, 4), host_blocks=24, host_snapshots=8)
     scheduler = Scheduler(config, num_blocks=28, num_slots=4, block_size=4, prefix_cache=spec)

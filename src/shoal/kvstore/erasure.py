@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# pyeclib with ISA-L Reed-Solomon (Vandermonde): 9-16x zfec's encode, 3.5-19x its decode with lost
-# shards at 64 KiB-3 MiB (benchmarks/results/erasure_cpu_2026-12-03.txt); its wheel bundles ISA-L.
+# pyeclib with ISA-L Reed-Solomon (Vandermonde): several times zfec's speed, encode and decode
+# with lost shards (benchmarks/bench_erasure.py); its wheel bundles ISA-L.
 from pyeclib.ec_iface import ECDriver, ECDriverError
 
 EC_TYPE = "isa_l_rs_vand"
