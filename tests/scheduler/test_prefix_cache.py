@@ -293,3 +293,24 @@ def test_bounded_resume_plans_a_replay_and_saves_no_snapshot() -> None:
     assert spans[:3] == [(76, 88, (76, 96)), (88, 100, (76, 96)),
                          (100, 101, None)]
     assert items[0].restore_snapshot == -1 and scheduler.prefix_stats.hit_tokens == 96
+
+
+def test_settling_an_interrupted_plan_drops_the_cache_and_leaks_nothing() -> None:
+    """An exception between schedule() and update() (settle): the plan's copies and writes
+    may never run, so the cache forgets everything; every block and snapshot id comes back and
+    the next requests run from scratch."""
+    rng = random.Random(6)
+    base = [rng.randint(3, 500) for _ in range(100)]
+    spec = PrefixCacheSpec(4, TailRule("full", 8, 140, 4), host_blocks=8, host_snapshots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                          max_model_len=256),
+                          num_blocks=24, num_slots=4, block_size=16, prefix_cache=spec)
+    run(scheduler, [Request("a", base, max_tokens=2, eos_token_id=EOS)])
+    scheduler.add_request(Request("b", base[:90], max_tokens=2, eos_token_id=EOS))
+    plan = scheduler.schedule()
+    assert plan.scheduled[0].start_position == 80  # resumed from the cache
+    scheduler.settle()
+    scheduler.check_invariants()
+    assert scheduler.usage().num_free_blocks == 24 and not scheduler.kv.pool.num_evictable
+    rows, _, _ = run(scheduler, [Request("c", base[:90], max_tokens=2, eos_token_id=EOS)])
+    assert rows == {"c": 90}

@@ -322,8 +322,8 @@ class Scheduler:
         exception between schedule() and update() / resolve()): every request in them is
         aborted, so the next schedule() starts from a consistent state."""
         plans = [p for p in (self._unresolved, self._outstanding) if p is not None]
-        if any(p.transfers for p in plans) and self.kv.prefix is not None:
-            self.kv.prefix.drop_all()  # their copies may never have run
+        if plans and self.kv.prefix is not None:  # their copies and writes may never run
+            self.kv.prefix.drop_all()
         for item in (item for plan in plans for item in plan.scheduled):
             self.abort_request(item.request_id)
         outcome = StepOutcome()
