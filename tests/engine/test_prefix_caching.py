@@ -172,7 +172,7 @@ def test_bounded_resume_replays_without_touching_the_shared_blocks(checkpoint: P
                      replay_window=window, async_scheduling=False)
         got = [outputs(engine, [batch[0]], GREEDY)[0]]
         caches = engine.engine.runner.caches
-        shared = sorted(engine.engine.scheduler.kv.prefix._block_of.values())
+        shared = engine.engine.scheduler.kv.prefix.cached_blocks()
         before = pages(caches, shared)
         got += [outputs(engine, [p], GREEDY)[0] for p in batch[1:3]]
         assert all(torch.equal(x, y) for x, y in zip(pages(caches, shared), before, strict=True))

@@ -35,6 +35,11 @@ def _upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.pin_memory().to(device, non_blocking=True)
 
 
+def _ring_rows(caches: KVCaches, slot: int, positions: torch.Tensor) -> torch.Tensor:
+    """The slot's ring rows of `positions` (the SWA plane's ring index)."""
+    return slot * caches.ring_size + positions % caches.ring_size
+
+
 def _planes(caches: KVCaches) -> torch.Tensor:
     assert caches.snapshots is not None and caches.swa_stack is not None
     return caches.swa_stack[:caches.snapshots.shape[1]]
@@ -47,8 +52,8 @@ def restore(caches: KVCaches, restores: Sequence[Restore]) -> None:
     snaps = caches.snapshots
     window = snaps.shape[2]
     offs = torch.arange(-window, 0)
-    rows = _upload(torch.stack([slot * caches.ring_size + (b + offs) % caches.ring_size
-                                for slot, b, _ in restores]), snaps.device)  # [S, window]
+    rows = _upload(torch.stack([_ring_rows(caches, slot, b + offs) for slot, b, _ in restores]),
+                   snaps.device)  # [S, window]
     ids = _upload(torch.tensor([sid for _, _, sid in restores]), snaps.device)
     planes = _planes(caches)
     planes[:, rows.flatten()] = snaps[ids].transpose(0, 1).flatten(1, 2)
@@ -64,7 +69,7 @@ def save(caches: KVCaches, saves: Sequence[Save], *, committed: bool) -> None:
     rows = []
     for slot, start, first_row, b, _ in saves:
         pos = b + offs
-        ring = slot * caches.ring_size + pos % caches.ring_size
+        ring = _ring_rows(caches, slot, pos)
         if committed:
             rows.append(ring)
         else:

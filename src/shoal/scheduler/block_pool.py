@@ -43,7 +43,7 @@ class BlockPool:
         self._num_free = num_blocks  # free heap + evictable
         self._cached: set[int] = set()  # blocks whose content is registered (prefix cache)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
-        self._on_evict = on_evict
+        self.on_evict = on_evict  # told the id of each cached block that allocate evicts
         self.num_evictions = 0
 
     @property
@@ -104,8 +104,8 @@ class BlockPool:
             block_id, _ = self._evictable.popitem(last=False)
             self._cached.discard(block_id)
             self.num_evictions += 1
-            if self._on_evict is not None:
-                self._on_evict(block_id)
+            if self.on_evict is not None:
+                self.on_evict(block_id)
             ids.append(block_id)
         for block_id in ids:
             assert self._ref_counts[block_id] == 0, f"free block {block_id} has references"

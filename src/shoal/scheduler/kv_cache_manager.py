@@ -58,14 +58,13 @@ class KVCacheManager:
             raise ValueError(f"num_slots={num_slots}: expected an integer >= 1")
         self.block_size = block_size
         self.num_slots = num_slots
-        self.prefix: PrefixCache | None = None
         self.pool = BlockPool(num_blocks)
+        self.prefix: PrefixCache | None = None
         if prefix is not None:
             self.prefix = PrefixCache(self.pool, block_size, prefix.num_snapshots, prefix.rule,
                                       prefix.salt, prefix.host_blocks, prefix.host_snapshots,
                                       prefix.store, prefix.replay_window)
-            self.pool = BlockPool(num_blocks, on_evict=self.prefix.on_evict)
-            self.prefix.pool = self.pool
+            self.pool.on_evict = self.prefix.on_evict
         self._free_slots = list(range(num_slots))  # min-heap
         self._holders: dict[str, Request] = {}
         # ring snapshots the outstanding plan saves: (request, boundary, snapshot id)
@@ -174,7 +173,7 @@ class KVCacheManager:
         return n_hit < len(hashes) and self.prefix.is_pending(hashes[n_hit])
 
     def drain_transfers(self) -> tuple:
-        """The host tier's copies for the plan being built."""
+        """The prefix cache's transfers (host tier, store) for the plan being built."""
         return self.prefix.drain() if self.prefix is not None else ()
 
     def snapshot_saves(self, request: Request, start: int,

@@ -203,14 +203,19 @@ class PrefixCache:
                 return Hit(tuple(hashes[:j]), ids, -1, tier)
             if sid in self._probation and self.store_tier is not None:  # its first hit
                 self.store_tier.persist_snapshot(key, sid, exact)
-            self._probation.pop(sid, None)
-            self._protected[sid] = None
-            self._protected.move_to_end(sid)
-            if len(self._protected) > self.num_snapshots // 2:
-                oldest, _ = self._protected.popitem(last=False)
-                self._probation[oldest] = None
+            self._protect(sid)
             return Hit(tuple(hashes[:j]), ids, sid)
         return Hit()
+
+    def _protect(self, sid: int) -> None:
+        """A hit used snapshot `sid`: most recently used in the protected segment, whose
+        oldest falls back to probation past half the pool."""
+        self._probation.pop(sid, None)
+        self._protected[sid] = None
+        self._protected.move_to_end(sid)
+        if len(self._protected) > self.num_snapshots // 2:
+            oldest, _ = self._protected.popitem(last=False)
+            self._probation[oldest] = None
 
     def _can_reserve(self) -> bool:
         return bool(self._free_snapshots or self._probation)
@@ -251,7 +256,7 @@ class PrefixCache:
             store.load_snapshot(key, sid)
         self._snapshots[sid].key = key
         self._snapshot_of[key] = sid
-        self._protected[sid] = None
+        self._protect(sid)
         return sid
 
     def is_pending(self, key: bytes) -> bool:
@@ -274,6 +279,10 @@ class PrefixCache:
         self.stats.query_tokens += prefill_len
         self.stats.hit_tokens += hit.num_blocks * self.block_size
 
+    def cached_blocks(self) -> list[int]:
+        """The device blocks that hold a registered key (ascending)."""
+        return sorted(self._hash_of)
+
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._snapshot_of
 
@@ -282,8 +291,7 @@ class PrefixCache:
         """Block `block_id` (used, fully computed) holds the content of `key` (written to the
         store too, if there is one). A hash already held by another block keeps that block
         (this one stays private to its request)."""
-        if self._pending.get(key) is not None and key not in self._block_of:
-            del self._pending[key]
+        self._pending.pop(key, None)
         if key in self._block_of or block_id in self._hash_of:
             return
         self._block_of[key] = block_id
@@ -354,8 +362,8 @@ class PrefixCache:
         self._free_snapshots.append(sid)
 
     def drop_all(self) -> None:
-        """Forget every cached block, host entry and snapshot (a plan whose transfers were
-        never applied left their contents unknown)."""
+        """Forget every cached block, host entry and bound snapshot (an interrupted plan's
+        copies and paged writes may never have run, so their contents are unknown)."""
         self.pool.uncache_all()
         self._block_of.clear()
         self._hash_of.clear()
