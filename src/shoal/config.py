@@ -99,7 +99,11 @@ class RunnerConfig:
     processing of the previous step: detokenising, stops) with the device work of the step
     before it; outputs are identical to the synchronous loop. A step is launched ahead only
     when no request whose token is in flight needs its value on the host (penalties,
-    structured output); speculative decoding always runs synchronously."""
+    structured output); speculative decoding always runs synchronously.
+    expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
+    experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
+    by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly
+    (no CUDA graphs) and without speculative decoding."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -113,6 +117,7 @@ class RunnerConfig:
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

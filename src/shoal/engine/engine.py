@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +116,10 @@ class Engine:
         self._structured = None
         self.overlap = OverlappedSteps(self) if (
             config.runner.async_scheduling and not self.executor.speculative) else None
+        # expert parallelism: every rank steps while any has work (parallel/expert_parallel.py);
+        # `cancel_asked` is the front end's stop, seen by every rank at the same step
+        self.ep = self.runner.ep
+        self.cancel_asked: Callable[[], bool] = lambda: False
 
     # ---- requests ---------------------------------------------------------------------------
     def structured_backend(self):
@@ -252,7 +256,23 @@ class Engine:
 
     def step(self) -> list[str]:
         """Run one step; return the ids of user requests that completed in it (async
-        scheduling: `engine/overlap.py`)."""
+        scheduling: `engine/overlap.py`). Under expert parallelism every rank joins first; a
+        cancel asked on any rank raises KeyboardInterrupt on every busy rank at this step."""
+        if self.ep is not None and self.ep.join(True, self.cancel_asked())[1]:
+            raise KeyboardInterrupt("cancelled by the data-parallel front end")
+        return self._step()
+
+    def serve_until_idle(self) -> None:
+        """Expert parallelism, once this rank's requests are done: keep stepping (nothing
+        scheduled here: its experts serve the other ranks' tokens) until no rank has work."""
+        while self.ep is not None:
+            busy, cancel = self.ep.join(False)
+            if not busy:
+                return
+            if not cancel:
+                self._step()
+
+    def _step(self) -> list[str]:
         if self.overlap is not None:
             return self.overlap.step()
         plan = self.scheduler.schedule()

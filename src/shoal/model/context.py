@@ -16,6 +16,7 @@ from shoal.model.params import ModelParams
 from shoal.model.state import KVCaches
 from shoal.ops.reference.rope import RopeParams
 from shoal.ops.registry import OpTable
+from shoal.parallel.expert_parallel import ExpertParallel
 
 
 def rope_params(config: ModelConfig, spec: LayerSpec) -> RopeParams:
@@ -42,6 +43,7 @@ class StepContext:
     swa_rows_decoder: torch.Tensor  # [T, W] int32 (floored at the decoder floor)
     token_slot: torch.Tensor  # [T] request slot of each row
     shared: SharedIndex = field(default_factory=SharedIndex)  # CSA2 top-k and candidates
+    ep: ExpertParallel | None = None  # expert parallelism: this rank's slice of the experts
     # index tensors that depend only on the step (not on the layer), computed once per step and
     # shared by the layers: key -> (the row-set tensor the key's id() refers to, the result)
     _memo: dict[tuple, tuple[torch.Tensor | None, object]] = field(default_factory=dict)
@@ -60,7 +62,7 @@ class StepContext:
 
     @classmethod
     def build(cls, config: ModelConfig, params: ModelParams, caches: KVCaches, ops: OpTable,
-              batch: ForwardBatch) -> StepContext:
+              batch: ForwardBatch, ep: ExpertParallel | None = None) -> StepContext:
         t = batch.num_tokens
         if t > caches.max_tokens:
             raise ValueError(f"step has {t} tokens, more than the caches' scratch "
@@ -76,7 +78,7 @@ class StepContext:
             floor, dec_floor = batch.swa_floor, torch.maximum(dec_floor, batch.swa_floor)
         enc = ops.swa_indices(floor=floor, **common)
         dec = ops.swa_indices(floor=dec_floor, **common)
-        return cls(config, params, caches, ops, batch, enc, dec, token_slot)
+        return cls(config, params, caches, ops, batch, enc, dec, token_slot, ep=ep)
 
     def n_visible(self, ratio: int, rows: torch.Tensor | None) -> torch.Tensor:
         """Compressed rows of ratio `ratio` visible to each of `rows` (once per step)."""

@@ -32,6 +32,7 @@ from shoal.model.params import ModelParams
 from shoal.model.ring_snapshots import restore, save
 from shoal.model.state import KVCaches
 from shoal.ops.registry import OpTable
+from shoal.parallel.expert_parallel import ExpertParallel
 
 
 @dataclass
@@ -47,12 +48,14 @@ class DeepseekV41:
     """The backbone forward over explicit caches. Build once; call `forward` per step."""
 
     def __init__(self, config: ModelConfig, params: ModelParams, ops: OpTable,
-                 token_map: torch.Tensor | None = None) -> None:
+                 token_map: torch.Tensor | None = None, ep: ExpertParallel | None = None
+                 ) -> None:
         self.config = config
         self.params = params
         self.ops = ops
         self.engram_consts: EngramConstants | None = None
         self.token_map = token_map
+        self.ep = ep
         # the first block's pre_prev (one-hot on stream 0), expanded per step: no launches
         self.first_pre = torch.zeros(config.hc_mult, dtype=torch.float32,
                                      device=params["embed.weight"].device)
@@ -82,7 +85,7 @@ class DeepseekV41:
                 capture: bool = False) -> ForwardOutput:
         cfg, ops, p = self.config, self.ops, self.params
         restore(caches, batch.snapshot_restores)  # prefix-cache hits: rings below their start
-        ctx = StepContext.build(cfg, p, caches, ops, batch)
+        ctx = StepContext.build(cfg, p, caches, ops, batch, self.ep)
         t = batch.num_tokens
         hc = cfg.hc_mult
         emb = ops.embed(ids=batch.input_ids, table=p["embed.weight"])
@@ -116,3 +119,12 @@ class DeepseekV41:
                                  weight=p["norm.weight"], eps=cfg.norm_eps)
         logits = ops.lm_head(h=h, weight=p["head.weight"])
         return ForwardOutput(logits, torch.cat(captures, dim=-1) if captures else None)
+
+    def serve_experts(self) -> None:
+        """Expert parallelism, a step with nothing scheduled here: serve the other ranks' rows
+        through every MoE layer, in the forward's order."""
+        assert self.ep is not None
+        device = self.params["embed.weight"].device
+        for spec in self.config.backbone:
+            self.ep.serve(self.ops, self.params.experts(f"layers.{spec.layer_id}."),
+                          self.config.swiglu_limit, device)

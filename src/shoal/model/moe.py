@@ -1,5 +1,6 @@
 """Mixture of experts of a block (model.md §2.9): router, routed MXFP4 experts (FP8
-activations) and the FP8 shared expert; y = bf16(sum_k routed_k + shared) in fp32."""
+activations) and the FP8 shared expert; y = bf16(sum_k routed_k + shared) in fp32. Under
+expert parallelism the routed experts run on their ranks (`parallel/expert_parallel.py`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
         up = ops.gemm_fp8(x=x, weight=p[se + "w3.weight"], weight_scale=p[se + "w3.scale"])
     h = ops.swiglu_clamp(gate=gate, up=up, weight=None, limit=cfg.swiglu_limit)  # bf16 in
     shared = ops.gemm_fp8(x=h, weight=p[se + "w2.weight"], weight_scale=p[se + "w2.scale"])
+    if ctx.ep is not None:
+        return ctx.ep.moe(ops, x, ids, weights, shared, p.experts(prefix), cfg.swiglu_limit)
     # bf16(sum of the routed outputs + shared) in fp32, added and rounded inside the op
     return ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit, shared=shared,
                          **p.experts(prefix))

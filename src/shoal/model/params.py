@@ -5,7 +5,9 @@ runs one GEMM (one activation quantisation, one launch) for both.
 
 Invariant: the name map is total (model.md §6): every inventory tensor must arrive with its
 shape and dtype, unknown names are an error that names them, the vision tower is ignored. A
-fused pair's official names are views of its rows (no second copy).
+fused pair's official names are views of its rows (no second copy). Under expert parallelism
+(`shard` = (rank, world)) a rank holds, and expects, only its contiguous slice of each layer's
+routed experts, stacked with local ids (`owns_tensor`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class ModelParams:
 
     @classmethod
     def load(cls, config: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             device: torch.device | str = "cpu") -> ModelParams:
-        inventory = checkpoint_inventory(config)
+             device: torch.device | str = "cpu", shard: tuple[int, int] = (0, 1)
+             ) -> ModelParams:
+        inventory = {n: s for n, s in checkpoint_inventory(config).items()
+                     if owns_tensor(config, n, shard)}
         tensors: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[str, torch.Tensor]] = {}
         unknown = []
@@ -78,7 +82,7 @@ class ModelParams:
                 raise WeightError(f"weight {name}: got {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"expected {spec.shape} {spec.dtype}")
             tensor = tensor.to(device)
-            placed = _place_expert(config, name, tensor, experts, device)
+            placed = _place_expert(config, name, tensor, experts, device, shard)
             if not placed:
                 tensors[name] = tensor
         if unknown:
@@ -108,15 +112,27 @@ def _num_experts(config: ModelConfig, prefix: str) -> int:
         config.n_routed_experts
 
 
+def owns_tensor(config: ModelConfig, name: str, shard: tuple[int, int]) -> bool:
+    """Whether rank `shard[0]` of `shard[1]` holds tensor `name`: every tensor but the routed
+    experts outside its contiguous slice of the layer's experts."""
+    rank, world = shard
+    split = _split_expert(name) if world > 1 else None
+    if split is None:
+        return True
+    per = _num_experts(config, split[0]) // world
+    return rank * per <= split[1] < (rank + 1) * per
+
+
 def _place_expert(config: ModelConfig, name: str, tensor: torch.Tensor,
-                  experts: dict[str, dict], device) -> bool:
+                  experts: dict[str, dict], device, shard: tuple[int, int]) -> bool:
     split = _split_expert(name)
     if split is None:
         return False
     prefix, idx, part = split
     inter = config.moe_intermediate_size
     slot = experts.setdefault(prefix, {"_seen": set()})
-    n = _num_experts(config, prefix)
+    n = _num_experts(config, prefix) // shard[1]
+    idx -= shard[0] * n
     if part in ("w1.weight", "w3.weight", "w1.scale", "w3.scale"):
         key = "w13" if part.endswith("weight") else "w13_scale"
         if key not in slot:

@@ -2,10 +2,16 @@
 pool (one GPU each, or a share of the CPU threads), and a front end that spreads each call's
 requests over them by load and yields outputs as they finish.
 
+With `expert_parallel`, the replicas form one torch.distributed group (NCCL on GPUs, gloo on
+the CPU) and shard the routed experts (`parallel/expert_parallel.py`): every call goes to every
+replica (one with no requests still serves its experts), and an interrupt is a cancel event the
+replicas see at the same step instead of a signal (a signal would stop them mid-collective).
+
 Invariant: every request carries a global request index, assigned in input order, so its
 sampling seed (and its id) is what a single engine would give it: outputs do not depend on
 the number of replicas. An interrupt in the front end interrupts the replicas' current call;
-they abort its requests and stay usable, like a single engine.
+they abort its requests and stay usable, like a single engine. A replica that dies ends the
+call with an error naming it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import itertools
 import os
 import queue
 import signal
+import socket
+import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,20 +45,41 @@ def _load_estimate(item: dict) -> int:
     return max(1, len(str(prompt)) // 4)
 
 
-def _replica(rank: int, model: str, options: dict, threads: int, commands, results) -> None:
-    """A replica's process: an LLM of its own, running the calls it is sent."""
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _replica(rank: int, model: str, options: dict, threads: int, commands, results,
+             group: tuple[int, int, str] | None, cancel) -> None:
+    """A replica's process: an LLM of its own, running the calls it is sent. `group`: (world
+    size, port, backend) of the expert-parallel process group to join."""
     running = [False]
 
     def interrupt(signum, frame):
         if running[0]:
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, interrupt)
+    # expert parallelism: a terminal's Ctrl-C reaches every process; the front end cancels
+    signal.signal(signal.SIGINT, interrupt if group is None else signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
+        if group is not None:
+            import torch.distributed as dist
+
+            from shoal.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S
+
+            world, port, backend = group
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         from shoal.llm import LLM
 
         llm = LLM(model, **options)
+        llm.engine.cancel_asked = cancel.is_set
     except BaseException as exc:  # reported by the front end
         results.put(("failed", None, rank, f"{type(exc).__name__}: {exc}"))
         return
@@ -64,9 +94,11 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
             for position, out in llm.run([item for _, item in items], use_tqdm=False):
                 results.put(("out", call, items[position][0], out))
             running[0] = False
+            llm.engine.serve_until_idle()
             results.put(("done", call, rank, None))
         except KeyboardInterrupt:
             running[0] = False
+            llm.engine.serve_until_idle()
             results.put(("cancelled", call, rank, None))
         except BaseException as exc:  # noqa: BLE001 - the front end raises it
             running[0] = False
@@ -89,12 +121,16 @@ class DataParallel:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(size)]
+        self.cancel = ctx.Event()
+        self.expert_parallel = bool(options.get("expert_parallel"))
+        group = (size, _free_port(), "nccl" if use_cuda else "gloo") \
+            if self.expert_parallel else None
         self.processes = []
         for rank in range(size):
             opts = dict(options, device=f"cuda:{rank}" if use_cuda else "cpu")
             proc = ctx.Process(target=_replica, daemon=True, name=f"shoal-dp{rank}",
                                args=(rank, model, opts, threads, self.commands[rank],
-                                     self.results))
+                                     self.results, group, self.cancel))
             proc.start()
             self.processes.append(proc)
         self.size = size
@@ -109,10 +145,19 @@ class DataParallel:
             ready += kind == "ready"
 
     def _get(self, timeout: float):
-        try:
-            return self.results.get(timeout=timeout)
-        except queue.Empty:
-            raise ShoalError("data-parallel replicas did not answer") from None
+        """The next message; a replica that exits meanwhile is an error that names it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self.processes)
+                        if not p.is_alive()]
+                if dead:
+                    raise ShoalError("data-parallel replica(s) exited: " + ", ".join(
+                        f"rank {r} (exit code {code})" for r, code in dead)) from None
+                if time.monotonic() >= deadline:
+                    raise ShoalError("data-parallel replicas did not answer") from None
 
     def run(self, items: Sequence[dict], use_tqdm: bool = False
             ) -> Iterator[tuple[int, RequestOutput]]:
@@ -125,7 +170,8 @@ class DataParallel:
             rank = min(range(self.size), key=loads.__getitem__)
             loads[rank] += _load_estimate(item)
             shares[rank].append((position, dict(item, request_index=next(self._indices))))
-        busy = {rank for rank in range(self.size) if shares[rank]}
+        # expert parallelism: a replica without requests still serves its experts
+        busy = {rank for rank in range(self.size) if shares[rank] or self.expert_parallel}
         for rank in busy:
             self.commands[rank].put(("run", call, shares[rank]))
         try:
@@ -140,12 +186,18 @@ class DataParallel:
                 else:
                     busy.discard(who)
         except BaseException:
-            for rank in busy:  # interrupt their call; they abort its requests and answer
-                os.kill(self.processes[rank].pid, signal.SIGINT)
-            while busy:
-                kind, got_call, who, _ = self._get(60.0)
-                if got_call == call and kind in ("done", "cancelled", "failed"):
-                    busy.discard(who)
+            if self.expert_parallel:  # seen by every replica at the same step
+                self.cancel.set()
+            else:
+                for rank in busy:  # interrupt their call; they abort its requests and answer
+                    os.kill(self.processes[rank].pid, signal.SIGINT)
+            try:
+                while busy:
+                    kind, got_call, who, _ = self._get(60.0)
+                    if got_call == call and kind in ("done", "cancelled", "failed"):
+                        busy.discard(who)
+            finally:
+                self.cancel.clear()
             raise
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ random weights for a preset), the model over its op table, and the byte budget f
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +16,10 @@ from shoal.checkpoint.writer import generate_weights
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.engram_hash import token_map_for
-from shoal.model.params import ModelParams, WeightError
+from shoal.model.params import ModelParams, WeightError, owns_tensor
+from shoal.model.weights import checkpoint_inventory
 from shoal.ops.registry import resolve_ops
+from shoal.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +36,15 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def iter_weights(config: EngineConfig, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    fmt = config.runner.load_format
+def iter_weights(config: EngineConfig, device: torch.device, shard: tuple[int, int] = (0, 1)
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights this rank holds (`shard` = (rank, world) of expert parallelism): the
+    others are neither generated nor read."""
+    fmt, mc = config.runner.load_format, config.model_config
     if fmt == "dummy" or (fmt == "auto" and config.is_preset):
-        yield from generate_weights(config.model_config, seed=config.runner.seed, device=device)
+        names = None if shard[1] == 1 else [
+            n for n in checkpoint_inventory(mc) if owns_tensor(mc, n, shard)]
+        yield from generate_weights(mc, seed=config.runner.seed, device=device, names=names)
         return
     if config.is_preset:
         raise ShoalError(f"load_format={fmt!r} needs a checkpoint directory, got the preset "
@@ -44,21 +52,32 @@ def iter_weights(config: EngineConfig, device: torch.device) -> Iterator[tuple[s
     with CheckpointReader(config.model) as reader:
         reader.check(config.model_config)
         for name in reader.names():
-            yield name, reader.get(name)
+            if owns_tensor(mc, name, shard):
+                yield name, reader.get(name)
 
 
-def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device) -> DeepseekV41:
-    """The model with its weights on `device`, over the op table resolved for it."""
+def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device,
+               ep: ExpertParallel | None = None) -> DeepseekV41:
+    """The model with its weights on `device`, over the op table resolved for it; with `ep`,
+    this rank's share of the routed experts."""
     cfg = config.model_config
     ops = resolve_ops(device, list(config.runner.backends) if config.runner.backends else None)
     logger.info("op table:\n%s", ops.report())
+    shard = (0, 1) if ep is None else (ep.rank, ep.world)
+    if ep is not None:
+        ep.local_experts(cfg.n_routed_experts)
+        if cfg.num_draft_layers:
+            ep.local_experts(cfg.dspark_n_routed_experts, "DSpark routed experts")
+    start = time.perf_counter()
     try:
-        params = ModelParams.load(cfg, iter_weights(config, device), device)
+        params = ModelParams.load(cfg, iter_weights(config, device, shard), device, shard)
     except WeightError as exc:
         raise ShoalError(f"model {config.model!r}: {exc}") from None
     backend = getattr(tokenizer, "backend", None)
     token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
-    return DeepseekV41(cfg, params, ops, token_map)
+    logger.info("weights loaded in %.1f s%s", time.perf_counter() - start,
+                "" if ep is None else f" (rank {ep.rank} of {ep.world}: its experts only)")
+    return DeepseekV41(cfg, params, ops, token_map, ep)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -30,6 +30,7 @@ from shoal.config import EngineConfig, ShoalError
 from shoal.model.deepseek_v41 import ForwardOutput
 from shoal.model.ring_snapshots import save as save_snapshots
 from shoal.model.state import KVCaches
+from shoal.parallel.expert_parallel import ExpertParallel
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.inflight import upload
 from shoal.runner.inputs import prepare_inputs
@@ -62,7 +63,12 @@ class ModelRunner:
             raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
                              "has none")
         self.device = pick_device(config.runner.device)
-        self.model = load_model(config, tokenizer, self.device)
+        self.ep = ExpertParallel.from_process_group(self.device) \
+            if config.runner.expert_parallel else None
+        if self.ep is not None and self.speculative:
+            raise ShoalError("speculative decoding with expert parallelism: not supported (the "
+                             "draft forwards would need the lockstep too); use one of them")
+        self.model = load_model(config, tokenizer, self.device, self.ep)
         self.ops = self.model.ops
         self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         self.memory = self._plan_memory()
@@ -129,6 +135,9 @@ class ModelRunner:
             assert self.offload is not None, "a plan with transfers but no host tier or store"
             self.offload.apply(self.caches, plan.transfers)
         if not plan.scheduled:
+            if self.ep is not None:  # the other ranks' tokens still need this rank's experts
+                with torch.inference_mode():
+                    self.model.serve_experts()
             return step
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.config, plan, self.requests, self._last,

@@ -1,0 +1,139 @@
+"""Expert parallelism: the routed experts of every MoE layer sharded over the ranks of a
+torch.distributed group, each token's rows sent to its experts' ranks and the outputs sent back
+(all-to-all), and the lockstep that keeps every rank in each step's collectives.
+
+Rank r of N holds experts [r E/N, (r+1) E/N) of each MoE layer (a contiguous slice: it reads only
+those tensors of the checkpoint). A MoE call routes locally, then:
+1. sorts its (token, slot) pairs by owner rank and exchanges the counts;
+2. sends each pair's row as FP8 codes + UE8M0 scales (what the expert GEMM quantises it to
+   anyway: the receiver's dequantised bf16 row re-quantises to the same codes; 0.53x the bf16
+   bytes), its local expert id and its routing weight;
+3. each rank runs its experts on the rows it received, one slot per row: each output is one
+   expert's bf16 output;
+4. the outputs go back (bf16) and the owner adds each token's slots in ascending expert order in
+   fp32, then the shared expert's output, and rounds once: the reference op's sum, so with the
+   reference ops world N equals world 1 bitwise.
+
+Lockstep: every rank runs each engine step's forward, or, with nothing scheduled, serves the
+other ranks' rows through every MoE layer (`serve`). `join`, one all-reduce on a CPU group per
+engine step, tells each rank whether any rank still has work (then all step) and whether a
+cancel was asked (then all stop the call at the same step).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shoal.config import ShoalError
+from shoal.quant.fp8 import dequant_fp8_act
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 600.0  # a rank that died or hangs ends the run with an error after this
+
+
+class ExpertParallel:
+    """This process's rank in the expert-parallel group. Build with `from_process_group`."""
+
+    def __init__(self, rank: int, world: int, group, control) -> None:
+        self.rank, self.world = rank, world
+        self.group = group  # the data collectives (NCCL on CUDA, gloo on the CPU)
+        self.control = control  # the per-step join (gloo, host tensors)
+
+    @classmethod
+    def from_process_group(cls, device: torch.device) -> ExpertParallel | None:
+        """The group of the initialised default process group (None when torch.distributed is
+        not initialised or has one rank: the experts stay whole, no collectives)."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        backend = dist.get_backend()
+        if device.type == "cuda" and backend != "nccl":
+            raise ShoalError(f"expert parallelism on CUDA needs the NCCL backend, got {backend}")
+        control = dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=COLLECTIVE_TIMEOUT_S)) if backend != "gloo" else None
+        return cls(dist.get_rank(), dist.get_world_size(), None, control)
+
+    def local_experts(self, num_experts: int, what: str = "routed experts") -> range:
+        """The experts this rank holds, of `num_experts`."""
+        if num_experts % self.world:
+            raise ShoalError(f"expert parallelism: {num_experts} {what} do not split evenly "
+                             f"over {self.world} ranks")
+        per = num_experts // self.world
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    # ---- lockstep ---------------------------------------------------------------------------
+    def join(self, busy: bool, cancel: bool = False) -> tuple[bool, bool]:
+        """(any rank busy, any rank cancelling): every rank calls this once per engine step."""
+        flags = torch.tensor([int(busy), int(cancel)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(flags[0]), bool(flags[1])
+
+    # ---- one MoE layer ----------------------------------------------------------------------
+    def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                  ) -> torch.Tensor:
+        out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group)
+        return out
+
+    def _counts(self, send_counts: torch.Tensor) -> list[int]:
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.group)
+        return recv.tolist()
+
+    def moe(self, ops, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            shared: torch.Tensor, experts: dict[str, torch.Tensor], limit: float
+            ) -> torch.Tensor:
+        """The block's FFN output [T, D] bf16, like `moe_mxfp4(x, ids, weights, shared=shared)`
+        over all experts; `experts` holds this rank's slice (local ids)."""
+        t, d = x.shape
+        k = ids.shape[1]
+        per = experts["w13"].shape[0]
+        flat = ids.reshape(-1)
+        owner = torch.div(flat, per, rounding_mode="floor")
+        order = torch.sort(owner, stable=True).indices  # pairs grouped by owner rank
+        send_counts = torch.bincount(owner, minlength=self.world).to(torch.int64).cpu()
+        rows = torch.div(order, k, rounding_mode="floor")
+        codes, scales = ops.act_quant_fp8(x=x[rows], block=32)
+        y = self._serve(ops, experts, limit, codes.view(torch.uint8), scales,
+                        (flat[order] - owner[order] * per).to(torch.int32),
+                        weights.reshape(-1)[order].float(), send_counts)
+        # back in (token, slot) order; each token's slots added in ascending expert order
+        slots = torch.empty_like(y)
+        slots[order] = y
+        slots = slots.view(t, k, d).float()
+        by_expert = torch.sort(ids, dim=1, stable=True).indices
+        slots = torch.gather(slots, 1, by_expert.unsqueeze(-1).expand(t, k, d))
+        acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        for j in range(k):
+            acc = acc + slots[:, j]
+        return (acc + shared.float()).to(torch.bfloat16)
+
+    def serve(self, ops, experts: dict[str, torch.Tensor], limit: float, device) -> None:
+        """Take part in one MoE layer with no tokens of its own: run this rank's experts on the
+        other ranks' rows."""
+        d = experts["w2"].shape[1]
+        empty = torch.empty(0, d, dtype=torch.uint8, device=device)
+        self._serve(ops, experts, limit, empty, torch.empty(0, d // 32, dtype=torch.uint8,
+                                                             device=device),
+                    torch.empty(0, dtype=torch.int32, device=device),
+                    torch.empty(0, dtype=torch.float32, device=device),
+                    torch.zeros(self.world, dtype=torch.int64))
+
+    def _serve(self, ops, experts, limit, codes, scales, local_ids, weights, send_counts
+               ) -> torch.Tensor:
+        """Send the pairs (grouped by owner, `send_counts` per rank), run the local experts on
+        what arrives, send the outputs back: [sum(send_counts), D] bf16 in the sent order."""
+        sent = send_counts.tolist()
+        got = self._counts(send_counts.to(codes.device) if codes.is_cuda else send_counts)
+        r_codes = self._exchange(codes, sent, got)
+        r_scales = self._exchange(scales, sent, got)
+        r_ids = self._exchange(local_ids, sent, got)
+        r_weights = self._exchange(weights, sent, got)
+        x = dequant_fp8_act(r_codes, r_scales, 32, dtype=torch.bfloat16)
+        out = ops.moe_mxfp4(x=x, ids=r_ids.to(torch.int64).unsqueeze(1),
+                            weights=r_weights.unsqueeze(1), limit=limit, **experts)
+        return self._exchange(out.to(torch.bfloat16), got, sent)
