@@ -30,7 +30,6 @@ from shoal import LLM, SamplingParams
 from shoal.bench import git_commit, random_prompt
 from shoal.config import resolve_model_config
 
-
 VARIANTS = ("off", "device", "store-write", "store",
             "bounded")
 

@@ -1,0 +1,169 @@
+"""Expert parallelism on the CPU (gloo): the routed experts sharded over 2 and 4 replicas give
+world 1's outputs bitwise with the reference ops (tokens, logprobs, seeded samples) for mixed
+batches, uneven shares, a replica with no requests, a tight KV pool (preemption) and a request
+too long; the MoE exchange alone equals the reference op; each rank loads only its experts; an
+interrupt leaves the replicas usable; unsupported combinations fail clearly."""
+
+from __future__ import annotations
+
+import signal
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shoal import LLM, SamplingParams
+from shoal.config import EngineConfig, ShoalError
+from shoal.model.params import ModelParams
+from shoal.ops.reference.moe import _moe_case, moe_mxfp4
+from shoal.ops.registry import resolve_ops
+from shoal.parallel.data_parallel import _free_port
+from shoal.parallel.expert_parallel import ExpertParallel
+from shoal.runner.loading import iter_weights
+
+OPTS = {"device": "cpu", "max_num_seqs": 6, "max_model_len": 128}
+G = torch.Generator().manual_seed(11)
+PROMPTS = [torch.randint(0, 500, (n,), generator=G).tolist()
+           for n in (3, 41, 7, 1, 66, 12, 25, 2, 90, 5, 33, 17, 4, 58, 9, 21)]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True),
+          SamplingParams(temperature=0.9, seed=7, max_tokens=4, logprobs=2, ignore_eos=True),
+          SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True),  # seed from index
+          SamplingParams(temperature=0.0, max_tokens=3, n=2, ignore_eos=True)] * 4
+
+
+def _view(outs):
+    return [(o.error, [(c.token_ids, c.finish_reason,
+                        None if c.logprobs is None else
+                        [sorted((t, v.logprob) for t, v in e.items()) for e in c.logprobs])
+                       for c in o.outputs]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return _view(LLM("tiny", **OPTS).generate(PROMPTS, PARAMS, use_tqdm=False))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_world_n_equals_world_1(expected, world) -> None:
+    llm = LLM("tiny", data_parallel_size=world, expert_parallel=True, **OPTS)
+    try:
+        assert _view(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+        # one request: every other rank only serves its experts
+        assert _view(llm.generate(PROMPTS[4:5], PARAMS[4:5], use_tqdm=False)) == expected[4:5]
+    finally:
+        llm.close()
+
+
+def test_a_tight_pool_and_a_request_too_long() -> None:
+    """6 blocks of 128 per rank for 4 running requests: requests are preempted on some
+    ranks while the others step; a prompt over max_model_len gets its error, the rest
+    complete."""
+    opts = dict(OPTS, max_model_len=256, block_size=128, kv_cache_memory_gb=0.00015,
+                max_num_seqs=4)
+    prompts = [(p * 120)[:110 + i] for i, p in enumerate(PROMPTS[:7])] + [list(range(1, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = LLM("tiny", **opts)
+    want = _view(alone.generate(prompts, params, use_tqdm=False))
+    assert alone.engine.stats.preemptions > 0
+    assert want[-1][0] is not None and all(w[0] is None for w in want[:-1])
+    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **opts)
+    try:
+        assert _view(llm.generate(prompts, params, use_tqdm=False)) == want
+    finally:
+        llm.close()
+
+
+def test_an_interrupt_leaves_the_ranks_usable(expected) -> None:
+    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **OPTS)
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=120, ignore_eos=True),
+                         use_tqdm=False)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        # the interrupted call used request indices: compare the requests with fixed seeds
+        fixed = [i for i, p in enumerate(PARAMS) if p.seed is not None or p.temperature == 0]
+        got = _view(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        assert [got[i] for i in fixed] == [expected[i] for i in fixed]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        llm.close()
+
+
+def _exchange_rank(rank: int, world: int, port: int, rows: list[int], errors) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    try:
+        ops = resolve_ops("cpu", ["reference"])
+        for case, t in enumerate(rows):  # every rank makes every case; uses its own rows
+            kw = _moe_case(max(rows), 64, 32, 8, 3, shared=True).make(
+                torch.Generator().manual_seed(100 + case), torch.device("cpu"))
+            lo = rank * t
+            args = {k: kw[k][lo:lo + t] for k in ("x", "ids", "weights", "shared")}
+            want = moe_mxfp4(**args, **{k: kw[k] for k in ("w13", "w13_scale", "w2",
+                                                           "w2_scale", "limit")})
+            ep = ExpertParallel(rank, world, None, None)
+            local = ep.local_experts(8)
+            experts = {k: kw[k][local.start:local.stop]
+                       for k in ("w13", "w13_scale", "w2", "w2_scale")}
+            if t or rank == 0:
+                got = ep.moe(ops, args["x"], args["ids"], args["weights"], args["shared"],
+                             experts, kw["limit"])
+                if not torch.equal(got, want):
+                    errors.put(f"rank {rank} case {case}: max diff "
+                               f"{(got.float() - want.float()).abs().max()}")
+            else:  # no tokens here: serve the others
+                ep.serve(ops, experts, kw["limit"], torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_exchange_equals_the_reference_op() -> None:
+    """Random tokens and routes on 2 ranks, each with its own rows (rank 1 with none in the
+    last case): bitwise the reference moe_mxfp4 over all 8 experts."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exchange_rank, args=(r, 2, port, [5, 1, 37, 0], errors))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_each_rank_loads_only_its_experts() -> None:
+    config = EngineConfig.create("tiny", device="cpu")
+    cfg = config.model_config
+    whole = ModelParams.load(cfg, iter_weights(config, torch.device("cpu")))
+    names = [n for n, _ in iter_weights(config, torch.device("cpu"), (1, 4))]
+    assert not [n for n in names if ".ffn.experts.0." in n or ".ffn.experts.4." in n]
+    part = ModelParams.load(cfg, iter_weights(config, torch.device("cpu"), (1, 4)), "cpu",
+                            (1, 4))
+    for prefix in ("layers.0.", f"layers.{cfg.num_layers - 1}."):
+        got, full = part.experts(prefix), whole.experts(prefix)
+        per = cfg.n_routed_experts // 4
+        assert got["w13"].shape[0] == per
+        for key in ("w13", "w13_scale", "w2", "w2_scale"):
+            assert torch.equal(got[key], full[key][per:2 * per])
+
+
+def test_unsupported_combinations_fail_clearly() -> None:
+    with pytest.raises(ShoalError, match="speculative"):
+        LLM("tiny", data_parallel_size=2, expert_parallel=True, speculative=True, **OPTS)
+    with pytest.raises(ShoalError, match="do not split evenly"):
+        LLM("tiny", data_parallel_size=3, expert_parallel=True, **OPTS)
