@@ -28,13 +28,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (default: the cores available to the process)")
     p.add_argument("--prefill-mode", dest="prefill_mode", default=None,
                    choices=["full", "staircase", "bounded"])
-    p.add_argument("--replay-window", dest="replay_window", type=int, default=None)
-    p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
-                   default=None)
-    p.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=None)
-    p.add_argument("--block-size", dest="block_size", type=int, default=None)
+    for name, kind in (("replay_window", int), ("max_num_seqs", int), ("max_model_len", int),
+                       ("max_num_batched_tokens", int), ("kv_cache_memory_gb", float),
+                       ("block_size", int), ("kv_store_ttl_days", float)):
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
     p.add_argument("--seed", type=int, default=None, help="engine seed")
@@ -51,6 +48,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="run each step synchronously (no host/device overlap)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
                    action="store_true", help="resume after the longest cached prefix (exact)")
+    p.add_argument("--prefix-resume", dest="prefix_resume", default=None,
+                   choices=["exact", "bounded"])
     p.add_argument("--num-prefix-snapshots", dest="num_prefix_snapshots", type=int,
                    default=None, help="ring snapshots kept for prefix caching (default 64)")
     p.add_argument("--kv-host-memory-gb", dest="kv_host_memory_gb", type=float, default=None,
@@ -59,14 +58,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store-path", dest="kv_store_path", default=None,
                    help="prefix caching's persistent tier: blocks written to this directory "
                    "(10 + 2 erasure-coded shards) and read back by later runs")
-    p.add_argument("--kv-store-ttl-days", dest="kv_store_ttl_days", type=float, default=None)
 
 
-ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "load_format",
-                "seed", "speculative", "spec_confidence", "spec_verify", "async_scheduling",
-                "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
-                "kv_store_path", "kv_store_ttl_days", "block_size")
+ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
+                "spec_confidence", "spec_verify", "async_scheduling", "enable_prefix_caching",
+                "num_prefix_snapshots", "kv_host_memory_gb", "kv_store_path", "kv_store_ttl_days",
+                "block_size", "prefix_resume", "expert_parallel")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
@@ -148,6 +146,8 @@ def _check_config(args) -> None:
 def _batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
                    default=1, help="engine replicas in their own processes (one per GPU)")
+    p.add_argument("--expert-parallel", dest="expert_parallel", action="store_true",
+                   default=None, help="shard the routed experts over the --dp replicas")
     p.add_argument("--resume", action="store_true",
                    help="skip the requests already in --output (by custom_id, else input line) "
                    "and append the rest")
@@ -251,44 +251,15 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from shoal.config import resolve_model_config
-    from shoal.runner.cache_memory import plan_memory
+    from shoal.info import print_info
 
-    cfg = resolve_model_config(args.model)
-    print(f"model {args.model}: {cfg.name}, {cfg.num_layers} layers + {cfg.num_draft_layers} "
-          f"draft, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    layout = _print_roles(cfg)
-    budget = int(args.kv_cache_memory_gb * 1e9)
-    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len)
-    print(f"memory plan for {args.kv_cache_memory_gb} GB: {plan.num_blocks} blocks of "
-          f"{plan.block_size} tokens ({plan.max_context_tokens} context tokens), "
-          f"{plan.num_slots} request slots")
-    return 0
-
-
-def _print_roles(cfg):
-    """Print the layer table and the KV sizes; returns the cache layout."""
-    from shoal.runner.cache_memory import CacheLayout
-
-    print(f"decoder (tail-only prefill) layers {cfg.decoder_start}..{cfg.num_layers - 1}")
-    print("layer ratio role      kv_src topk_src extras")
-    for s in cfg.layers:
-        extras = " ".join(x for x, on in (("engram", s.has_engram),
-                                          ("candidate-source", s.is_candidate_source),
-                                          ("candidates", s.uses_candidates),
-                                          ("draft", s.is_draft)) if on)
-        print(f"{s.layer_id:5d} {s.compress_ratio:5d} {s.role.name:9s} "
-              f"{'-' if s.kv_source is None else s.kv_source:>6} "
-              f"{'-' if s.topk_source is None else s.topk_source:>8} {extras}")
-    layout = CacheLayout.from_model_config(cfg)
-    print(f"KV bytes per context token: {layout.bytes_per_context_token():.0f}; per request "
-          f"slot (SWA rings + compressor state): {layout.bytes_per_slot / 2**20:.2f} MiB")
-    return layout
+    return print_info(args)
 
 
 def cmd_demo(args) -> int:
     """Write the tiny checkpoint, load it back, and generate from it."""
     from shoal.checkpoint.writer import write_checkpoint
+    from shoal.info import print_roles
     from shoal.llm import LLM
     from shoal.model.presets import TINY
     from shoal.offline.commands import summary
@@ -300,7 +271,7 @@ def cmd_demo(args) -> int:
         print(f"wrote a synthetic tiny checkpoint to {tmp} ({time.perf_counter() - t0:.1f} s)")
         llm = LLM(tmp, device="cpu")
         print(f"loaded it back: {llm.config.model_config.name}")
-        _print_roles(llm.config.model_config)
+        print_roles(llm.config.model_config)
         prompts = ["The quick brown fox", "Hello, shoal!", "def add(a, b):"]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.8, seed=1),
@@ -363,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=40.0)
     i.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=64)
     i.add_argument("--max-model-len", dest="max_model_len", type=int, default=65536)
+    i.add_argument("--gpus", type=int, default=None, help="plan per GPU, experts over N GPUs")
+    i.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=float, default=141.0)
     sub.add_parser("make-checkpoint", add_help=False,
                    help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")

@@ -6,6 +6,7 @@ interrupt leaves the replicas usable; unsupported combinations fail clearly."""
 
 from __future__ import annotations
 
+import json
 import signal
 from datetime import timedelta
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shoal import LLM, SamplingParams
+from shoal.cli import main
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.params import ModelParams
 from shoal.ops.reference.moe import _moe_case, moe_mxfp4
@@ -167,3 +169,17 @@ def test_unsupported_combinations_fail_clearly() -> None:
         LLM("tiny", data_parallel_size=2, expert_parallel=True, speculative=True, **OPTS)
     with pytest.raises(ShoalError, match="do not split evenly"):
         LLM("tiny", data_parallel_size=3, expert_parallel=True, **OPTS)
+
+
+def test_generate_cli_with_expert_parallel(tmp_path) -> None:
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(f'{{"prompt_token_ids": [{5 + i}, 6]}}\n' for i in range(3)),
+                   encoding="utf-8")
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
+                 "--max-tokens", "3", "--quiet", "--dp", "2", "--expert-parallel",
+                 "--input", str(src), "--output", str(dst)]) == 0
+    want = LLM("tiny", device="cpu", max_model_len=64).generate(
+        [[5 + i, 6] for i in range(3)], SamplingParams(max_tokens=3, temperature=0.0),
+        use_tqdm=False)
+    got = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [r["outputs"][0]["token_ids"] for r in got] == [o.outputs[0].token_ids for o in want]

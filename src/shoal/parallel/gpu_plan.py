@@ -1,0 +1,108 @@
+"""Per-GPU memory plan of a model over N GPUs with expert parallelism (`shoal info --gpus N`):
+weights each rank holds (from the checkpoint inventory: dense weights on every rank, 1/N of the
+routed experts, the Engram tables on each GPU or in host memory), the engine's activation
+reserve, and the KV pool that is left, as the engine itself would size it.
+
+Numbers are derived, not measured: tensor bytes are exact; the KV pool follows
+`runner/loading.kv_budget_bytes` (free memory x gpu_memory_utilization less the reserve), with
+free memory taken as the GPU's memory less the weights (the CUDA context and the allocator's
+slack are not subtracted: the real pool is somewhat smaller).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.model.config import ModelConfig
+from shoal.model.params import owns_tensor
+from shoal.model.weights import checkpoint_inventory
+from shoal.runner.cache_memory import CacheLayout, plan_memory
+from shoal.runner.loading import GPU_ACTIVATION_RESERVE_GB
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty(0, dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def is_engram_table(name: str) -> bool:
+    return ".engram.embed." in name
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    gpus: int
+    gpu_memory_gb: float
+    dense_gb: float  # per rank: everything but the routed experts and the Engram tables
+    experts_gb: float  # per rank: its 1/N of the routed experts
+    engram_gb: float  # the Engram tables (one copy)
+    engram_on_gpu: bool
+    reserve_gb: float
+    kv_gb: float  # per rank
+    kv_blocks: int
+    kv_context_tokens: int
+    slots: int
+    fits: bool
+    reason: str
+
+    def lines(self) -> list[str]:
+        where = "on each GPU" if self.engram_on_gpu else "in host memory (engram_placement=" \
+            "'host': not built yet)"
+        return [
+            f"plan for {self.gpus} GPU(s) of {self.gpu_memory_gb:g} GB, expert parallel "
+            f"over {self.gpus}:",
+            f"  per GPU: dense weights {self.dense_gb:.1f} GB + routed experts "
+            f"{self.experts_gb:.1f} GB" + (f" + Engram tables {self.engram_gb:.1f} GB"
+                                           if self.engram_on_gpu else ""),
+            f"  activations and CUDA graphs: the engine's reserve of {self.reserve_gb:g} GB",
+            f"  KV pool: {self.kv_gb:.1f} GB = {self.kv_blocks} blocks "
+            f"({self.kv_context_tokens} context tokens), {self.slots} request slots",
+            f"  Engram tables {self.engram_gb:.1f} GB {where}",
+            f"  fits: {'yes' if self.fits else 'no'}" + (f" ({self.reason})" if self.reason
+                                                         else ""),
+        ]
+
+
+def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_seqs: int,
+              max_model_len: int, utilization: float = 0.9, block_size: int = 256) -> GpuPlan:
+    """The plan of rank 0 (every rank holds the same bytes: the experts split evenly)."""
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus}: expected >= 1")
+    dense = experts = engram = 0
+    for name, spec in checkpoint_inventory(config).items():
+        size = _nbytes(spec.shape, spec.dtype)
+        if is_engram_table(name):
+            engram += size
+        elif ".ffn.experts." in name:
+            experts += size if owns_tensor(config, name, (0, gpus)) else 0
+        else:
+            dense += size
+    reason = ""
+    for n in {config.n_routed_experts, config.dspark_n_routed_experts} - {0}:
+        if n % gpus:
+            reason = f"{n} experts do not split over {gpus} GPUs"
+    layout = CacheLayout.from_model_config(config, block_size=block_size)
+    one_request = layout.bytes_per_slot + -(-max_model_len // block_size) * layout.bytes_per_block
+    reserve = GPU_ACTIVATION_RESERVE_GB * 1e9
+    memory = gpu_memory_gb * 1e9
+
+    def kv_bytes(on_gpu: int) -> int:
+        return int((memory - on_gpu) * utilization - reserve)
+
+    engram_on_gpu = kv_bytes(dense + experts + engram) >= one_request
+    kv = kv_bytes(dense + experts + (engram if engram_on_gpu else 0))
+    blocks = context = slots = 0
+    if kv >= one_request:
+        plan = plan_memory(layout, kv, max_num_seqs, max_model_len)
+        blocks, context, slots = plan.num_blocks, plan.max_context_tokens, plan.num_slots
+    elif not reason:
+        reason = "the weights leave no room for one request of max_model_len"
+    if not engram_on_gpu and engram and not reason:
+        reason = "the Engram tables need host placement, which is not built yet"
+    return GpuPlan(gpus, gpu_memory_gb, dense / 1e9, experts / 1e9, engram / 1e9,
+                   engram_on_gpu, GPU_ACTIVATION_RESERVE_GB, max(kv, 0) / 1e9, blocks, context,
+                   slots, not reason, reason)
