@@ -183,3 +183,15 @@ def test_generate_cli_with_expert_parallel(tmp_path) -> None:
         use_tqdm=False)
     got = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [r["outputs"][0]["token_ids"] for r in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_dead_rank_ends_the_call_with_an_error() -> None:
+    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **OPTS)
+    try:
+        llm.replicas.processes[1].kill()
+        with pytest.raises(ShoalError, match="rank 1"):
+            llm.generate(PROMPTS[:4], PARAMS[:4], use_tqdm=False)
+        with pytest.raises(ShoalError, match="stopped after an error"):
+            llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+    finally:
+        llm.close()

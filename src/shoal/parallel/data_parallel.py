@@ -123,6 +123,7 @@ class DataParallel:
         self.commands = [ctx.Queue() for _ in range(size)]
         self.cancel = ctx.Event()
         self.expert_parallel = bool(options.get("expert_parallel"))
+        self.broken = ""  # expert parallelism: the error that stopped the group
         group = (size, _free_port(), "nccl" if use_cuda else "gloo") \
             if self.expert_parallel else None
         self.processes = []
@@ -170,6 +171,9 @@ class DataParallel:
             rank = min(range(self.size), key=loads.__getitem__)
             loads[rank] += _load_estimate(item)
             shares[rank].append((position, dict(item, request_index=next(self._indices))))
+        if self.broken:
+            raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
+                             " create a new LLM")
         # expert parallelism: a replica without requests still serves its experts
         busy = {rank for rank in range(self.size) if shares[rank] or self.expert_parallel}
         for rank in busy:
@@ -185,7 +189,11 @@ class DataParallel:
                     raise ShoalError(f"data-parallel replica {who}: {payload}")
                 else:
                     busy.discard(who)
-        except BaseException:
+        except BaseException as exc:
+            if self.expert_parallel and isinstance(exc, ShoalError):
+                self.broken = str(exc)  # a replica failed or died: the others wait inside a
+                self.close(timeout=0.0)  # collective; stop them all
+                raise
             if self.expert_parallel:  # seen by every replica at the same step
                 self.cancel.set()
             else:
@@ -200,11 +208,11 @@ class DataParallel:
                 self.cancel.clear()
             raise
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         for rank, proc in enumerate(self.processes):
             if proc.is_alive():
                 self.commands[rank].put(("stop", None, None))
         for proc in self.processes:
-            proc.join(30)
+            proc.join(timeout)
             if proc.is_alive():
                 proc.terminate()
