@@ -103,7 +103,10 @@ class RunnerConfig:
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
     by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly
-    (no CUDA graphs) and without speculative decoding."""
+    (no CUDA graphs) and without speculative decoding.
+    engram_placement: where the Engram tables live on CUDA: 'device', 'host' (pinned host
+    memory, its rows read in place by the gather kernel over the bus: same results, no GPU
+    memory) or 'auto' (host when the GPU plan leaves no room for them: `shoal info --gpus`)."""
 
     device: str = "auto"
     backends: tuple[str, ...] | None = None
@@ -118,6 +121,7 @@ class RunnerConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
     expert_parallel: bool = False
+    engram_placement: str = "auto"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -129,6 +133,9 @@ class RunnerConfig:
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ShoalError(f"load_format: got {self.load_format!r}, expected 'auto', "
                              "'dummy' or 'safetensors'")
+        if self.engram_placement not in ("auto", "device", "host"):
+            raise ShoalError(f"engram_placement: got {self.engram_placement!r}, expected "
+                             "'auto', 'device' or 'host'")
         if self.spec_verify not in ("exact", "rejection"):
             raise ShoalError(f"spec_verify: got {self.spec_verify!r}, expected 'exact' or "
                              "'rejection'")

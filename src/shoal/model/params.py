@@ -12,7 +12,7 @@ routed experts, stacked with local ids (`owns_tensor`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -65,8 +65,10 @@ class ModelParams:
 
     @classmethod
     def load(cls, config: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             device: torch.device | str = "cpu", shard: tuple[int, int] = (0, 1)
+             device: torch.device | str = "cpu", shard: tuple[int, int] = (0, 1),
+             place: Callable[[str, torch.Tensor], torch.Tensor] | None = None
              ) -> ModelParams:
+        """`place(name, tensor)`: where a tensor goes (default: `device`)."""
         inventory = {n: s for n, s in checkpoint_inventory(config).items()
                      if owns_tensor(config, n, shard)}
         tensors: dict[str, torch.Tensor] = {}
@@ -81,7 +83,7 @@ class ModelParams:
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise WeightError(f"weight {name}: got {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"expected {spec.shape} {spec.dtype}")
-            tensor = tensor.to(device)
+            tensor = tensor.to(device) if place is None else place(name, tensor)
             placed = _place_expert(config, name, tensor, experts, device, shard)
             if not placed:
                 tensors[name] = tensor

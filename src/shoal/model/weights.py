@@ -194,6 +194,12 @@ def iter_inventory(config: ModelConfig) -> Iterator[TensorSpec]:
             yield _spec(p + "confidence_head.proj.weight", (1, d + rank), "bf16")
 
 
+def is_engram_table(name: str) -> bool:
+    """An Engram layer's hashed embedding table (or its scales): the bulk of the model's
+    non-expert bytes, placeable in host memory."""
+    return ".engram.embed." in name
+
+
 def checkpoint_inventory(config: ModelConfig) -> dict[str, TensorSpec]:
     """name -> TensorSpec for every text-model tensor of `config` (insertion order = file order)."""
     return {s.name: s for s in iter_inventory(config)}

@@ -17,7 +17,7 @@ import torch
 
 from shoal.model.config import ModelConfig
 from shoal.model.params import owns_tensor
-from shoal.model.weights import checkpoint_inventory
+from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.runner.cache_memory import CacheLayout, plan_memory
 from shoal.runner.loading import GPU_ACTIVATION_RESERVE_GB
 
@@ -27,10 +27,6 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def is_engram_table(name: str) -> bool:
-    return ".engram.embed." in name
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,9 +17,10 @@ from shoal.config import EngineConfig, ShoalError
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ModelParams, WeightError, owns_tensor
-from shoal.model.weights import checkpoint_inventory
+from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.ops.registry import resolve_ops
 from shoal.parallel.expert_parallel import ExpertParallel
+from shoal.runner.host_mapped import host_mapped
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,41 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def iter_weights(config: EngineConfig, device: torch.device, shard: tuple[int, int] = (0, 1)
+def engram_on_host(config: EngineConfig, device: torch.device, world: int = 1) -> bool:
+    """Whether the Engram tables go to pinned host memory (`RunnerConfig.engram_placement`;
+    'auto': when the GPU plan of `world` GPUs leaves no room for them)."""
+    placement, mc = config.runner.engram_placement, config.model_config
+    if device.type != "cuda" or not mc.engram_layer_ids or placement == "device":
+        return False
+    if placement == "host":
+        return True
+    from shoal.parallel.gpu_plan import plan_gpus
+
+    sched = config.scheduler
+    total = torch.cuda.get_device_properties(device).total_memory / 1e9
+    return not plan_gpus(mc, world, total, max_num_seqs=sched.max_num_seqs,
+                         max_model_len=sched.max_model_len,
+                         utilization=config.cache.gpu_memory_utilization,
+                         block_size=config.cache.block_size).engram_on_gpu
+
+
+def iter_weights(config: EngineConfig, device: torch.device, shard: tuple[int, int] = (0, 1),
+                 host: Callable[[str], bool] = lambda name: False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights this rank holds (`shard` = (rank, world) of expert parallelism): the
-    others are neither generated nor read."""
+    others are neither generated nor read. Random weights named by `host` are made on the
+    CPU (the same bits: they are device-independent)."""
     fmt, mc = config.runner.load_format, config.model_config
     if fmt == "dummy" or (fmt == "auto" and config.is_preset):
-        names = None if shard[1] == 1 else [
-            n for n in checkpoint_inventory(mc) if owns_tensor(mc, n, shard)]
-        yield from generate_weights(mc, seed=config.runner.seed, device=device, names=names)
+        names = [n for n in checkpoint_inventory(mc) if owns_tensor(mc, n, shard)]
+        on_host = [n for n in names if host(n)]
+        if on_host:
+            yield from generate_weights(mc, seed=config.runner.seed, device="cpu",
+                                        names=on_host)
+        rest = [n for n in names if not host(n)]
+        yield from generate_weights(mc, seed=config.runner.seed, device=device,
+                                    names=None if len(rest) == len(checkpoint_inventory(mc))
+                                    else rest)
         return
     if config.is_preset:
         raise ShoalError(f"load_format={fmt!r} needs a checkpoint directory, got the preset "
@@ -68,15 +95,23 @@ def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device
         ep.local_experts(cfg.n_routed_experts)
         if cfg.num_draft_layers:
             ep.local_experts(cfg.dspark_n_routed_experts, "DSpark routed experts")
+    host = is_engram_table if engram_on_host(config, device, shard[1]) else (lambda name: False)
+
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return host_mapped(tensor, device) if host(name) else tensor.to(device)
+
     start = time.perf_counter()
     try:
-        params = ModelParams.load(cfg, iter_weights(config, device, shard), device, shard)
+        params = ModelParams.load(cfg, iter_weights(config, device, shard, host), device, shard,
+                                  place)
     except WeightError as exc:
         raise ShoalError(f"model {config.model!r}: {exc}") from None
     backend = getattr(tokenizer, "backend", None)
     token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
-    logger.info("weights loaded in %.1f s%s", time.perf_counter() - start,
-                "" if ep is None else f" (rank {ep.rank} of {ep.world}: its experts only)")
+    logger.info("weights loaded in %.1f s%s%s", time.perf_counter() - start,
+                "" if ep is None else f" (rank {ep.rank} of {ep.world}: its experts only)",
+                "; Engram tables in pinned host memory" if host("layers.0.engram.embed.weight")
+                else "")
     return DeepseekV41(cfg, params, ops, token_map, ep)
 
 
