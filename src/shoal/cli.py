@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--max-model-len", dest="max_model_len", type=int, default=65536)
     i.add_argument("--gpus", type=int, default=None, help="plan per GPU, experts over N GPUs")
     i.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=float, default=141.0)
+    i.add_argument("--host-memory-gb", dest="host_memory_gb", type=float, default=None)
     sub.add_parser("make-checkpoint", add_help=False,
                    help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")

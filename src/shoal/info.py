@@ -21,7 +21,7 @@ def print_info(args) -> int:
         from shoal.parallel.gpu_plan import plan_gpus
 
         gpus = plan_gpus(cfg, args.gpus, args.gpu_memory_gb, max_num_seqs=args.max_num_seqs,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, host_memory_gb=args.host_memory_gb)
         print("\n".join(gpus.lines()))
     return 0
 

@@ -1,7 +1,8 @@
 """Per-GPU memory plan of a model over N GPUs with expert parallelism (`shoal info --gpus N`):
 weights each rank holds (from the checkpoint inventory: dense weights on every rank, 1/N of the
-routed experts, the Engram tables on each GPU or in host memory), the engine's activation
-reserve, and the KV pool that is left, as the engine itself would size it.
+routed experts, the Engram tables on each GPU or in pinned host memory, one copy per rank), the
+engine's activation reserve, and the KV pool that is left, as the engine itself would size it;
+with the node's host memory given, whether the ranks' copies of the Engram tables fit in it.
 
 Numbers are derived, not measured: tensor bytes are exact; the KV pool follows
 `runner/loading.kv_budget_bytes` (free memory x gpu_memory_utilization less the reserve), with
@@ -44,10 +45,12 @@ class GpuPlan:
     slots: int
     fits: bool
     reason: str
+    host_checked: bool = True  # False: the Engram tables are on the host, its memory unknown
 
     def lines(self) -> list[str]:
-        where = "on each GPU" if self.engram_on_gpu else "in host memory (engram_placement=" \
-            "'host': not built yet)"
+        where = "on each GPU" if self.engram_on_gpu else (
+            f"in pinned host memory, one copy per rank: {self.engram_gb * self.gpus:.0f} GB of "
+            "host memory on a node with all the ranks")
         return [
             f"plan for {self.gpus} GPU(s) of {self.gpu_memory_gb:g} GB, expert parallel "
             f"over {self.gpus}:",
@@ -59,12 +62,15 @@ class GpuPlan:
             f"({self.kv_context_tokens} context tokens), {self.slots} request slots",
             f"  Engram tables {self.engram_gb:.1f} GB {where}",
             f"  fits: {'yes' if self.fits else 'no'}" + (f" ({self.reason})" if self.reason
-                                                         else ""),
+                                                         else "")
+            + ("" if self.host_checked else " on the GPUs (give --host-memory-gb to check the "
+               "host)"),
         ]
 
 
 def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_seqs: int,
-              max_model_len: int, utilization: float = 0.9, block_size: int = 256) -> GpuPlan:
+              max_model_len: int, utilization: float = 0.9, block_size: int = 256,
+              host_memory_gb: float | None = None) -> GpuPlan:
     """The plan of rank 0 (every rank holds the same bytes: the experts split evenly)."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus}: expected >= 1")
@@ -97,8 +103,11 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
         blocks, context, slots = plan.num_blocks, plan.max_context_tokens, plan.num_slots
     elif not reason:
         reason = "the weights leave no room for one request of max_model_len"
-    if not engram_on_gpu and engram and not reason:
-        reason = "the Engram tables need host placement, which is not built yet"
+    host_need = 0 if engram_on_gpu else engram * gpus
+    if host_need and host_memory_gb is not None and host_need > host_memory_gb * 1e9 \
+            and not reason:
+        reason = (f"{gpus} copies of the Engram tables need {host_need / 1e9:.0f} GB of "
+                  f"pinned host memory, the node has {host_memory_gb:g} GB")
     return GpuPlan(gpus, gpu_memory_gb, dense / 1e9, experts / 1e9, engram / 1e9,
                    engram_on_gpu, GPU_ACTIVATION_RESERVE_GB, max(kv, 0) / 1e9, blocks, context,
-                   slots, not reason, reason)
+                   slots, not reason, reason, not host_need or host_memory_gb is not None)
