@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from shoal.config import ShoalError
 
@@ -64,7 +65,7 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
                 "spec_confidence", "spec_verify", "async_scheduling", "enable_prefix_caching",
                 "num_prefix_snapshots", "kv_host_memory_gb", "kv_store_path", "kv_store_ttl_days",
-                "block_size", "prefix_resume", "expert_parallel")
+                "block_size", "prefix_resume", "expert_parallel", "expert_placement")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
@@ -132,6 +133,8 @@ def _make_llm(args):
 
     _threads(args)
     opts = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "expert_loads_out", None):
+        opts["record_expert_loads"] = True
     return LLM(args.model, data_parallel_size=getattr(args, "data_parallel_size", 1), **opts)
 
 
@@ -148,6 +151,10 @@ def _batch_args(p: argparse.ArgumentParser) -> None:
                    default=1, help="engine replicas in their own processes (one per GPU)")
     p.add_argument("--expert-parallel", dest="expert_parallel", action="store_true",
                    default=None, help="shard the routed experts over the --dp replicas")
+    p.add_argument("--expert-placement", dest="expert_placement", default=None,
+                   help="an EPLB placement file (shoal eplb)")
+    p.add_argument("--record-expert-loads", dest="expert_loads_out", default=None,
+                   help="write the tokens routed to each expert to this JSON file")
     p.add_argument("--resume", action="store_true",
                    help="skip the requests already in --output (by custom_id, else input line) "
                    "and append the rest")
@@ -158,7 +165,11 @@ def cmd_generate(args) -> int:
     from shoal.offline.commands import generate
 
     _check_config(args)
-    return generate(args, lambda: _make_llm(args), _default_params(args))
+    made = []
+    rc = generate(args, lambda: made.append(_make_llm(args)) or made[-1], _default_params(args))
+    if args.expert_loads_out and made:  # `shoal eplb --loads FILE`
+        Path(args.expert_loads_out).write_text(json.dumps(made[0].expert_loads()))
+    return rc
 
 
 def cmd_run_batch(args) -> int:
@@ -256,6 +267,12 @@ def cmd_info(args) -> int:
     return print_info(args)
 
 
+def cmd_eplb(args) -> int:
+    from shoal.parallel.eplb import eplb_command
+
+    return eplb_command(args)
+
+
 def cmd_demo(args) -> int:
     """Write the tiny checkpoint, load it back, and generate from it."""
     from shoal.checkpoint.writer import write_checkpoint
@@ -340,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("make-checkpoint", add_help=False,
                    help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")
+    e = sub.add_parser("eplb", help="balanced expert placement from recorded loads")
+    e.add_argument("--loads", nargs="+", required=True, help="--record-expert-loads files")
+    e.add_argument("--world", type=int, required=True, help="expert-parallel ranks")
+    e.add_argument("--redundant", type=int, default=0, help="extra expert copies per layer")
+    e.add_argument("--out", required=True, help="the placement file (--expert-placement)")
     sub.add_parser("bench", add_help=False,
                    help="end-to-end mini benchmark on the GPU (shoal bench --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -360,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": cmd_serve,
-                "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo}[args.command](args)
+                "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo,
+            "eplb": cmd_eplb}[args.command](args)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return 2

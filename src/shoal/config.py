@@ -103,7 +103,10 @@ class RunnerConfig:
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
     by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly
-    (no CUDA graphs) and without speculative decoding.
+    (no CUDA graphs) and without speculative decoding. expert_placement: an EPLB placement
+    file (`shoal eplb`: busy experts copied on several ranks) instead of contiguous slices.
+    record_expert_loads: count the tokens routed to each expert of each MoE layer
+    (`LLM.expert_loads()`, `--record-expert-loads FILE`; eager steps: no CUDA graphs).
     engram_placement: where the Engram tables live on CUDA: 'device', 'host' (pinned host
     memory, its rows read in place by the gather kernel over the bus: same results, no GPU
     memory) or 'auto' (host when the GPU plan leaves no room for them: `shoal info --gpus`)."""
@@ -121,6 +124,8 @@ class RunnerConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
     expert_parallel: bool = False
+    expert_placement: str | None = None
+    record_expert_loads: bool = False
     engram_placement: str = "auto"
 
     def __post_init__(self) -> None:

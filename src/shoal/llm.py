@@ -53,6 +53,16 @@ class LLM:
             self._tokenizer = load_tokenizer(self.config)
         return self._tokenizer
 
+    def expert_loads(self) -> dict[str, list[int]]:
+        """Tokens routed to each expert of each MoE layer so far (`record_expert_loads=True`;
+        summed over the data-parallel replicas): the input of `shoal eplb`."""
+        if self.replicas is not None:
+            return self.replicas.expert_loads()
+        loads = self.engine.runner.model.expert_loads
+        if loads is None:
+            raise ValueError("expert_loads(): create the LLM with record_expert_loads=True")
+        return {prefix: counts.tolist() for prefix, counts in sorted(loads.items())}
+
     def close(self) -> None:
         """Stop the data-parallel replicas (a single engine needs no closing)."""
         if self.replicas is not None:

@@ -127,7 +127,8 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "replay_window": 99, "load_format": "dummy", "seed": 7, "speculative": True,
     "spec_confidence": 0.4, "spec_verify": "rejection",
     "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8), "async_scheduling": False,
-    "expert_parallel": True, "engram_placement": "host",
+    "expert_parallel": True, "engram_placement": "host", "expert_placement": "/nonexistent.json",
+    "record_expert_loads": True,
     "enable_prefix_caching": True, "num_prefix_snapshots": 5, "kv_host_memory_gb": 0.01,
     "prefix_resume": "exact",  # (its only value)
     "kv_store_path": "/nonexistent/shoal-kv", "kv_store_ttl_days": 7.0,

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from shoal import LLM, SamplingParams
 from shoal.cli import main
 from shoal.config import EngineConfig, ShoalError
-from shoal.model.params import ModelParams
+from shoal.model.params import ExpertShard, ModelParams
 from shoal.ops.reference.moe import _moe_case, moe_mxfp4
 from shoal.ops.registry import resolve_ops
 from shoal.parallel.data_parallel import _free_port
@@ -152,10 +152,10 @@ def test_each_rank_loads_only_its_experts() -> None:
     config = EngineConfig.create("tiny", device="cpu")
     cfg = config.model_config
     whole = ModelParams.load(cfg, iter_weights(config, torch.device("cpu")))
-    names = [n for n, _ in iter_weights(config, torch.device("cpu"), (1, 4))]
+    names = [n for n, _ in iter_weights(config, torch.device("cpu"), ExpertShard(1, 4))]
     assert not [n for n in names if ".ffn.experts.0." in n or ".ffn.experts.4." in n]
-    part = ModelParams.load(cfg, iter_weights(config, torch.device("cpu"), (1, 4)), "cpu",
-                            (1, 4))
+    part = ModelParams.load(cfg, iter_weights(config, torch.device("cpu"), ExpertShard(1, 4)),
+                            "cpu", ExpertShard(1, 4))
     for prefix in ("layers.0.", f"layers.{cfg.num_layers - 1}."):
         got, full = part.experts(prefix), whole.experts(prefix)
         per = cfg.n_routed_experts // 4

@@ -44,6 +44,7 @@ class StepContext:
     token_slot: torch.Tensor  # [T] request slot of each row
     shared: SharedIndex = field(default_factory=SharedIndex)  # CSA2 top-k and candidates
     ep: ExpertParallel | None = None  # expert parallelism: this rank's slice of the experts
+    expert_loads: dict[str, torch.Tensor] | None = None  # recording: tokens per expert
     # index tensors that depend only on the step (not on the layer), computed once per step and
     # shared by the layers: key -> (the row-set tensor the key's id() refers to, the result)
     _memo: dict[tuple, tuple[torch.Tensor | None, object]] = field(default_factory=dict)
@@ -62,7 +63,8 @@ class StepContext:
 
     @classmethod
     def build(cls, config: ModelConfig, params: ModelParams, caches: KVCaches, ops: OpTable,
-              batch: ForwardBatch, ep: ExpertParallel | None = None) -> StepContext:
+              batch: ForwardBatch, ep: ExpertParallel | None = None,
+              expert_loads: dict[str, torch.Tensor] | None = None) -> StepContext:
         t = batch.num_tokens
         if t > caches.max_tokens:
             raise ValueError(f"step has {t} tokens, more than the caches' scratch "
@@ -78,7 +80,8 @@ class StepContext:
             floor, dec_floor = batch.swa_floor, torch.maximum(dec_floor, batch.swa_floor)
         enc = ops.swa_indices(floor=floor, **common)
         dec = ops.swa_indices(floor=dec_floor, **common)
-        return cls(config, params, caches, ops, batch, enc, dec, token_slot, ep=ep)
+        return cls(config, params, caches, ops, batch, enc, dec, token_slot, ep=ep,
+                   expert_loads=expert_loads)
 
     def n_visible(self, ratio: int, rows: torch.Tensor | None) -> torch.Tensor:
         """Compressed rows of ratio `ratio` visible to each of `rows` (once per step)."""

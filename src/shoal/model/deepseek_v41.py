@@ -56,6 +56,8 @@ class DeepseekV41:
         self.engram_consts: EngramConstants | None = None
         self.token_map = token_map
         self.ep = ep
+        # MoE prefix -> tokens routed to each expert, while recording (None: not recording)
+        self.expert_loads: dict[str, torch.Tensor] | None = None
         # the first block's pre_prev (one-hot on stream 0), expanded per step: no launches
         self.first_pre = torch.zeros(config.hc_mult, dtype=torch.float32,
                                      device=params["embed.weight"].device)
@@ -85,7 +87,7 @@ class DeepseekV41:
                 capture: bool = False) -> ForwardOutput:
         cfg, ops, p = self.config, self.ops, self.params
         restore(caches, batch.snapshot_restores)  # prefix-cache hits: rings below their start
-        ctx = StepContext.build(cfg, p, caches, ops, batch, self.ep)
+        ctx = StepContext.build(cfg, p, caches, ops, batch, self.ep, self.expert_loads)
         t = batch.num_tokens
         hc = cfg.hc_mult
         emb = ops.embed(ids=batch.input_ids, table=p["embed.weight"])

@@ -16,6 +16,12 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
     ids, weights = ops.router(x=x, weight=p[ffn + "gate.weight"], bias=p[ffn + "gate.bias"],
                               k=num_experts_per_tok, route_scale=cfg.routed_scaling_factor,
                               gate_temp=cfg.gate_temp)
+    if ctx.expert_loads is not None:
+        e_total = cfg.dspark_n_routed_experts if prefix.startswith("mtp.") else \
+            cfg.n_routed_experts
+        counts = ctx.expert_loads.setdefault(prefix, torch.zeros(
+            e_total, dtype=torch.int64, device=ids.device))
+        counts += torch.bincount(ids.reshape(-1), minlength=e_total)
     se = ffn + "shared_experts."
     w13 = p.fused(se + "w1+w3")
     if w13 is not None:  # one GEMM: gate columns, then up columns
@@ -27,7 +33,8 @@ def moe(ctx: StepContext, prefix: str, x: torch.Tensor, num_experts_per_tok: int
     h = ops.swiglu_clamp(gate=gate, up=up, weight=None, limit=cfg.swiglu_limit)  # bf16 in
     shared = ops.gemm_fp8(x=h, weight=p[se + "w2.weight"], weight_scale=p[se + "w2.scale"])
     if ctx.ep is not None:
-        return ctx.ep.moe(ops, x, ids, weights, shared, p.experts(prefix), cfg.swiglu_limit)
+        return ctx.ep.moe(ops, x, ids, weights, shared, p.experts(prefix), cfg.swiglu_limit,
+                          prefix)
     # bf16(sum of the routed outputs + shared) in fp32, added and rounded inside the op
     return ops.moe_mxfp4(x=x, ids=ids, weights=weights, limit=cfg.swiglu_limit, shared=shared,
                          **p.experts(prefix))

@@ -6,8 +6,8 @@ runs one GEMM (one activation quantisation, one launch) for both.
 Invariant: the name map is total (model.md §6): every inventory tensor must arrive with its
 shape and dtype, unknown names are an error that names them, the vision tower is ignored. A
 fused pair's official names are views of its rows (no second copy). Under expert parallelism
-(`shard` = (rank, world)) a rank holds, and expects, only its contiguous slice of each layer's
-routed experts, stacked with local ids (`owns_tensor`).
+a rank holds, and expects, only its `ExpertShard` of each layer's routed experts (a contiguous
+slice, or an EPLB placement's slots), stacked in local slot order (`owns_tensor`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from shoal.model.config import ModelConfig
 from shoal.model.weights import checkpoint_inventory, is_optional, is_vision_name
+from shoal.parallel.eplb import ExpertPlacement
 
 EXPERT_PARTS = ("w13", "w13_scale", "w2", "w2_scale")
 # (first, second, fused name): FP8 [N, K] weights of one input, stacked by rows
@@ -65,10 +66,11 @@ class ModelParams:
 
     @classmethod
     def load(cls, config: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             device: torch.device | str = "cpu", shard: tuple[int, int] = (0, 1),
+             device: torch.device | str = "cpu", shard: ExpertShard | None = None,
              place: Callable[[str, torch.Tensor], torch.Tensor] | None = None
              ) -> ModelParams:
         """`place(name, tensor)`: where a tensor goes (default: `device`)."""
+        shard = shard or ExpertShard()
         inventory = {n: s for n, s in checkpoint_inventory(config).items()
                      if owns_tensor(config, n, shard)}
         tensors: dict[str, torch.Tensor] = {}
@@ -114,27 +116,43 @@ def _num_experts(config: ModelConfig, prefix: str) -> int:
         config.n_routed_experts
 
 
-def owns_tensor(config: ModelConfig, name: str, shard: tuple[int, int]) -> bool:
-    """Whether rank `shard[0]` of `shard[1]` holds tensor `name`: every tensor but the routed
-    experts outside its contiguous slice of the layer's experts."""
-    rank, world = shard
-    split = _split_expert(name) if world > 1 else None
-    if split is None:
-        return True
-    per = _num_experts(config, split[0]) // world
-    return rank * per <= split[1] < (rank + 1) * per
+class ExpertShard:
+    """The routed experts rank `rank` of `world` holds per MoE layer, in local slot order:
+    experts [r E/N, (r+1) E/N), or the slots an EPLB `placement` gives the layer."""
+
+    def __init__(self, rank: int = 0, world: int = 1,
+                 placement: ExpertPlacement | None = None) -> None:
+        self.rank, self.world, self.placement = rank, world, placement
+        self._local: dict[str, dict[int, int]] = {}  # prefix -> {logical expert: local slot}
+
+    def local(self, config: ModelConfig, prefix: str) -> dict[int, int]:
+        if prefix not in self._local:
+            if self.placement is not None and prefix in self.placement.layers:
+                experts = self.placement.slots_of(prefix, self.rank)
+            else:
+                per = _num_experts(config, prefix) // self.world
+                experts = tuple(range(self.rank * per, (self.rank + 1) * per))
+            self._local[prefix] = {e: i for i, e in enumerate(experts)}
+        return self._local[prefix]
+
+
+def owns_tensor(config: ModelConfig, name: str, shard: ExpertShard) -> bool:
+    """Whether the rank of `shard` holds tensor `name`: every tensor but the routed experts
+    outside its shard."""
+    split = _split_expert(name) if shard.world > 1 else None
+    return split is None or split[1] in shard.local(config, split[0])
 
 
 def _place_expert(config: ModelConfig, name: str, tensor: torch.Tensor,
-                  experts: dict[str, dict], device, shard: tuple[int, int]) -> bool:
+                  experts: dict[str, dict], device, shard: ExpertShard) -> bool:
     split = _split_expert(name)
     if split is None:
         return False
     prefix, idx, part = split
     inter = config.moe_intermediate_size
     slot = experts.setdefault(prefix, {"_seen": set()})
-    n = _num_experts(config, prefix) // shard[1]
-    idx -= shard[0] * n
+    local = shard.local(config, prefix)
+    n, idx = len(local), local[idx]
     if part in ("w1.weight", "w3.weight", "w1.scale", "w3.scale"):
         key = "w13" if part.endswith("weight") else "w13_scale"
         if key not in slot:

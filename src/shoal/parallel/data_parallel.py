@@ -88,6 +88,12 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
         command = commands.get()
         if command[0] == "stop":
             return
+        if command[0] == "loads":
+            try:
+                results.put(("loads", None, rank, llm.expert_loads()))
+            except ValueError as exc:
+                results.put(("failed", None, rank, str(exc)))
+            continue
         _, call, items = command
         running[0] = True
         try:
@@ -207,6 +213,20 @@ class DataParallel:
             finally:
                 self.cancel.clear()
             raise
+
+    def expert_loads(self) -> dict[str, list[int]]:
+        """The replicas' expert loads, summed."""
+        for rank in range(self.size):
+            self.commands[rank].put(("loads", None, None))
+        total: dict[str, list[int]] = {}
+        for _ in range(self.size):
+            kind, _, rank, payload = self._get(60.0)
+            if kind == "failed":
+                raise ValueError(payload)
+            for prefix, counts in payload.items():
+                total[prefix] = [a + b for a, b in zip(total.get(prefix, [0] * len(counts)),
+                                                       counts, strict=True)]
+        return dict(sorted(total.items()))
 
     def close(self, timeout: float = 30.0) -> None:
         for rank, proc in enumerate(self.processes):

@@ -3,7 +3,9 @@ torch.distributed group, each token's rows sent to its experts' ranks and the ou
 (all-to-all), and the lockstep that keeps every rank in each step's collectives.
 
 Rank r of N holds experts [r E/N, (r+1) E/N) of each MoE layer (a contiguous slice: it reads only
-those tensors of the checkpoint). A MoE call routes locally, then:
+those tensors of the checkpoint), or the slots of an EPLB placement (`parallel/eplb.py`: busy
+experts have copies on several ranks; a token goes to copy (token index mod copies)). A MoE
+call routes locally, then:
 1. sorts its (token, slot) pairs by owner rank and exchanges the counts;
 2. sends each pair's row as FP8 codes + UE8M0 scales (what the expert GEMM quantises it to
    anyway: the receiver's dequantised bf16 row re-quantises to the same codes; 0.53x the bf16
@@ -29,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from shoal.config import ShoalError
+from shoal.model.params import ExpertShard
+from shoal.parallel.eplb import ExpertPlacement
 from shoal.quant.fp8 import dequant_fp8_act
 
 logger = logging.getLogger(__name__)
@@ -39,13 +43,17 @@ COLLECTIVE_TIMEOUT_S = 600.0  # a rank that died or hangs ends the run with an e
 class ExpertParallel:
     """This process's rank in the expert-parallel group. Build with `from_process_group`."""
 
-    def __init__(self, rank: int, world: int, group, control) -> None:
+    def __init__(self, rank: int, world: int, group, control,
+                 placement: ExpertPlacement | None = None) -> None:
         self.rank, self.world = rank, world
         self.group = group  # the data collectives (NCCL on CUDA, gloo on the CPU)
         self.control = control  # the per-step join (gloo, host tensors)
+        self.placement = placement
+        self._routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix -> copies
 
     @classmethod
-    def from_process_group(cls, device: torch.device) -> ExpertParallel | None:
+    def from_process_group(cls, device: torch.device, placement: str | None = None
+                           ) -> ExpertParallel | None:
         """The group of the initialised default process group (None when torch.distributed is
         not initialised or has one rank: the experts stay whole, no collectives)."""
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -55,7 +63,21 @@ class ExpertParallel:
             raise ShoalError(f"expert parallelism on CUDA needs the NCCL backend, got {backend}")
         control = dist.new_group(backend="gloo", timeout=timedelta(
             seconds=COLLECTIVE_TIMEOUT_S)) if backend != "gloo" else None
-        return cls(dist.get_rank(), dist.get_world_size(), None, control)
+        return cls(dist.get_rank(), dist.get_world_size(), None, control,
+                   ExpertPlacement.load(placement) if placement else None)
+
+    def shard(self, config) -> ExpertShard:
+        """The experts this rank loads (checked against the model's expert counts)."""
+        if self.placement is not None:
+            try:
+                self.placement.check(config.n_routed_experts, self.world)
+            except ValueError as exc:
+                raise ShoalError(f"expert_placement: {exc}") from None
+        else:
+            self.local_experts(config.n_routed_experts)
+        if config.num_draft_layers:
+            self.local_experts(config.dspark_n_routed_experts, "DSpark routed experts")
+        return ExpertShard(self.rank, self.world, self.placement)
 
     def local_experts(self, num_experts: int, what: str = "routed experts") -> range:
         """The experts this rank holds, of `num_experts`."""
@@ -84,15 +106,33 @@ class ExpertParallel:
         dist.all_to_all_single(recv, send_counts, group=self.group)
         return recv.tolist()
 
+    def _slots(self, prefix: str, ids: torch.Tensor, per: int) -> torch.Tensor:
+        """Physical slot of each (token, slot) pair [T * k]: the expert itself, or with a
+        placement, its copy (token index mod copies)."""
+        if self.placement is None or prefix not in self.placement.layers:
+            return ids.reshape(-1)
+        if prefix not in self._routes:
+            slots = self.placement.layers[prefix]
+            e_total = max(slots) + 1
+            where: list[list[int]] = [[] for _ in range(e_total)]
+            for p, e in enumerate(slots):
+                where[e].append(p)
+            table = torch.tensor([w + [w[0]] * (self.world - len(w)) for w in where])
+            self._routes[prefix] = (table.to(ids.device),
+                                    torch.tensor([len(w) for w in where]).to(ids.device))
+        table, count = self._routes[prefix]
+        token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        return table[ids, token % count[ids]].reshape(-1)
+
     def moe(self, ops, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            shared: torch.Tensor, experts: dict[str, torch.Tensor], limit: float
-            ) -> torch.Tensor:
+            shared: torch.Tensor, experts: dict[str, torch.Tensor], limit: float,
+            prefix: str = "") -> torch.Tensor:
         """The block's FFN output [T, D] bf16, like `moe_mxfp4(x, ids, weights, shared=shared)`
-        over all experts; `experts` holds this rank's slice (local ids)."""
+        over all experts; `experts` holds this rank's slots of layer `prefix`."""
         t, d = x.shape
         k = ids.shape[1]
         per = experts["w13"].shape[0]
-        flat = ids.reshape(-1)
+        flat = self._slots(prefix, ids, per)
         owner = torch.div(flat, per, rounding_mode="floor")
         order = torch.sort(owner, stable=True).indices  # pairs grouped by owner rank
         send_counts = torch.bincount(owner, minlength=self.world).to(torch.int64).cpu()

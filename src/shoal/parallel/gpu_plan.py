@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.model.config import ModelConfig
-from shoal.model.params import owns_tensor
+from shoal.model.params import ExpertShard, owns_tensor
 from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.runner.cache_memory import CacheLayout, plan_memory
 from shoal.runner.loading import GPU_ACTIVATION_RESERVE_GB
@@ -75,12 +75,13 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
     if gpus < 1:
         raise ValueError(f"gpus={gpus}: expected >= 1")
     dense = experts = engram = 0
+    shard = ExpertShard(0, gpus)
     for name, spec in checkpoint_inventory(config).items():
         size = _nbytes(spec.shape, spec.dtype)
         if is_engram_table(name):
             engram += size
         elif ".ffn.experts." in name:
-            experts += size if owns_tensor(config, name, (0, gpus)) else 0
+            experts += size if owns_tensor(config, name, shard) else 0
         else:
             dense += size
     reason = ""

@@ -16,7 +16,7 @@ from shoal.checkpoint.writer import generate_weights
 from shoal.config import EngineConfig, ShoalError
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.engram_hash import token_map_for
-from shoal.model.params import ModelParams, WeightError, owns_tensor
+from shoal.model.params import ExpertShard, ModelParams, WeightError, owns_tensor
 from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.ops.registry import resolve_ops
 from shoal.parallel.expert_parallel import ExpertParallel
@@ -55,13 +55,14 @@ def engram_on_host(config: EngineConfig, device: torch.device, world: int = 1) -
                          block_size=config.cache.block_size).engram_on_gpu
 
 
-def iter_weights(config: EngineConfig, device: torch.device, shard: tuple[int, int] = (0, 1),
+def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard | None = None,
                  host: Callable[[str], bool] = lambda name: False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights this rank holds (`shard` = (rank, world) of expert parallelism): the
-    others are neither generated nor read. Random weights named by `host` are made on the
+    """The weights this rank holds (its `shard` of the routed experts under expert
+    parallelism): the others are neither generated nor read. Random weights named by `host` are made on the
     CPU (the same bits: they are device-independent)."""
     fmt, mc = config.runner.load_format, config.model_config
+    shard = shard or ExpertShard()
     if fmt == "dummy" or (fmt == "auto" and config.is_preset):
         names = [n for n in checkpoint_inventory(mc) if owns_tensor(mc, n, shard)]
         on_host = [n for n in names if host(n)]
@@ -90,12 +91,8 @@ def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device
     cfg = config.model_config
     ops = resolve_ops(device, list(config.runner.backends) if config.runner.backends else None)
     logger.info("op table:\n%s", ops.report())
-    shard = (0, 1) if ep is None else (ep.rank, ep.world)
-    if ep is not None:
-        ep.local_experts(cfg.n_routed_experts)
-        if cfg.num_draft_layers:
-            ep.local_experts(cfg.dspark_n_routed_experts, "DSpark routed experts")
-    host = is_engram_table if engram_on_host(config, device, shard[1]) else (lambda name: False)
+    shard = ExpertShard() if ep is None else ep.shard(cfg)
+    host = is_engram_table if engram_on_host(config, device, shard.world) else (lambda name: False)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return host_mapped(tensor, device) if host(name) else tensor.to(device)

@@ -63,12 +63,15 @@ class ModelRunner:
             raise ShoalError(f"speculative=True needs DSpark draft layers; model {config.model!r} "
                              "has none")
         self.device = pick_device(config.runner.device)
-        self.ep = ExpertParallel.from_process_group(self.device) \
-            if config.runner.expert_parallel else None
+        self.ep = ExpertParallel.from_process_group(
+            self.device, config.runner.expert_placement) if config.runner.expert_parallel \
+            else None
         if self.ep is not None and self.speculative:
             raise ShoalError("speculative decoding with expert parallelism: not supported (the "
                              "draft forwards would need the lockstep too); use one of them")
         self.model = load_model(config, tokenizer, self.device, self.ep)
+        if config.runner.record_expert_loads:
+            self.model.expert_loads = {}
         self.ops = self.model.ops
         self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         self.memory = self._plan_memory()

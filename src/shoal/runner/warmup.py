@@ -69,6 +69,9 @@ def start_decode_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCach
     if model.ep is not None:  # the all-to-all's sizes change per step: no fixed graph yet
         logger.info("CUDA graphs: off (expert parallelism runs eagerly)")
         return None, 0.0
+    if model.expert_loads is not None:  # padded graph rows would be counted
+        logger.info("CUDA graphs: off (recording expert loads)")
+        return None, 0.0
     graphs = decode_graphs(config, model, caches, memory, use_graphs=True)
     seconds = warm_up_prefill(config, model, caches, memory, device)
     try:
