@@ -151,6 +151,12 @@ class DataParallel:
                 raise ShoalError(f"data-parallel replica {rank} failed to start: {message}")
             ready += kind == "ready"
 
+    def _exited(self) -> str:
+        """'; replica(s) exited: rank r (exit code c), ...' or '' when all are alive."""
+        dead = [(r, p.exitcode) for r, p in enumerate(self.processes) if not p.is_alive()]
+        return "; replica(s) exited: " + ", ".join(
+            f"rank {r} (exit code {code})" for r, code in dead) if dead else ""
+
     def _get(self, timeout: float):
         """The next message; a replica that exits meanwhile is an error that names it."""
         deadline = time.monotonic() + timeout
@@ -158,11 +164,8 @@ class DataParallel:
             try:
                 return self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self.processes)
-                        if not p.is_alive()]
-                if dead:
-                    raise ShoalError("data-parallel replica(s) exited: " + ", ".join(
-                        f"rank {r} (exit code {code})" for r, code in dead)) from None
+                if exited := self._exited():
+                    raise ShoalError("data-parallel " + exited.removeprefix("; ")) from None
                 if time.monotonic() >= deadline:
                     raise ShoalError("data-parallel replicas did not answer") from None
 
@@ -192,7 +195,7 @@ class DataParallel:
                 if kind == "out":
                     yield who, payload
                 elif kind == "failed":
-                    raise ShoalError(f"data-parallel replica {who}: {payload}")
+                    raise ShoalError(f"data-parallel replica {who}: {payload}{self._exited()}")
                 else:
                     busy.discard(who)
         except BaseException as exc:

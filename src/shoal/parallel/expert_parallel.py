@@ -8,7 +8,7 @@ experts have copies on several ranks; a token goes to copy (token index mod copi
 call routes locally, then:
 1. sorts its (token, slot) pairs by owner rank and exchanges the counts;
 2. sends each pair's row as FP8 codes + UE8M0 scales (what the expert GEMM quantises it to
-   anyway: the receiver's dequantised bf16 row re-quantises to the same codes; 0.53x the bf16
+   anyway: the receiver's dequantised bf16 row re-quantises to the same codes; 0.52x the bf16
    bytes), its local expert id and its routing weight;
 3. each rank runs its experts on the rows it received, one slot per row: each output is one
    expert's bf16 output;
