@@ -54,7 +54,7 @@ def main() -> None:
     load_backends()
     prompt = random_prompt(resolve_model_config(args.model), args.prompt_len,
                            torch.Generator().manual_seed(5))
-    names = sorted(REGISTRY.ops())
+    names = sorted(REGISTRY.ops)
     chosen = args.ops.split(",") if args.ops else names
 
     def measure(fast: list[str] | None) -> float:
