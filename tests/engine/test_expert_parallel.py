@@ -64,8 +64,8 @@ def test_a_tight_pool_and_a_request_too_long() -> None:
     complete."""
     opts = dict(OPTS, max_model_len=256, block_size=128, kv_cache_memory_gb=0.00015,
                 max_num_seqs=4)
-    prompts = [(p * 120)[:110 + i] for i, p in enumerate(PROMPTS[:7])] + [list(range(1, 300))]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [(p * 120)[:110 + i] for i, p in enumerate(PROMPTS[:5])] + [list(range(1, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = LLM("tiny", **opts)
     want = _view(alone.generate(prompts, params, use_tqdm=False))
     assert alone.engine.stats.preemptions > 0
