@@ -60,7 +60,7 @@ def ideal_hits(llm, args, resumers: int) -> int:
 def run(args, prompts: list[list[int]], resumers: int = 0, **cache) -> dict:
     llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
               block_size=args.block_size, prefill_mode=args.prefill_mode,
-              max_num_seqs=args.max_num_seqs, **cache)
+              max_num_seqs=args.max_num_seqs, batch_invariant=args.batch_invariant, **cache)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             logprobs=1)
     start = time.perf_counter()
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--prefill-mode", default="bounded")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="RunnerConfig.batch_invariant (exact resumes on the GPU)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--save-off", help="write the caching-off variant's samples to this file")

@@ -21,11 +21,13 @@ from shoal.config import resolve_model_config
 from shoal.ops.registry import REGISTRY, load_backends
 
 
-def run(model: str, prompt: list[int], chunk: int | None, steps: int) -> list[dict[int, float]]:
+def run(model: str, prompt: list[int], chunk: int | None, steps: int, invariant: bool
+        ) -> list[dict[int, float]]:
     opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
     llm = LLM(model, device="cuda", load_format="dummy", kv_cache_memory_gb=1.0, max_num_seqs=2,
               max_model_len=256 if model == "tiny" else 2048, block_size=128,
-              prefill_mode="full", cuda_graphs=False, async_scheduling=False, **opts)
+              prefill_mode="full", cuda_graphs=False, async_scheduling=False,
+              batch_invariant=invariant, **opts)
     (out,) = llm.generate([{"prompt_token_ids": prompt}],
                           SamplingParams(temperature=0.0, max_tokens=steps, logprobs=5,
                                          ignore_eos=True), use_tqdm=False)
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ops", default="", help="only these ops one at a time (default: all)")
+    ap.add_argument("--batch-invariant", action="store_true", help="RunnerConfig.batch_invariant")
     args = ap.parse_args()
     load_backends()
     prompt = random_prompt(resolve_model_config(args.model), args.prompt_len,
@@ -60,8 +63,8 @@ def main() -> None:
     def measure(fast: list[str] | None) -> float:
         forced = [] if fast is None else [n for n in names if n not in fast]
         os.environ["SHOAL_REFERENCE_OPS"] = ",".join(forced)
-        return difference(run(args.model, prompt, None, args.steps),
-                          run(args.model, prompt, args.chunk, args.steps))
+        return difference(run(args.model, prompt, None, args.steps, args.batch_invariant),
+                          run(args.model, prompt, args.chunk, args.steps, args.batch_invariant))
 
     print(f"{args.model}: prompt {args.prompt_len}, chunks of {args.chunk}, {args.steps} steps")
     print(f"every op fast: {measure(None):.3g}", flush=True)

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-graph-sizes", action="store_true",
                     help="capture the engine's default batch sizes, not only the measured ones "
                          "(start-up as a user sees it)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="RunnerConfig.batch_invariant: fixed tilings (report its cost)")
     ap.add_argument("--engram-placement", default="auto", choices=["auto", "device", "host"],
                     help="where the Engram tables live (RunnerConfig.engram_placement)")
     args = ap.parse_args(argv)
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling,
-              "engram_placement": args.engram_placement}
+              "engram_placement": args.engram_placement,
+              "batch_invariant": args.batch_invariant}
     t0 = time.perf_counter()
     budget = args.prefill_budget
     if budget < 2 * max(args.batches):  # decode_prefill_steps would grow to batch x prompt
@@ -253,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
               async_scheduling=args.async_scheduling, engram_placement=args.engram_placement,
+              batch_invariant=args.batch_invariant,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=budget,
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                            "graphs": graphs.num_graphs if graphs else 0}
     print(f"engine ready in {result['startup_s']['total']:.1f} s ({args.model}, {gpu}, "
           f"async_scheduling={args.async_scheduling}, engram {args.engram_placement}, "
+          f"batch_invariant={args.batch_invariant}, "
           f"cuda_graphs={args.cuda_graphs}: {result['startup_s']['graphs']} graphs captured in "
           f"{result['startup_s']['graph_capture']:.1f} s after a "
           f"{runner.warmup_seconds:.1f} s prefill warm-up; reference ops: {listed})", flush=True)

@@ -45,6 +45,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-confidence", dest="spec_confidence", type=float, default=None,
                    help="verify a draft only while the confidence head gives it and the "
                    "drafts before it at least this chance of acceptance (default 0: all)")
+    p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="run each step synchronously (no host/device overlap)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
@@ -65,7 +66,8 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
                 "spec_confidence", "spec_verify", "async_scheduling", "enable_prefix_caching",
                 "num_prefix_snapshots", "kv_host_memory_gb", "kv_store_path", "kv_store_ttl_days",
-                "block_size", "prefix_resume", "expert_parallel", "expert_placement")
+                "block_size", "prefix_resume", "expert_parallel", "expert_placement",
+                "batch_invariant")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

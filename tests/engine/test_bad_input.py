@@ -128,7 +128,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "spec_confidence": 0.4, "spec_verify": "rejection",
     "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8), "async_scheduling": False,
     "expert_parallel": True, "engram_placement": "host", "expert_placement": "/nonexistent.json",
-    "record_expert_loads": True,
+    "record_expert_loads": True, "batch_invariant": True,
     "enable_prefix_caching": True, "num_prefix_snapshots": 5, "kv_host_memory_gb": 0.01,
     "prefix_resume": "exact",  # (its only value)
     "kv_store_path": "/nonexistent/shoal-kv", "kv_store_ttl_days": 7.0,

@@ -31,3 +31,4 @@ def test_info_prints_the_plan(capsys) -> None:
     assert main(["info", "--model", "flash", "--gpus", "8", "--gpu-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
     assert "plan for 8 GPU(s) of 80 GB" in out and "routed experts 37.0 GB" in out
+

@@ -249,6 +249,19 @@ def test_batch_invariance() -> None:
         assert torch.equal(got, full[:t]), (t, float((got - full[:t]).abs().max()))
 
 
+def test_invariant_backend_is_batch_invariant() -> None:
+    """The batch-invariant backend (`RunnerConfig.batch_invariant`): the same token alone and in
+    batches of 3, 60 and 90 (45 rows per expert, where the default op takes its wgmma tiles)
+    gets the same bits, and they are those of the default op's 16-row tiles."""
+    kw = _case(9, 90, 128, 64, 4, 2, spread=3)
+    full = tmoe.moe_mxfp4_invariant(**kw)
+    for t in (1, 3, 60):
+        part = {n: (v[:t] if n in ("x", "ids", "weights") else v) for n, v in kw.items()}
+        assert torch.equal(tmoe.moe_mxfp4_invariant(**part), full[:t]), t
+        if t == 60:  # 30 rows per expert: the default op's 16-row tiles
+            assert torch.equal(tmoe.moe_mxfp4(**part), full[:t])
+
+
 def test_w4a16_matches_fp32_bf16_computation() -> None:
     """Baseline: bf16 activations x exactly dequantised weights (no activation quantisation)."""
     kw = _case(5, 9, 128, 64, 4, 2)

@@ -73,8 +73,8 @@ class Executor:
             (p.name, p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(Path(config.model).glob("*")) if p.suffix in (".json", ".safetensors"))
         salt = repr((config.model, mc, files, run.load_format, run.seed, run.backends,
-                     self.runner.device.type, config.cache.block_size, run.prefill_mode,
-                     run.replay_window)).encode()
+                     run.batch_invariant, self.runner.device.type, config.cache.block_size,
+                     run.prefill_mode, run.replay_window)).encode()
         replay = run.replay_window if config.cache.prefix_resume == "bounded" else 0
         return PrefixCacheSpec(self.num_snapshots, rule, salt, *self.host_slots, self.kv_store,
                                replay)

@@ -13,12 +13,12 @@ import torch
 
 from shoal.checkpoint.reader import CheckpointReader
 from shoal.checkpoint.writer import generate_weights
-from shoal.config import EngineConfig, ShoalError
+from shoal.config import EngineConfig, RunnerConfig, ShoalError
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ExpertShard, ModelParams, WeightError, owns_tensor
 from shoal.model.weights import checkpoint_inventory, is_engram_table
-from shoal.ops.registry import resolve_ops
+from shoal.ops.registry import default_backends, resolve_ops
 from shoal.parallel.expert_parallel import ExpertParallel
 from shoal.runner.host_mapped import host_mapped
 
@@ -84,12 +84,21 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
                 yield name, reader.get(name)
 
 
+def op_backends(run: RunnerConfig, default: list[str]) -> list[str]:
+    """The backend priority: `run.backends` or the device's default, with the batch-invariant
+    variants ahead of the Triton ops under `batch_invariant`."""
+    backends = list(run.backends) if run.backends else list(default)
+    if run.batch_invariant and "triton" in backends:
+        backends.insert(backends.index("triton"), "triton_invariant")
+    return backends
+
+
 def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device,
                ep: ExpertParallel | None = None) -> DeepseekV41:
     """The model with its weights on `device`, over the op table resolved for it; with `ep`,
     this rank's share of the routed experts."""
     cfg = config.model_config
-    ops = resolve_ops(device, list(config.runner.backends) if config.runner.backends else None)
+    ops = resolve_ops(device, op_backends(config.runner, default_backends(device)))
     logger.info("op table:\n%s", ops.report())
     shard = ExpertShard() if ep is None else ep.shard(cfg)
     host = is_engram_table if engram_on_host(config, device, shard.world) else (lambda name: False)

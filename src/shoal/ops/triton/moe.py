@@ -73,7 +73,12 @@ from shoal.ops.triton.fp4_tiles import (
 )
 from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import expert_tile, route
-from shoal.ops.triton.moe_tiles import TileConfig, default_configs, w4a16_configs
+from shoal.ops.triton.moe_tiles import (
+    INVARIANT_CONFIGS,
+    TileConfig,
+    default_configs,
+    w4a16_configs,
+)
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 from shoal.quant.fp8 import quant_fp8_act
 
@@ -417,3 +422,13 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
               limit: float, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as the reference (W4A8 on FP8 wgmma); see the module docstring."""
     return moe_experts(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)
+
+
+@REGISTRY.implement("triton_invariant", "moe_mxfp4", supports=_supports_moe)
+def moe_mxfp4_invariant(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                        w2_scale: torch.Tensor, limit: float,
+                        shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The op on the 16-row tiles at every size: a token's bits do not depend on the batch."""
+    return moe_experts(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared,
+                       configs=INVARIANT_CONFIGS)

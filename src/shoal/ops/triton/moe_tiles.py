@@ -71,6 +71,12 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
             TileConfig(128, 64, 128, 8, 3, promote=True))
 
 
+# Batch-invariant mode (`RunnerConfig.batch_invariant`, backend "triton_invariant"): the 16-row
+# mma.sync tiles at every size, whose K sum order does not depend on the rows in the call, so a
+# token's bits never change with the batch (at a cost for prefill-sized calls).
+INVARIANT_CONFIGS = (TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True))
+
+
 def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
     """The W4A16 baseline's own tiles: 16 x 32 x 128 decode tiles (the W4A8 16 x 64 tiles are
     slower for it at T = 1; docs/perf/moe.md), 128-row bf16 wgmma tiles above, unpromoted
