@@ -106,7 +106,7 @@ class RunnerConfig:
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
     by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly
-    (no CUDA graphs) and without speculative decoding. expert_placement: an EPLB placement
+    (no CUDA graphs). expert_placement: an EPLB placement
     file (`shoal eplb`: busy experts copied on several ranks) instead of contiguous slices.
     record_expert_loads: count the tokens routed to each expert of each MoE layer
     (`LLM.expert_loads()`, `--record-expert-loads FILE`; eager steps: no CUDA graphs).

@@ -2,7 +2,7 @@
 world 1's outputs bitwise with the reference ops (tokens, logprobs, seeded samples) for mixed
 batches, uneven shares, a replica with no requests, a tight KV pool (preemption) and a request
 too long; the MoE exchange alone equals the reference op; each rank loads only its experts; an
-interrupt leaves the replicas usable; unsupported combinations fail clearly."""
+interrupt leaves the replicas usable; speculative decoding; uneven splits fail clearly."""
 
 from __future__ import annotations
 
@@ -164,9 +164,21 @@ def test_each_rank_loads_only_its_experts() -> None:
             assert torch.equal(got[key], full[key][per:2 * per])
 
 
+def test_speculative_decoding_on_two_ranks() -> None:
+    """DSpark drafting and verification with the experts sharded (a rank without drafts
+    serves the draft block's experts): world 1's tokens and logprobs."""
+    opts = dict(OPTS, speculative=True)
+    prompts, params = PROMPTS[:6], PARAMS[:6]
+    want = _view(LLM("tiny", **opts).generate(prompts, params, use_tqdm=False))
+    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **opts)
+    try:
+        assert _view(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert _view(llm.generate(prompts[1:2], params[1:2], use_tqdm=False)) == want[1:2]
+    finally:
+        llm.close()
+
+
 def test_unsupported_combinations_fail_clearly() -> None:
-    with pytest.raises(ShoalError, match="speculative"):
-        LLM("tiny", data_parallel_size=2, expert_parallel=True, speculative=True, **OPTS)
     with pytest.raises(ShoalError, match="do not split evenly"):
         LLM("tiny", data_parallel_size=3, expert_parallel=True, **OPTS)
 

@@ -122,11 +122,14 @@ class DeepseekV41:
         logits = ops.lm_head(h=h, weight=p["head.weight"])
         return ForwardOutput(logits, torch.cat(captures, dim=-1) if captures else None)
 
-    def serve_experts(self) -> None:
-        """Expert parallelism, a step with nothing scheduled here: serve the other ranks' rows
-        through every MoE layer, in the forward's order."""
+    def serve_experts(self, draft: bool = False) -> None:
+        """Expert parallelism, a forward this rank does not run (nothing scheduled, or no
+        drafts to propose): serve the other ranks' rows through every MoE layer of the backbone
+        (or of the DSpark block), in the forward's order."""
         assert self.ep is not None
         device = self.params["embed.weight"].device
-        for spec in self.config.backbone:
-            self.ep.serve(self.ops, self.params.experts(f"layers.{spec.layer_id}."),
-                          self.config.swiglu_limit, device)
+        prefixes = [f"mtp.{s}." for s in range(self.config.num_draft_layers)] if draft else [
+            f"layers.{spec.layer_id}." for spec in self.config.backbone]
+        for prefix in prefixes:
+            self.ep.serve(self.ops, self.params.experts(prefix), self.config.swiglu_limit,
+                          device)

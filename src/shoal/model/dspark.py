@@ -196,7 +196,7 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
     keys = draft_key_rows(positions, slots, window=cfg.sliding_window,
                           ring_size=caches.ring_size, scratch_base=caches.scratch_base, block=k)
     ctx = StepContext(cfg, p, caches, ops, batch, swa_rows_encoder=keys, swa_rows_decoder=keys,
-                      token_slot=batch.slots[batch.req_index])
+                      token_slot=batch.slots[batch.req_index], ep=model.ep)
     emb = ops.embed(ids=batch.input_ids, table=p["embed.weight"])
     stream = emb.unsqueeze(1).expand(n, hc, d).contiguous()
     pre_prev = torch.zeros(n, hc, dtype=torch.float32, device=emb.device)

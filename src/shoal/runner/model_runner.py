@@ -66,9 +66,6 @@ class ModelRunner:
         self.ep = ExpertParallel.from_process_group(
             self.device, config.runner.expert_placement) if config.runner.expert_parallel \
             else None
-        if self.ep is not None and self.speculative:
-            raise ShoalError("speculative decoding with expert parallelism: not supported (the "
-                             "draft forwards would need the lockstep too); use one of them")
         self.model = load_model(config, tokenizer, self.device, self.ep)
         if config.runner.record_expert_loads:
             self.model.expert_loads = {}
@@ -195,7 +192,10 @@ class ModelRunner:
             accept_drafts(step.plan, out)
             if step.span is not None:  # both events are complete once the readback is
                 out.device_time = step.span[0].elapsed_time(step.span[1]) * 1e-3
-        if self.speculative and step.batch is not None:
+        if self.speculative and step.batch is None and self.ep is not None:
+            with torch.inference_mode():  # nothing ran here: serve the others' draft block
+                self.model.serve_experts(draft=True)
+        elif self.speculative and step.batch is not None:
             with torch.inference_mode():
                 propose_drafts(self.model, self.caches, step.batch, step.captures, step.plan,
                                self.requests, out, self.config.runner.spec_confidence,

@@ -105,6 +105,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
         dspark_context(model, batch, caches, captures,
                        torch.tensor(keep, dtype=torch.int64, device=device))
     if not ids:
+        if model.ep is not None:  # the other ranks' drafts still need this rank's experts
+            model.serve_experts(draft=True)
         return
     sampler = DraftSampler([states[r] for r in ids], device) if rejection else None
     draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
