@@ -53,3 +53,18 @@ def test_host_placement_equals_device_placement() -> None:
     segments = [(s["address"], s["address"] + s["total_size"])
                 for s in torch.cuda.memory_snapshot()]
     assert not any(lo <= ptr < hi for lo, hi in segments)
+
+
+def test_a_node_shared_mapping_is_registered_and_read_in_place() -> None:
+    """What the ranks of a node do with the host tables (here one process): a /dev/shm file
+    mapping, page-locked in place, read by the GPU through a host-mapped view."""
+    from shoal.runner.host_mapped import host_mapped, node_shared
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(0, 255, (4096, 64), dtype=torch.uint8, generator=g)
+    ((name, mapped),) = node_shared(iter([("t", src)]), {"t": ((4096, 64), torch.uint8)},
+                                    "gpu-test", True, lambda: None)
+    view = host_mapped(mapped, torch.device("cuda"), in_place=True)
+    assert view.data_ptr() == mapped.data_ptr()  # unified addressing: the same pointer
+    rows = torch.tensor([0, 4095, 17], device="cuda")
+    assert torch.equal(view[rows].cpu(), src[rows.cpu()])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,47 @@ def test_a_dead_rank_ends_the_call_with_an_error() -> None:
             llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
     finally:
         llm.close()
+
+
+def _shared_rank(rank: int, port: int, errors) -> None:
+    from shoal.model.weights import is_engram_table
+    from shoal.runner.loading import NodeShare
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    try:
+        ep = ExpertParallel(rank, 2, None, None)
+        config = EngineConfig.create("tiny", device="cpu")
+        share = NodeShare(ep.shared_key(), rank == 0, ep.barrier)
+        got = dict(iter_weights(config, torch.device("cpu"), ExpertShard(rank, 2),
+                                is_engram_table, share))
+        want = dict(iter_weights(config, torch.device("cpu"), ExpertShard(rank, 2)))
+        tables = [n for n in want if is_engram_table(n)]
+        assert tables and got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        ep.barrier()  # both compared: the files are gone, the mappings live on
+        leftover = list(Path("/dev/shm").glob(f"shoal-{share.key}-*"))
+        assert not leftover, leftover
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_tables_are_shared_by_the_ranks_of_a_node() -> None:
+    """The Engram tables under host placement: rank 0 writes them into /dev/shm once, both
+    ranks map them, get the tensors the plain loader gives, and no file is left behind."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_shared_rank, args=(r, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+    assert all(p.exitcode == 0 for p in procs)

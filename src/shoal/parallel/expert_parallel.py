@@ -25,6 +25,8 @@ cancel was asked (then all stop the call at the same step).
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from datetime import timedelta
 
 import torch
@@ -86,6 +88,15 @@ class ExpertParallel:
                              f"over {self.world} ranks")
         per = num_experts // self.world
         return range(self.rank * per, (self.rank + 1) * per)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+    def shared_key(self) -> str:
+        """A name the ranks agree on for this group's node-shared files (rank 0's pick)."""
+        key = [f"{os.getpid()}-{secrets.token_hex(4)}" if self.rank == 0 else None]
+        dist.broadcast_object_list(key, src=0, group=self.control)
+        return key[0]
 
     # ---- lockstep ---------------------------------------------------------------------------
     def join(self, busy: bool, cancel: bool = False) -> tuple[bool, bool]:

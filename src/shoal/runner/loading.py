@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from shoal.model.params import ExpertShard, ModelParams, WeightError, owns_tenso
 from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.ops.registry import default_backends, resolve_ops
 from shoal.parallel.expert_parallel import ExpertParallel
-from shoal.runner.host_mapped import host_mapped
+from shoal.runner.host_mapped import host_mapped, node_shared
 
 logger = logging.getLogger(__name__)
 
@@ -55,33 +56,55 @@ def engram_on_host(config: EngineConfig, device: torch.device, world: int = 1) -
                          block_size=config.cache.block_size).engram_on_gpu
 
 
+@dataclass(frozen=True)
+class NodeShare:
+    """Ranks of one node sharing the host-placed weights (`host_mapped.node_shared`)."""
+
+    key: str
+    creator: bool
+    barrier: Callable[[], None]
+
+
 def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard | None = None,
-                 host: Callable[[str], bool] = lambda name: False
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+                 host: Callable[[str], bool] = lambda name: False,
+                 share: NodeShare | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights this rank holds (its `shard` of the routed experts under expert
-    parallelism): the others are neither generated nor read. Random weights named by `host` are made on the
-    CPU (the same bits: they are device-independent)."""
+    parallelism): the others are neither generated nor read. Weights named by `host` come last,
+    made or read on the CPU (random ones have the same bits on every device); with `share`,
+    only its creator makes or reads them, and every rank gets the node-shared mappings."""
     fmt, mc = config.runner.load_format, config.model_config
     shard = shard or ExpertShard()
+    inventory = checkpoint_inventory(mc)
+    names = [n for n in inventory if owns_tensor(mc, n, shard)]
+    on_host = [n for n in names if host(n)]
+    rest = [n for n in names if not host(n)]
+
+    def host_part(tables: Iterator[tuple[str, torch.Tensor]]):
+        if share is None:
+            yield from tables
+        else:
+            yield from node_shared(tables if share.creator else None,
+                                   {n: (inventory[n].shape, inventory[n].dtype) for n in on_host},
+                                   share.key, share.creator, share.barrier)
+
     if fmt == "dummy" or (fmt == "auto" and config.is_preset):
-        names = [n for n in checkpoint_inventory(mc) if owns_tensor(mc, n, shard)]
-        on_host = [n for n in names if host(n)]
-        if on_host:
-            yield from generate_weights(mc, seed=config.runner.seed, device="cpu",
-                                        names=on_host)
-        rest = [n for n in names if not host(n)]
         yield from generate_weights(mc, seed=config.runner.seed, device=device,
-                                    names=None if len(rest) == len(checkpoint_inventory(mc))
-                                    else rest)
+                                    names=None if len(rest) == len(inventory) else rest)
+        if on_host:
+            yield from host_part(generate_weights(mc, seed=config.runner.seed, device="cpu",
+                                                  names=on_host))
         return
     if config.is_preset:
         raise ShoalError(f"load_format={fmt!r} needs a checkpoint directory, got the preset "
                          f"{config.model!r}")
     with CheckpointReader(config.model) as reader:
         reader.check(config.model_config)
+        wanted = set(rest)
         for name in reader.names():
-            if owns_tensor(mc, name, shard):
-                yield name, reader.get(name)
+            if name in wanted or (name not in inventory and owns_tensor(mc, name, shard)):
+                yield name, reader.get(name)  # (unknown names too: the loader reports them)
+        if on_host:
+            yield from host_part((n, reader.get(n)) for n in on_host)
 
 
 def op_backends(run: RunnerConfig, default: list[str]) -> list[str]:
@@ -101,23 +124,27 @@ def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device
     ops = resolve_ops(device, op_backends(config.runner, default_backends(device)))
     logger.info("op table:\n%s", ops.report())
     shard = ExpertShard() if ep is None else ep.shard(cfg)
-    host = is_engram_table if engram_on_host(config, device, shard.world) else (lambda name: False)
+    on_host = engram_on_host(config, device, shard.world)
+    host = is_engram_table if on_host else (lambda name: False)
+    share = NodeShare(ep.shared_key(), ep.rank == 0, ep.barrier) \
+        if on_host and ep is not None else None
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return host_mapped(tensor, device) if host(name) else tensor.to(device)
+        return host_mapped(tensor, device, in_place=share is not None) if host(name) else \
+            tensor.to(device)
 
     start = time.perf_counter()
     try:
-        params = ModelParams.load(cfg, iter_weights(config, device, shard, host), device, shard,
-                                  place)
+        params = ModelParams.load(cfg, iter_weights(config, device, shard, host, share), device,
+                                  shard, place)
     except WeightError as exc:
         raise ShoalError(f"model {config.model!r}: {exc}") from None
     backend = getattr(tokenizer, "backend", None)
     token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
     logger.info("weights loaded in %.1f s%s%s", time.perf_counter() - start,
                 "" if ep is None else f" (rank {ep.rank} of {ep.world}: its experts only)",
-                "; Engram tables in pinned host memory" if host("layers.0.engram.embed.weight")
-                else "")
+                ("; Engram tables in pinned host memory" + (", one copy per node" if share else ""))
+                if on_host else "")
     return DeepseekV41(cfg, params, ops, token_map, ep)
 
 
