@@ -1,8 +1,8 @@
 """Per-GPU memory plan of a model over N GPUs with expert parallelism (`shoal info --gpus N`):
 weights each rank holds (from the checkpoint inventory: dense weights on every rank, 1/N of the
-routed experts, the Engram tables on each GPU or in pinned host memory, one copy per rank), the
+routed experts, the Engram tables on each GPU or in pinned host memory, one copy per node), the
 engine's activation reserve, and the KV pool that is left, as the engine itself would size it;
-with the node's host memory given, whether the ranks' copies of the Engram tables fit in it.
+with the node's host memory given, whether the Engram tables fit in it.
 
 Numbers are derived, not measured: tensor bytes are exact; the KV pool follows
 `runner/loading.kv_budget_bytes` (free memory x gpu_memory_utilization less the reserve), with
@@ -49,8 +49,7 @@ class GpuPlan:
 
     def lines(self) -> list[str]:
         where = "on each GPU" if self.engram_on_gpu else (
-            f"in pinned host memory, one copy per rank: {self.engram_gb * self.gpus:.0f} GB of "
-            "host memory on a node with all the ranks")
+            "in pinned host memory, one copy shared by the ranks of a node")
         return [
             f"plan for {self.gpus} GPU(s) of {self.gpu_memory_gb:g} GB, expert parallel "
             f"over {self.gpus}:",
@@ -104,11 +103,11 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
         blocks, context, slots = plan.num_blocks, plan.max_context_tokens, plan.num_slots
     elif not reason:
         reason = "the weights leave no room for one request of max_model_len"
-    host_need = 0 if engram_on_gpu else engram * gpus
+    host_need = 0 if engram_on_gpu else engram
     if host_need and host_memory_gb is not None and host_need > host_memory_gb * 1e9 \
             and not reason:
-        reason = (f"{gpus} copies of the Engram tables need {host_need / 1e9:.0f} GB of "
-                  f"pinned host memory, the node has {host_memory_gb:g} GB")
+        reason = (f"the Engram tables need {host_need / 1e9:.0f} GB of pinned host memory, "
+                  f"the node has {host_memory_gb:g} GB")
     return GpuPlan(gpus, gpu_memory_gb, dense / 1e9, experts / 1e9, engram / 1e9,
                    engram_on_gpu, GPU_ACTIVATION_RESERVE_GB, max(kv, 0) / 1e9, blocks, context,
                    slots, not reason, reason, not host_need or host_memory_gb is not None)
