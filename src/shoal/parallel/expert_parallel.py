@@ -24,7 +24,6 @@ cancel was asked (then all stop the call at the same step).
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 from datetime import timedelta
@@ -36,8 +35,6 @@ from shoal.config import ShoalError
 from shoal.model.params import ExpertShard
 from shoal.parallel.eplb import ExpertPlacement
 from shoal.quant.fp8 import dequant_fp8_act
-
-logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a rank that died or hangs ends the run with an error after this
 
@@ -117,7 +114,7 @@ class ExpertParallel:
         dist.all_to_all_single(recv, send_counts, group=self.group)
         return recv.tolist()
 
-    def _slots(self, prefix: str, ids: torch.Tensor, per: int) -> torch.Tensor:
+    def _slots(self, prefix: str, ids: torch.Tensor) -> torch.Tensor:
         """Physical slot of each (token, slot) pair [T * k]: the expert itself, or with a
         placement, its copy (token index mod copies)."""
         if self.placement is None or prefix not in self.placement.layers:
@@ -143,7 +140,7 @@ class ExpertParallel:
         t, d = x.shape
         k = ids.shape[1]
         per = experts["w13"].shape[0]
-        flat = self._slots(prefix, ids, per)
+        flat = self._slots(prefix, ids)
         owner = torch.div(flat, per, rounding_mode="floor")
         order = torch.sort(owner, stable=True).indices  # pairs grouped by owner rank
         send_counts = torch.bincount(owner, minlength=self.world).to(torch.int64).cpu()

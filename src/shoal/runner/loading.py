@@ -99,12 +99,12 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
                          f"{config.model!r}")
     with CheckpointReader(config.model) as reader:
         reader.check(config.model_config)
-        wanted = set(rest)
+        wanted, present = set(rest), set(reader.names())
         for name in reader.names():
             if name in wanted or (name not in inventory and owns_tensor(mc, name, shard)):
                 yield name, reader.get(name)  # (unknown names too: the loader reports them)
         if on_host:
-            yield from host_part((n, reader.get(n)) for n in on_host)
+            yield from host_part((n, reader.get(n)) for n in on_host if n in present)
 
 
 def op_backends(run: RunnerConfig, default: list[str]) -> list[str]:
