@@ -79,13 +79,14 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
     on_host = [n for n in names if host(n)]
     rest = [n for n in names if not host(n)]
 
-    def host_part(tables: Iterator[tuple[str, torch.Tensor]]):
+    def host_part(tables: Iterator[tuple[str, torch.Tensor]], present: set[str] | None = None):
         if share is None:
             yield from tables
-        else:
-            yield from node_shared(tables if share.creator else None,
-                                   {n: (inventory[n].shape, inventory[n].dtype) for n in on_host},
-                                   share.key, share.creator, share.barrier)
+        else:  # only the tables the source has: a missing one stays missing (an error)
+            specs = {n: (inventory[n].shape, inventory[n].dtype) for n in on_host
+                     if present is None or n in present}
+            yield from node_shared(tables if share.creator else None, specs, share.key,
+                                   share.creator, share.barrier)
 
     if fmt == "dummy" or (fmt == "auto" and config.is_preset):
         yield from generate_weights(mc, seed=config.runner.seed, device=device,
@@ -104,7 +105,7 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
             if name in wanted or (name not in inventory and owns_tensor(mc, name, shard)):
                 yield name, reader.get(name)  # (unknown names too: the loader reports them)
         if on_host:
-            yield from host_part((n, reader.get(n)) for n in on_host if n in present)
+            yield from host_part(((n, reader.get(n)) for n in on_host if n in present), present)
 
 
 def op_backends(run: RunnerConfig, default: list[str]) -> list[str]:
