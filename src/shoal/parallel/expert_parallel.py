@@ -7,9 +7,9 @@ those tensors of the checkpoint), or the slots of an EPLB placement (`parallel/e
 experts have copies on several ranks; a token goes to copy (token index mod copies)). A MoE
 call routes locally, then:
 1. sorts its (token, slot) pairs by owner rank and exchanges the counts;
-2. sends each pair's row as FP8 codes + UE8M0 scales (what the expert GEMM quantises it to
-   anyway: the receiver's dequantised bf16 row re-quantises to the same codes; 0.52x the bf16
-   bytes), its local expert id and its routing weight;
+2. sends each pair as one packed byte row: FP8 codes + UE8M0 scales (what the expert GEMM
+   quantises it to anyway: the receiver's dequantised bf16 row re-quantises to the same codes;
+   0.52x the bf16 bytes), its local expert id and its routing weight;
 3. each rank runs its experts on the rows it received, one slot per row: each output is one
    expert's bf16 output;
 4. the outputs go back (bf16) and the owner adds each token's slots in ascending expert order in
@@ -173,15 +173,18 @@ class ExpertParallel:
 
     def _serve(self, ops, experts, limit, codes, scales, local_ids, weights, send_counts
                ) -> torch.Tensor:
-        """Send the pairs (grouped by owner, `send_counts` per rank), run the local experts on
+        """Send the pairs (grouped by owner, `send_counts` per rank) as one packed byte row
+        each (codes, scales, local expert id, weight: one exchange), run the local experts on
         what arrives, send the outputs back: [sum(send_counts), D] bf16 in the sent order."""
         sent = send_counts.tolist()
         got = self._counts(send_counts.to(codes.device) if codes.is_cuda else send_counts)
-        r_codes = self._exchange(codes, sent, got)
-        r_scales = self._exchange(scales, sent, got)
-        r_ids = self._exchange(local_ids, sent, got)
-        r_weights = self._exchange(weights, sent, got)
-        x = dequant_fp8_act(r_codes, r_scales, 32, dtype=torch.bfloat16)
+        d, nb = codes.shape[1], scales.shape[1]
+        packed = torch.cat([codes, scales, local_ids.view(torch.uint8).view(-1, 4),
+                            weights.view(torch.uint8).view(-1, 4)], dim=1)
+        r = self._exchange(packed, sent, got)
+        x = dequant_fp8_act(r[:, :d], r[:, d:d + nb].contiguous(), 32, dtype=torch.bfloat16)
+        r_ids = r[:, d + nb:d + nb + 4].flatten().clone().view(torch.int32)  # fresh: aligned
+        r_weights = r[:, d + nb + 4:].flatten().clone().view(torch.float32)
         out = ops.moe_mxfp4(x=x, ids=r_ids.to(torch.int64).unsqueeze(1),
                             weights=r_weights.unsqueeze(1), limit=limit, **experts)
         return self._exchange(out.to(torch.bfloat16), got, sent)
