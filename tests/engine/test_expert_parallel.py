@@ -65,8 +65,8 @@ def test_a_tight_pool_and_a_request_too_long() -> None:
     complete."""
     opts = dict(OPTS, max_model_len=256, block_size=128, kv_cache_memory_gb=0.00015,
                 max_num_seqs=4)
-    prompts = [(p * 120)[:110 + i] for i, p in enumerate(PROMPTS[:5])] + [list(range(1, 300))]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [(p * 130)[:122 + i] for i, p in enumerate(PROMPTS[:4])] + [list(range(1, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = LLM("tiny", **opts)
     want = _view(alone.generate(prompts, params, use_tqdm=False))
     assert alone.engine.stats.preemptions > 0
@@ -179,9 +179,12 @@ def test_speculative_decoding_on_two_ranks() -> None:
         llm.close()
 
 
-def test_unsupported_combinations_fail_clearly() -> None:
+def test_an_uneven_split_fails_clearly() -> None:
+    config = EngineConfig.create("tiny", device="cpu").model_config
     with pytest.raises(ShoalError, match="do not split evenly"):
-        LLM("tiny", data_parallel_size=3, expert_parallel=True, **OPTS)
+        ExpertParallel(0, 3, None, None).shard(config)
+    assert ExpertParallel(1, 2, None, None).shard(config).local(config, "layers.0.") == {
+        4: 0, 5: 1, 6: 2, 7: 3}
 
 
 def test_generate_cli_with_expert_parallel(tmp_path) -> None:
