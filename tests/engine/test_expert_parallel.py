@@ -43,6 +43,16 @@ def _view(outs):
                        for c in o.outputs]) for o in outs]
 
 
+def _ranks_give(world: int, opts: dict, *calls) -> None:
+    """On `world` expert-parallel ranks, each call (prompts, params, want) gives `want`."""
+    llm = LLM("tiny", data_parallel_size=world, expert_parallel=True, **opts)
+    try:
+        for prompts, params, want in calls:
+            assert _view(llm.generate(prompts, params, use_tqdm=False)) == want
+    finally:
+        llm.close()
+
+
 @pytest.fixture(scope="module")
 def expected():
     return _view(LLM("tiny", **OPTS).generate(PROMPTS, PARAMS, use_tqdm=False))
@@ -50,13 +60,9 @@ def expected():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_world_n_equals_world_1(expected, world) -> None:
-    llm = LLM("tiny", data_parallel_size=world, expert_parallel=True, **OPTS)
-    try:
-        assert _view(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
-        # one request: every other rank only serves its experts
-        assert _view(llm.generate(PROMPTS[4:5], PARAMS[4:5], use_tqdm=False)) == expected[4:5]
-    finally:
-        llm.close()
+    # then one request: every other rank only serves its experts
+    _ranks_give(world, OPTS, (PROMPTS, PARAMS, expected),
+                (PROMPTS[4:5], PARAMS[4:5], expected[4:5]))
 
 
 def test_a_tight_pool_and_a_request_too_long() -> None:
@@ -71,11 +77,7 @@ def test_a_tight_pool_and_a_request_too_long() -> None:
     want = _view(alone.generate(prompts, params, use_tqdm=False))
     assert alone.engine.stats.preemptions > 0
     assert want[-1][0] is not None and all(w[0] is None for w in want[:-1])
-    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **opts)
-    try:
-        assert _view(llm.generate(prompts, params, use_tqdm=False)) == want
-    finally:
-        llm.close()
+    _ranks_give(2, opts, (prompts, params, want))
 
 
 def test_an_interrupt_leaves_the_ranks_usable(expected) -> None:
@@ -112,7 +114,7 @@ def _exchange_rank(rank: int, world: int, port: int, rows: list[int], errors) ->
             args = {k: kw[k][lo:lo + t] for k in ("x", "ids", "weights", "shared")}
             want = moe_mxfp4(**args, **{k: kw[k] for k in ("w13", "w13_scale", "w2",
                                                            "w2_scale", "limit")})
-            ep = ExpertParallel(rank, world, None, None)
+            ep = ExpertParallel(rank, world)
             local = ep.local_experts(8)
             experts = {k: kw[k][local.start:local.stop]
                        for k in ("w13", "w13_scale", "w2", "w2_scale")}
@@ -171,19 +173,14 @@ def test_speculative_decoding_on_two_ranks() -> None:
     opts = dict(OPTS, speculative=True)
     prompts, params = PROMPTS[:6], PARAMS[:6]
     want = _view(LLM("tiny", **opts).generate(prompts, params, use_tqdm=False))
-    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **opts)
-    try:
-        assert _view(llm.generate(prompts, params, use_tqdm=False)) == want
-        assert _view(llm.generate(prompts[1:2], params[1:2], use_tqdm=False)) == want[1:2]
-    finally:
-        llm.close()
+    _ranks_give(2, opts, (prompts, params, want), (prompts[1:2], params[1:2], want[1:2]))
 
 
 def test_an_uneven_split_fails_clearly() -> None:
     config = EngineConfig.create("tiny", device="cpu").model_config
     with pytest.raises(ShoalError, match="do not split evenly"):
-        ExpertParallel(0, 3, None, None).shard(config)
-    assert ExpertParallel(1, 2, None, None).shard(config).local(config, "layers.0.") == {
+        ExpertParallel(0, 3).shard(config)
+    assert ExpertParallel(1, 2).shard(config).local(config, "layers.0.") == {
         4: 0, 5: 1, 6: 2, 7: 3}
 
 
@@ -220,7 +217,7 @@ def _shared_rank(rank: int, port: int, errors) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     try:
-        ep = ExpertParallel(rank, 2, None, None)
+        ep = ExpertParallel(rank, 2)
         config = EngineConfig.create("tiny", device="cpu")
         share = NodeShare(ep.shared_key(), rank == 0, ep.barrier)
         got = dict(iter_weights(config, torch.device("cpu"), ExpertShard(rank, 2),

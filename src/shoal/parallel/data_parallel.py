@@ -173,6 +173,9 @@ class DataParallel:
             ) -> Iterator[tuple[int, RequestOutput]]:
         """Spread `items` over the replicas (least estimated prompt tokens first) and yield
         (input index, output) as requests finish."""
+        if self.broken:
+            raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
+                             " create a new LLM")
         call = next(self._calls)
         loads = [0] * self.size
         shares: list[list[tuple[int, dict]]] = [[] for _ in range(self.size)]
@@ -180,9 +183,6 @@ class DataParallel:
             rank = min(range(self.size), key=loads.__getitem__)
             loads[rank] += _load_estimate(item)
             shares[rank].append((position, dict(item, request_index=next(self._indices))))
-        if self.broken:
-            raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
-                             " create a new LLM")
         # expert parallelism: a replica without requests still serves its experts
         busy = {rank for rank in range(self.size) if shares[rank] or self.expert_parallel}
         for rank in busy:

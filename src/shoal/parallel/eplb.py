@@ -144,7 +144,11 @@ def eplb_command(args) -> int:
     loads, place, print the imbalance before (contiguous slices) and after, write the file."""
     total: dict[str, torch.Tensor] = {}
     for path in args.loads:
-        for prefix, counts in json.loads(Path(path).read_text()).items():
+        try:
+            recorded = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"shoal eplb: --loads {path}: {exc}") from None
+        for prefix, counts in recorded.items():
             x = torch.tensor(counts, dtype=torch.float64)
             total[prefix] = total[prefix] + x if prefix in total else x
     layers = {k: v for k, v in total.items() if not k.startswith("mtp.")}

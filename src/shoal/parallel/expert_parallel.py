@@ -42,11 +42,12 @@ COLLECTIVE_TIMEOUT_S = 600.0  # a rank that died or hangs ends the run with an e
 class ExpertParallel:
     """This process's rank in the expert-parallel group. Build with `from_process_group`."""
 
-    def __init__(self, rank: int, world: int, group, control,
+    def __init__(self, rank: int, world: int, control=None,
                  placement: ExpertPlacement | None = None) -> None:
+        """The data collectives run on the default group (NCCL on CUDA, gloo on the CPU);
+        `control` is the gloo group of the per-step join (None: the default group)."""
         self.rank, self.world = rank, world
-        self.group = group  # the data collectives (NCCL on CUDA, gloo on the CPU)
-        self.control = control  # the per-step join (gloo, host tensors)
+        self.control = control
         self.placement = placement
         self._routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix -> copies
 
@@ -62,7 +63,7 @@ class ExpertParallel:
             raise ShoalError(f"expert parallelism on CUDA needs the NCCL backend, got {backend}")
         control = dist.new_group(backend="gloo", timeout=timedelta(
             seconds=COLLECTIVE_TIMEOUT_S)) if backend != "gloo" else None
-        return cls(dist.get_rank(), dist.get_world_size(), None, control,
+        return cls(dist.get_rank(), dist.get_world_size(), control,
                    ExpertPlacement.load(placement) if placement else None)
 
     def shard(self, config) -> ExpertShard:
@@ -106,12 +107,12 @@ class ExpertParallel:
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
                   ) -> torch.Tensor:
         out = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(out, send, recv_counts, send_counts)
         return out
 
     def _counts(self, send_counts: torch.Tensor) -> list[int]:
         recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.group)
+        dist.all_to_all_single(recv, send_counts)
         return recv.tolist()
 
     def _slots(self, prefix: str, ids: torch.Tensor) -> torch.Tensor:

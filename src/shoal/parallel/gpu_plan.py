@@ -14,20 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from shoal.model.config import ModelConfig
 from shoal.model.params import ExpertShard, owns_tensor
 from shoal.model.weights import checkpoint_inventory, is_engram_table
-from shoal.runner.cache_memory import CacheLayout, plan_memory
+from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
 from shoal.runner.loading import GPU_ACTIVATION_RESERVE_GB
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty(0, dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass(frozen=True)
@@ -62,8 +53,8 @@ class GpuPlan:
             f"  Engram tables {self.engram_gb:.1f} GB {where}",
             f"  fits: {'yes' if self.fits else 'no'}" + (f" ({self.reason})" if self.reason
                                                          else "")
-            + ("" if self.host_checked else " on the GPUs (give --host-memory-gb to check the "
-               "host)"),
+            + ("" if self.host_checked or not self.fits else " on the GPUs (give "
+               "--host-memory-gb to check the host)"),
         ]
 
 
@@ -76,7 +67,7 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
     dense = experts = engram = 0
     shard = ExpertShard(0, gpus)
     for name, spec in checkpoint_inventory(config).items():
-        size = _nbytes(spec.shape, spec.dtype)
+        size = spec.nbytes
         if is_engram_table(name):
             engram += size
         elif ".ffn.experts." in name:
@@ -88,18 +79,20 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
         if n % gpus:
             reason = f"{n} experts do not split over {gpus} GPUs"
     layout = CacheLayout.from_model_config(config, block_size=block_size)
-    one_request = layout.bytes_per_slot + -(-max_model_len // block_size) * layout.bytes_per_block
-    reserve = GPU_ACTIVATION_RESERVE_GB * 1e9
-    memory = gpu_memory_gb * 1e9
 
-    def kv_bytes(on_gpu: int) -> int:
-        return int((memory - on_gpu) * utilization - reserve)
+    def kv_plan(on_gpu: int) -> tuple[int, MemoryPlan | None]:
+        """The KV bytes left beside `on_gpu` bytes of weights, and their memory plan (None:
+        not even one request of max_model_len fits)."""
+        kv = int((gpu_memory_gb * 1e9 - on_gpu) * utilization - GPU_ACTIVATION_RESERVE_GB * 1e9)
+        try:
+            return kv, plan_memory(layout, max(kv, 0), max_num_seqs, max_model_len)
+        except ValueError:
+            return kv, None
 
-    engram_on_gpu = kv_bytes(dense + experts + engram) >= one_request
-    kv = kv_bytes(dense + experts + (engram if engram_on_gpu else 0))
+    engram_on_gpu = kv_plan(dense + experts + engram)[1] is not None
+    kv, plan = kv_plan(dense + experts + (engram if engram_on_gpu else 0))
     blocks = context = slots = 0
-    if kv >= one_request:
-        plan = plan_memory(layout, kv, max_num_seqs, max_model_len)
+    if plan is not None:
         blocks, context, slots = plan.num_blocks, plan.max_context_tokens, plan.num_slots
     elif not reason:
         reason = "the weights leave no room for one request of max_model_len"

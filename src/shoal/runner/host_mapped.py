@@ -15,27 +15,20 @@ until the last process exits; nothing is left behind).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 
-class _HostArray:
-    """`__cuda_array_interface__` over a pinned host tensor; the tensor made from it keeps
-    this object (and so the host tensor) alive."""
+class _HostBytes:
+    """`__cuda_array_interface__` over the bytes of a contiguous host tensor; the CUDA tensor
+    made from it keeps this object (and so the host tensor) alive."""
 
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
-        typestr = {torch.uint8: "|u1", torch.int8: "|i1", torch.float32: "<f4",
-                   torch.int32: "<i4", torch.int64: "<i8", torch.float16: "<f2"}
-        if host.dtype not in typestr:
-            raise TypeError(f"host_mapped: dtype {host.dtype} (map its bytes as uint8)")
-        self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape), "typestr": typestr[host.dtype],
-            "data": (host.data_ptr(), False), "version": 3,
-            "strides": tuple(s * host.element_size() for s in host.stride())}
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.raw = raw
+        self.__cuda_array_interface__ = {"shape": tuple(raw.shape), "typestr": "|u1",
+                                         "data": (raw.data_ptr(), False), "version": 3}
 
 
 SHM_DIR = Path("/dev/shm")
@@ -57,11 +50,9 @@ def node_shared(tables: Iterator[tuple[str, torch.Tensor]] | None, specs: dict[s
     if creator:
         assert tables is not None
         for name, tensor in tables:
-            tmp = paths[name].with_suffix(".tmp")
-            out = torch.from_file(str(tmp), shared=True, size=nbytes(name), dtype=torch.uint8)
+            out = torch.from_file(str(paths[name]), shared=True, size=nbytes(name),
+                                  dtype=torch.uint8)
             out.copy_(tensor.contiguous().view(torch.uint8).reshape(-1))
-            del out
-            os.replace(tmp, paths[name])
     barrier()  # every file written
     mapped = {name: torch.from_file(str(paths[name]), shared=True, size=nbytes(name),
                                     dtype=torch.uint8).view(specs[name][1]).view(specs[name][0])
@@ -93,9 +84,6 @@ def host_mapped(tensor: torch.Tensor, device: torch.device, in_place: bool = Fal
     else:
         host = tensor.detach().to("cpu").contiguous()
         host = host if host.is_pinned() else host.pin_memory()
-    raw = host.view(torch.uint8) if host.dtype not in (torch.uint8, torch.int8, torch.float32,
-                                                      torch.int32, torch.int64, torch.float16) \
-        else host
     with torch.cuda.device(device):
-        view = torch.as_tensor(_HostArray(raw), device=device)
-    return view.view(tensor.dtype) if raw is not host else view
+        view = torch.as_tensor(_HostBytes(host.view(torch.uint8)), device=device)
+    return view.view(tensor.dtype)

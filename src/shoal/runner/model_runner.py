@@ -192,13 +192,13 @@ class ModelRunner:
             accept_drafts(step.plan, out)
             if step.span is not None:  # both events are complete once the readback is
                 out.device_time = step.span[0].elapsed_time(step.span[1]) * 1e-3
-        if self.speculative and step.batch is None and self.ep is not None:
-            with torch.inference_mode():  # nothing ran here: serve the others' draft block
-                self.model.serve_experts(draft=True)
-        elif self.speculative and step.batch is not None:
+        if self.speculative:
             with torch.inference_mode():
-                propose_drafts(self.model, self.caches, step.batch, step.captures, step.plan,
-                               self.requests, out, self.config.runner.spec_confidence,
-                               rejection=self.config.runner.spec_verify == "rejection")
+                drafted = step.batch is not None and propose_drafts(
+                    self.model, self.caches, step.batch, step.captures, step.plan,
+                    self.requests, out, self.config.runner.spec_confidence,
+                    rejection=self.config.runner.spec_verify == "rejection")
+                if not drafted and self.ep is not None:  # the others' drafts need its experts
+                    self.model.serve_experts(draft=True)
         record_outputs(out, self.requests)
         return out

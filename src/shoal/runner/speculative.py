@@ -76,11 +76,12 @@ class DraftSampler:
 
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
                    plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0,
-                   rejection: bool = False) -> None:
+                   rejection: bool = False) -> bool:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
     follow the drafts), keeping the drafts the confidence rule finds worth verifying.
-    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification."""
+    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification.
+    Returns whether a draft block ran (no request to draft for: False)."""
     cfg = model.config
     keep, at = [], 0
     anchors, positions, slots, ids = [], [], [], []
@@ -105,9 +106,7 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
         dspark_context(model, batch, caches, captures,
                        torch.tensor(keep, dtype=torch.int64, device=device))
     if not ids:
-        if model.ep is not None:  # the other ranks' drafts still need this rank's experts
-            model.serve_experts(draft=True)
-        return
+        return False
     sampler = DraftSampler([states[r] for r in ids], device) if rejection else None
     draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
                          torch.tensor(positions, dtype=torch.int64, device=device),
@@ -123,3 +122,4 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
         state = states[rid]
         state.draft_probs = None if q is None or state.params.temperature < \
             GREEDY_TEMPERATURE else q[b, :n]
+    return True
