@@ -101,8 +101,8 @@ class RunnerConfig:
     when no request whose token is in flight needs its value on the host (penalties,
     structured output); speculative decoding always runs synchronously.
     batch_invariant: on CUDA, ops whose bits depend on the rows in a call take a fixed tiling
-    instead (backend 'triton_invariant' first): so far the MoE, on its 16-row tiles at every
-    size (the op `scripts/bisect_chunked.py` found to split chunked from whole prefill).
+    instead (backend 'triton_invariant' first): the MoE stays on its mma.sync tiles at every
+    size (the one op `scripts/bisect_chunked.py` found to split chunked from whole prefill).
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
     by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly

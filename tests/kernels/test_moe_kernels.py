@@ -222,12 +222,12 @@ def test_f16_tiles_give_the_e4m3_tiles_bits(use_asm: bool) -> None:
 @pytest.mark.skipif(not ON_GPU, reason="a property of the device's mma.sync")
 @pytest.mark.parametrize("configs", [
     PLAIN_2WARPS, None, (tiles.TileConfig(16, 16, 128, 2, 4), tiles.TileConfig(16, 32, 128, 2, 4)),
-    (tiles.TileConfig(16, 32, 64, 2, 8), tiles.TileConfig(16, 64, 128, 2, 4))],
-    ids=["2warps", "default", "n16k128", "n32k64"])
+    (tiles.TileConfig(16, 32, 64, 2, 8), tiles.TileConfig(16, 64, 128, 2, 4)),
+    tiles.INVARIANT_PREFILL], ids=["2warps", "default", "n16k128", "n32k64", "invariant_prefill"])
 def test_plain_tiles_bits_do_not_depend_on_the_tile(configs) -> None:
-    """Warps per program, BLOCK_N and BLOCK_K of the 16-row decode tiles move rows, columns and
-    loop steps between programs, never the K order of a sum (mma.sync chained along K in
-    ascending steps), so the bits are those of the 4-warp 16x32x256 tiles."""
+    """Warps per program, BLOCK_N, BLOCK_K (>= 64) and BLOCK_M (< 64) of the mma.sync tiles
+    move rows, columns and loop steps between programs, never the K order of a sum (mma.sync
+    chained along K in ascending steps), so the bits are those of the 4-warp 16x32x256 tiles."""
     kw = _case(11, 40, 512, 256, 16, 6, spread=3)
     assert torch.equal(tmoe.moe_experts(**kw, configs=configs),
                        tmoe.moe_experts(**kw, configs=PLAIN))

@@ -74,9 +74,9 @@ from shoal.ops.triton.fp4_tiles import (
 from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import expert_tile, route
 from shoal.ops.triton.moe_tiles import (
-    INVARIANT_CONFIGS,
     TileConfig,
     default_configs,
+    invariant_configs,
     w4a16_configs,
 )
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
@@ -429,6 +429,7 @@ def moe_mxfp4_invariant(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
                         w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                         w2_scale: torch.Tensor, limit: float,
                         shared: torch.Tensor | None = None) -> torch.Tensor:
-    """The op on the 16-row tiles at every size: a token's bits do not depend on the batch."""
+    """The op on mma.sync tiles at every size (`invariant_configs`): a token's bits do not
+    depend on the batch."""
     return moe_experts(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared,
-                       configs=INVARIANT_CONFIGS)
+                       configs=invariant_configs(x.shape[0] * ids.shape[1], w13.shape[0]))

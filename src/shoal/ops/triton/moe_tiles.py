@@ -71,10 +71,20 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
             TileConfig(128, 64, 128, 8, 3, promote=True))
 
 
-# Batch-invariant mode (`RunnerConfig.batch_invariant`, backend "triton_invariant"): the 16-row
-# mma.sync tiles at every size, whose K sum order does not depend on the rows in the call, so a
-# token's bits never change with the batch (at a cost for prefill-sized calls).
-INVARIANT_CONFIGS = (TileConfig(16, 64, 128, 2, 4, f16=True), TileConfig(16, 64, 128, 2, 4, f16=True))
+# Batch-invariant mode (`RunnerConfig.batch_invariant`, backend "triton_invariant"): tiles of
+# the mma.sync family only (fp16 operands, fp32 sums chained along K in ascending steps), whose
+# bits do not depend on BLOCK_M (< 64 rows), BLOCK_N, warps or BLOCK_K >= 64 (H200: the whole
+# T = 8192 output equal; BLOCK_K 32 is not), so a token's bits never change with the batch.
+# Above 40 rows per expert the 32-row tiles halve the weight conversions: prefill-sized calls
+# 1.4x faster than on the 16-row tiles, 1.37x slower than the default's wgmma tiles
+# (benchmarks/results/bench_moe_invariant_h200_2026-12-03.txt).
+INVARIANT_DECODE = (TileConfig(16, 64, 128, 2, 4, f16=True),) * 2
+INVARIANT_PREFILL = (TileConfig(32, 64, 64, 2, 6, f16=True),) * 2
+
+
+def invariant_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
+    """(w13, w2) tiles of the batch-invariant op: same bits at every size."""
+    return INVARIANT_DECODE if rows / max(experts, 1) <= 40 else INVARIANT_PREFILL
 
 
 def w4a16_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
