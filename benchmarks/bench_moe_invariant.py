@@ -17,7 +17,7 @@ import argparse
 import json
 
 import torch
-from bench_moe import E, TOPK, floor_ms, log, realistic_weights, routing, time_calls
+from bench_moe import TOPK, E, floor_ms, log, realistic_weights, routing, time_calls
 
 from shoal.bench import git_commit
 from shoal.ops.triton import moe as tmoe

@@ -17,7 +17,6 @@ import signal
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from shoal.config import ShoalError
 
@@ -167,11 +166,7 @@ def cmd_generate(args) -> int:
     from shoal.offline.commands import generate
 
     _check_config(args)
-    made = []
-    rc = generate(args, lambda: made.append(_make_llm(args)) or made[-1], _default_params(args))
-    if args.expert_loads_out and made:  # `shoal eplb --loads FILE`
-        Path(args.expert_loads_out).write_text(json.dumps(made[0].expert_loads()))
-    return rc
+    return generate(args, lambda: _make_llm(args), _default_params(args))
 
 
 def cmd_run_batch(args) -> int:

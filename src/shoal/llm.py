@@ -14,6 +14,7 @@ from tqdm import tqdm
 from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.outputs import RequestOutput
+from shoal.parallel.torchrun import launched_world
 from shoal.sampling import SamplingParams
 from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
@@ -27,14 +28,23 @@ class LLM:
     Engine options are the fields of CacheConfig, SchedulerConfig and RunnerConfig
     (e.g. max_num_seqs=32, prefill_mode="staircase", device="cpu"); unknown ones raise.
     `data_parallel_size=N` runs N engine replicas in their own processes (one per GPU), each
-    with its own scheduler and KV pool; outputs are those of one engine.
+    with its own scheduler and KV pool; outputs are those of one engine. Under `torchrun`
+    (one node or several) each process is one replica (`parallel/torchrun.py`): every rank
+    returns every output.
     """
 
     def __init__(self, model: str = "tiny", *, data_parallel_size: int = 1,
                  **kwargs: Any) -> None:
-        self.config = EngineConfig.create(model, **kwargs)
         self.replicas = None
+        self.torchrun = None
         self._tokenizer = None
+        if launched_world() > 1:
+            from shoal.parallel.torchrun import TorchrunRank
+
+            self.torchrun = TorchrunRank(data_parallel_size, kwargs.get("device", "auto"))
+            kwargs = dict(kwargs, device=self.torchrun.device)
+            data_parallel_size = 1
+        self.config = EngineConfig.create(model, **kwargs)
         if data_parallel_size == 1:
             self.engine: Engine | None = Engine(self.config)
         else:
@@ -61,7 +71,14 @@ class LLM:
         loads = self.engine.runner.model.expert_loads
         if loads is None:
             raise ValueError("expert_loads(): create the LLM with record_expert_loads=True")
-        return {prefix: counts.tolist() for prefix, counts in sorted(loads.items())}
+        mine = {prefix: counts.tolist() for prefix, counts in sorted(loads.items())}
+        return mine if self.torchrun is None else self.torchrun.summed(mine)
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process writes files and prints summaries (False on torchrun ranks
+        other than 0)."""
+        return self.torchrun is None or self.torchrun.primary
 
     def close(self) -> None:
         """Stop the data-parallel replicas (a single engine needs no closing)."""
@@ -116,6 +133,14 @@ class LLM:
         if self.replicas is not None:
             yield from self.replicas.run(items, use_tqdm)
             return
+        if self.torchrun is not None:
+            yield from self.torchrun.run(items, lambda share: self._run_local(share, use_tqdm),
+                                         self.engine.serve_until_idle)
+            return
+        yield from self._run_local(items, use_tqdm)
+
+    def _run_local(self, items: Sequence[dict], use_tqdm: bool
+                   ) -> Iterator[tuple[int, RequestOutput]]:
         groups: list[str] = []
         chat_prompts: dict[str, str] = {}
         done: set[str] = set()

@@ -68,3 +68,20 @@ def test_a_node_shared_mapping_is_registered_and_read_in_place() -> None:
     assert view.data_ptr() == mapped.data_ptr()  # unified addressing: the same pointer
     rows = torch.tensor([0, 4095, 17], device="cuda")
     assert torch.equal(view[rows].cpu(), src[rows.cpu()])
+
+
+def test_tables_made_on_the_gpu_equal_the_cpus() -> None:
+    """Dummy host tables are computed on the GPU and copied to the CPU (far faster than the
+    CPU's own generation): the same bits."""
+    from shoal.checkpoint.writer import generate_weights
+    from shoal.config import resolve_model_config
+    from shoal.model.weights import checkpoint_inventory, is_engram_table
+
+    cfg = resolve_model_config("tiny")
+    names = [n for n in checkpoint_inventory(cfg) if is_engram_table(n)]
+    on_cpu = dict(generate_weights(cfg, seed=3, names=names))
+    via_gpu = dict(generate_weights(cfg, seed=3, names=names, work_device="cuda"))
+    assert names and on_cpu.keys() == via_gpu.keys()
+    for name, t in on_cpu.items():
+        assert via_gpu[name].device.type == "cpu"
+        assert torch.equal(via_gpu[name].view(torch.uint8), t.view(torch.uint8)), name

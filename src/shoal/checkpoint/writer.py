@@ -152,20 +152,24 @@ def _dense_fp8(spec: TensorSpec, key: int, device: torch.device | str,
 
 
 def _engram_table(spec: TensorSpec, key: int, scale_key: int, device: torch.device | str,
-                  chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 rows generated as codes + scales directly (no fp32 copy of the table)."""
+                  chunk_elems: int, work: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rows generated as codes + scales directly (no fp32 copy of the table), chunk by
+    chunk on `work` (default `device`) and copied to `device`."""
     rows, hd = spec.shape
     b = spec.block[1] if spec.block else 32
+    work = device if work is None else work
     codes = torch.empty((rows, hd), dtype=torch.float8_e4m3fn, device=device)
     scales = torch.empty((rows, hd // b), dtype=torch.uint8, device=device)
     step = _chunk_rows(hd, 1, chunk_elems)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        v = _values(key, r0 * hd, (r1 - r0) * hd, device, _ENGRAM_CODE_STD)
-        codes[r0:r1] = v.view(r1 - r0, hd).to(torch.float8_e4m3fn)
-        jitter = (hash_bits(scale_key, r0 * (hd // b), (r1 - r0) * (hd // b), device)
+        v = _values(key, r0 * hd, (r1 - r0) * hd, work, _ENGRAM_CODE_STD)
+        codes[r0:r1] = v.view(r1 - r0, hd).to(torch.float8_e4m3fn).to(device)
+        jitter = (hash_bits(scale_key, r0 * (hd // b), (r1 - r0) * (hd // b), work)
                   & 0xFFFF) % 3 - 1
-        scales[r0:r1] = (jitter + _ENGRAM_SCALE_BYTE).to(torch.uint8).view(r1 - r0, hd // b)
+        scales[r0:r1] = (jitter + _ENGRAM_SCALE_BYTE).to(torch.uint8).view(
+            r1 - r0, hd // b).to(device)
     return codes, scales
 
 
@@ -197,19 +201,23 @@ def to_disk_dtype(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
 def generate_weights(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
                      dtype_policy: Literal["memory", "disk"] = "memory",
                      names: Iterable[str] | None = None,
-                     chunk_elems: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     chunk_elems: int | None = None,
+                     work_device: torch.device | str | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every inventory tensor (or only `names`), in inventory order.
 
     Tensors are created on `device` and are bit-identical for every device. dtype_policy
     'memory' gives the reader's normalised dtypes (uint8 scales and packed FP4); 'disk' gives
-    the official on-disk dtypes (float8_e8m0fnu scales, int8 packed FP4).
+    the official on-disk dtypes (float8_e8m0fnu scales, int8 packed FP4). `work_device`: where
+    the Engram tables' values are computed before they are copied to `device` (a GPU makes a
+    host-placed table far faster than the CPU; same bits).
     """
     inventory = checkpoint_inventory(config)
     wanted = None if names is None else set(names)
     if wanted is not None and (bad := sorted(wanted - inventory.keys())):
         raise ValueError(f"names: {bad[:5]} are not in the inventory of config {config.name!r}")
     if chunk_elems is None:
-        chunk_elems = 1 << (26 if torch.device(device).type == "cuda" else 22)
+        chunk_elems = 1 << (26 if torch.device(work_device or device).type == "cuda" else 22)
     pending: dict[str, torch.Tensor] = {}
     for name, spec in inventory.items():
         if wanted is not None and name not in wanted:
@@ -218,9 +226,9 @@ def generate_weights(config: ModelConfig, seed: int = 0, device: torch.device | 
             tensor = pending.pop(name)
         elif spec.kind in ("fp8_scale", "fp4_scale"):
             weight = inventory[name[: -len(".scale")] + ".weight"]
-            tensor = _pair(config, seed, weight, device, chunk_elems)[1]
+            tensor = _pair(config, seed, weight, device, chunk_elems, work_device)[1]
         elif spec.kind in ("fp8_weight", "fp4_weight"):
-            tensor, scale = _pair(config, seed, spec, device, chunk_elems)
+            tensor, scale = _pair(config, seed, spec, device, chunk_elems, work_device)
             if wanted is None or spec.scale_name in wanted:
                 pending[spec.scale_name] = scale
         else:
@@ -231,12 +239,14 @@ def generate_weights(config: ModelConfig, seed: int = 0, device: torch.device | 
 
 
 def _pair(config: ModelConfig, seed: int, spec: TensorSpec, device: torch.device | str,
-          chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+          chunk_elems: int, work_device: torch.device | str | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     key = tensor_key(seed, spec.name)
     if spec.kind == "fp4_weight":
         return _mxfp4(spec, key, device, chunk_elems)
     if spec.block is not None and spec.block[0] == 1:  # Engram table: per-row scales
-        return _engram_table(spec, key, tensor_key(seed, spec.scale_name), device, chunk_elems)
+        return _engram_table(spec, key, tensor_key(seed, spec.scale_name), device, chunk_elems,
+                             work_device)
     return _dense_fp8(spec, key, device, chunk_elems)
 
 

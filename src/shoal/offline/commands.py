@@ -8,10 +8,12 @@ earlier run wrote (by custom_id, else input line) and appends the rest.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from shoal.config import ShoalError
@@ -71,10 +73,13 @@ def prefix_summary(stats) -> str:
 
 
 def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
-    if llm.engine is None:  # data-parallel replicas: what the outputs say
+    if not llm.primary:
+        return
+    if llm.engine is None or llm.torchrun is not None:  # replicas: what the outputs say
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        size = llm.replicas.size if llm.replicas is not None else llm.torchrun.world
         print(f"{len(outs)} requests ({sum(1 for o in outs if o.error)} errors) on "
-              f"{llm.replicas.size} replicas | output tokens {tokens} | {elapsed:.2f} s | "
+              f"{size} replicas | output tokens {tokens} | {elapsed:.2f} s | "
               f"{tokens / max(elapsed, 1e-9):.1f} output tok/s", file=sys.stderr)
         return
     s = llm.engine.stats
@@ -107,6 +112,13 @@ def run_requests(llm, requests: list[RequestLine], write: Callable[[int, Request
     return outs, False
 
 
+def _open_output(llm, path: str | None, resume: bool):
+    """The output file (appended to with --resume); torchrun ranks other than 0 write nowhere."""
+    if not llm.primary:
+        return open(os.devnull, "w", encoding="utf-8")
+    return open(path, "a" if resume else "w", encoding="utf-8")
+
+
 def _pending(requests: list[RequestLine], output: str | None, resume: bool
              ) -> list[RequestLine]:
     if not (resume and output):
@@ -117,11 +129,11 @@ def _pending(requests: list[RequestLine], output: str | None, resume: bool
 
 def _finish(llm, outs, total: int, skipped: int, interrupted: bool, elapsed: float,
             held: int) -> int:
-    if interrupted:
+    if interrupted and llm.primary:
         print(f"shoal: interrupted: {len(outs)} of {total} requests finished"
               + (f" ({held} of them not written: they wait for an earlier request in input "
                  "order; --resume runs them again)" if held else ""), file=sys.stderr)
-    if skipped:
+    if skipped and llm.primary:
         print(f"shoal: resumed: {skipped} requests were already in the output", file=sys.stderr)
     summary(llm, outs, elapsed)
     return INTERRUPTED if interrupted else 0
@@ -140,17 +152,21 @@ def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
                     for i, p in enumerate(args.prompt or ["Hello, shoal!"])]
     pending = _pending(requests, args.output, args.resume)
     llm = make_llm()
-    stream = open(args.output, "a" if args.resume else "w", encoding="utf-8") \
-        if args.output else sys.stdout
+    stream = _open_output(llm, args.output, args.resume) if args.output or not llm.primary \
+        else sys.stdout
     writer = ResultWriter(stream, args.output_order)
     t0 = time.perf_counter()
     try:
         outs, interrupted = run_requests(
             llm, pending, lambda i, out: writer.add(i, record(pending[i], out)),
-            progress=not args.quiet and args.output is not None)
+            progress=not args.quiet and args.output is not None and llm.primary)
     finally:
         if stream is not sys.stdout:
             stream.close()
+    if getattr(args, "expert_loads_out", None):  # `shoal eplb --loads FILE`
+        loads = llm.expert_loads()
+        if llm.primary:
+            Path(args.expert_loads_out).write_text(json.dumps(loads))
     return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
                    time.perf_counter() - t0, writer.num_held)
 
@@ -168,12 +184,12 @@ def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int
     pending = _pending(requests, args.output, args.resume)
     llm = make_llm()
     model = os.path.basename(os.path.normpath(args.model))
-    with open(args.output, "a" if args.resume else "w", encoding="utf-8") as stream:
+    with _open_output(llm, args.output, args.resume) as stream:
         writer = ResultWriter(stream, "input")
         t0 = time.perf_counter()
         outs, interrupted = run_requests(
             llm, pending, lambda i, out: writer.add(i, batch_result(
-                pending[i], urls[pending[i].line], out, model)), progress=not args.quiet)
+                pending[i], urls[pending[i].line], out, model)), progress=not args.quiet and llm.primary)
     return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
                    time.perf_counter() - t0, writer.num_held)
 

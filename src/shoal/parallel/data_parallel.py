@@ -45,6 +45,19 @@ def _load_estimate(item: dict) -> int:
     return max(1, len(str(prompt)) // 4)
 
 
+def split_by_load(items: Sequence[dict], size: int) -> list[list[int]]:
+    """Each replica's request positions: every request goes to the replica with the fewest
+    estimated prompt tokens so far (ties: the lowest rank). Deterministic, so ranks launched
+    by torchrun agree on it without talking."""
+    loads = [0] * size
+    shares: list[list[int]] = [[] for _ in range(size)]
+    for position, item in enumerate(items):
+        rank = min(range(size), key=loads.__getitem__)
+        loads[rank] += _load_estimate(item)
+        shares[rank].append(position)
+    return shares
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,7 +155,7 @@ class DataParallel:
             self.processes.append(proc)
         self.size = size
         self._calls = itertools.count()
-        self._indices = itertools.count()
+        self._next_index = 0  # global request index of the next call's first request
         ready = 0
         while ready < size:
             kind, _, rank, message = self._get(READY_TIMEOUT_S)
@@ -177,12 +190,9 @@ class DataParallel:
             raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
                              " create a new LLM")
         call = next(self._calls)
-        loads = [0] * self.size
-        shares: list[list[tuple[int, dict]]] = [[] for _ in range(self.size)]
-        for position, item in enumerate(items):
-            rank = min(range(self.size), key=loads.__getitem__)
-            loads[rank] += _load_estimate(item)
-            shares[rank].append((position, dict(item, request_index=next(self._indices))))
+        base, self._next_index = self._next_index, self._next_index + len(items)
+        shares = [[(p, dict(items[p], request_index=base + p)) for p in positions]
+                  for positions in split_by_load(items, self.size)]
         # expert parallelism: a replica without requests still serves its experts
         busy = {rank for rank in range(self.size) if shares[rank] or self.expert_parallel}
         for rank in busy:

@@ -47,6 +47,8 @@ class ExpertParallel:
         """The data collectives run on the default group (NCCL on CUDA, gloo on the CPU);
         `control` is the gloo group of the per-step join (None: the default group)."""
         self.rank, self.world = rank, world
+        # this rank's place on its node (torchrun sets LOCAL_RANK; one-node spawns omit it)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.control = control
         self.placement = placement
         self._routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix -> copies

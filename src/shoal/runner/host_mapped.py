@@ -6,9 +6,9 @@ and a step reads a few rows of them (24 per token and Engram layer), so the gath
 exactly those rows from host memory, with nothing to copy ahead, no host sync, and the same
 kernel, bytes and results as device placement (CUDA graphs capture it unchanged).
 
-Ranks of one node share one copy (`node_shared`): rank 0 writes each table into a file in
-/dev/shm, every rank maps it (MAP_SHARED) and page-locks the mapping in place
-(`cudaHostRegister`), and rank 0 unlinks the files once all have mapped them (the memory lives
+Ranks of one node share one copy (`node_shared`): the node's local rank 0 writes each table
+into a file in /dev/shm, every rank maps it (MAP_SHARED) and page-locks the mapping in place
+(`cudaHostRegister`), and the writer unlinks the files once all have mapped them (the memory lives
 until the last process exits; nothing is left behind).
 """
 

@@ -93,7 +93,7 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
                                     names=None if len(rest) == len(inventory) else rest)
         if on_host:
             yield from host_part(generate_weights(mc, seed=config.runner.seed, device="cpu",
-                                                  names=on_host))
+                                                  names=on_host, work_device=device))
         return
     if config.is_preset:
         raise ShoalError(f"load_format={fmt!r} needs a checkpoint directory, got the preset "
@@ -127,7 +127,7 @@ def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device
     shard = ExpertShard() if ep is None else ep.shard(cfg)
     on_host = engram_on_host(config, device, shard.world)
     host = is_engram_table if on_host else (lambda name: False)
-    share = NodeShare(ep.shared_key(), ep.rank == 0, ep.barrier) \
+    share = NodeShare(ep.shared_key(), ep.local_rank == 0, ep.barrier) \
         if on_host and ep is not None else None
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:

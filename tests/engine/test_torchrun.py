@@ -1,0 +1,73 @@
+"""Data parallelism under torchrun (two CPU processes, gloo): every rank's `generate` returns one
+engine's outputs in input order, across calls and with expert parallelism; `shoal generate`
+under torchrun writes the output file once (rank 0), equal to a single engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shoal import LLM, SamplingParams
+from shoal.cli import main
+
+OPTS = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 96}
+CALLS = [([[5, 6, 7], "hello there", [9] * 30, {"prompt_token_ids": [1, None]}],
+          [SamplingParams(temperature=0.0, max_tokens=4),
+           SamplingParams(temperature=0.9, max_tokens=5),  # unseeded: from the request index
+           SamplingParams(temperature=0.8, seed=3, max_tokens=3, n=2),
+           SamplingParams(max_tokens=3)]),
+         ([[2, 3], [4] * 12, [8]], [SamplingParams(temperature=1.0, max_tokens=4)] * 3)]
+
+SCRIPT = """
+import json, sys
+from shoal import LLM
+from tests.engine.test_torchrun import CALLS, OPTS, view
+llm = LLM("tiny", expert_parallel=True, **OPTS)
+got = [view(llm.generate(items, params, use_tqdm=False)) for items, params in CALLS]
+with open(f"{sys.argv[1]}/rank{llm.torchrun.rank}.json", "w") as f:
+    json.dump(got, f)
+"""
+
+
+def view(outs) -> list:
+    return [[o.request_id, o.error, [[c.token_ids, c.text, c.finish_reason] for c in o.outputs]]
+            for o in outs]
+
+
+def _torchrun(tmp_path: Path, *args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_rank_returns_one_engines_outputs(tmp_path: Path) -> None:
+    (tmp_path / "spmd.py").write_text(SCRIPT, encoding="utf-8")
+    _torchrun(tmp_path, "spmd.py", str(tmp_path))
+    alone = LLM("tiny", **OPTS)
+    expected = [view(alone.generate(items, params, use_tqdm=False)) for items, params in CALLS]
+    expected = json.loads(json.dumps(expected))
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
+
+
+def test_generate_cli_under_torchrun(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 6]}) for i in range(5))
+                   + "\n", encoding="utf-8")
+    common = ["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
+              "--max-tokens", "3", "--temperature", "0.8", "--quiet", "--input", str(src)]
+    _torchrun(tmp_path, "-m", "shoal.cli", *common, "--output", str(tmp_path / "dp.jsonl"))
+    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
+    def records(name: str) -> list[dict]:
+        return [{k: v for k, v in json.loads(x).items() if k != "latency_s"}
+                for x in (tmp_path / name).read_text().splitlines()]
+
+    got = records("dp.jsonl")
+    assert [r["line"] for r in got] == [1, 2, 3, 4, 5]
+    assert got == records("one.jsonl")
