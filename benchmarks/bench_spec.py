@@ -1,0 +1,126 @@
+"""Speculative decoding machinery at a chosen acceptance rate (random weights draft nothing
+useful, so a drafting oracle stands in for the draft head's choices).
+
+One plain run records every request's greedy output; the speculative runs then keep the DSpark
+draft block running as usual (its cost, its confidence head and the confidence rule's cut
+included) but replace each kept draft token by the recorded plain token at that position,
+corrupted with probability 1 - `rate` (a per-position acceptance of about `rate`). For each
+batch size and rate: output tokens/s against plain decoding in the same process, mean accepted
+length, and with `--confidence T` the verify rows the confidence rule skipped. Every
+speculative run's tokens must equal the plain run's (exact verification): checked and printed.
+
+Run: PYTHONPATH=src python3 benchmarks/bench_spec.py [--model mini] [--batches 1 16 64]
+     [--rates 0 0.3 0.6 0.9] [--confidence 0.5] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.bench import git_commit, random_prompt
+from shoal.config import resolve_model_config
+from shoal.runner import model_runner
+from shoal.runner.speculative import propose_drafts
+
+
+class Oracle:
+    """`propose_drafts` with the draft tokens replaced by the recorded run's, each corrupted
+    with probability 1 - rate. `expected[prompt]`: that prompt's plain output."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.expected, self.vocab = expected, vocab
+        self.rate = 1.0
+        self.rng = random.Random(0)
+
+    def __call__(self, model, caches, batch, captures, plan, states, out, *args, **kwargs):
+        drafted = propose_drafts(model, caches, batch, captures, plan, states, out, *args,
+                                 **kwargs)
+        for rid, drafts in out.spec_token_ids.items():
+            state = states[rid]
+            done = len(state.output_token_ids) + len(out.sampled_token_ids[rid])
+            future = self.expected[state.prompt_token_ids][done: done + len(drafts)]
+            out.spec_token_ids[rid] = [
+                t if self.rng.random() < self.rate else (t + 1) % self.vocab for t in future]
+        return drafted
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.3, 0.6, 0.9])
+    ap.add_argument("--confidence", type=float, default=0.5,
+                    help="spec_confidence of the extra run at the largest batch (0: none)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="a prompt's plain tokens do not depend on the batch (the oracle's "
+                         "record is the largest batch's)")
+    args = ap.parse_args()
+    cfg = resolve_model_config(args.model)
+    opts = {"device": args.device, "load_format": "dummy", "max_num_seqs": max(args.batches),
+            "max_model_len": args.prompt_len + args.max_tokens + 64,
+            "batch_invariant": args.batch_invariant}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [random_prompt(cfg, args.prompt_len, g) for _ in range(max(args.batches))]
+    plain = LLM(args.model, **opts)
+    print(f"{args.model}: prompts {args.prompt_len}, {args.max_tokens} greedy tokens, "
+          f"draft length {cfg.dspark_draft_len}", flush=True)
+    rows, expected, plain_s = [], {}, {}
+    for b in args.batches:
+        run(plain, prompts[:b], SamplingParams(max_tokens=2))  # warm the shapes
+        expected[b], plain_s[b] = run(plain, prompts[:b], params)
+    del plain
+    longest = max(args.batches)
+    oracle = Oracle({tuple(p): out for p, out in zip(prompts, expected[longest], strict=True)},
+                    cfg.vocab_size)
+    model_runner.propose_drafts = oracle
+    runs = [(rate, 0.0) for rate in args.rates]
+    if args.confidence > 0:
+        runs.append((args.rates[-1], args.confidence))
+    engines = {}
+    print("batch  rate  conf   tok/s  plain tok/s  speed-up  mean accepted  skipped  same",
+          flush=True)
+    for rate, conf in runs:
+        spec = engines.get(conf) or engines.setdefault(
+            conf, LLM(args.model, speculative=True, spec_confidence=conf, **opts))
+        for b in args.batches if conf == 0 else [max(args.batches)]:
+            oracle.rate, oracle.rng = rate, random.Random(b)
+            run(spec, prompts[:b], SamplingParams(max_tokens=2))
+            before = dict(vars(spec.engine.stats))
+            got, secs = run(spec, prompts[:b], params)
+            s = spec.engine.stats
+            accepted = s.drafts_accepted - before["drafts_accepted"]
+            verify = s.verify_rows - before["verify_rows"]
+            skipped = s.drafts_skipped - before["drafts_skipped"]
+            tokens = b * args.max_tokens
+            row = {"batch": b, "rate": rate, "confidence": conf, "tok_s": tokens / secs,
+                   "plain_tok_s": tokens / plain_s[b], "speedup": plain_s[b] / secs,
+                   "mean_accepted": 1 + accepted / verify if verify else 0.0,
+                   "skipped": skipped, "same_tokens": got == expected[b]}
+            rows.append(row)
+            print(f"{b:5d}  {rate:4.2f}  {conf:4.2f}  {row['tok_s']:6.1f}  "
+                  f"{row['plain_tok_s']:11.1f}  {row['speedup']:8.2f}  "
+                  f"{row['mean_accepted']:13.2f}  {skipped:7d}  {row['same_tokens']}",
+                  flush=True)
+    print(json.dumps({"bench": "spec", "commit": git_commit(), "model": args.model,
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                      else "cpu", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
