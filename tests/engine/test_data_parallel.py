@@ -5,13 +5,13 @@ prompt), in input order; an interrupt leaves the replicas usable; `shoal generat
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.cli import main
+from support.interrupt import interrupt_after
 
 OPTS = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 128}
 ITEMS = [[5, 6, 7], "hello there", [9] * 30, {"prompt_token_ids": [1, None]},
@@ -43,17 +43,9 @@ def test_replicas_give_one_engines_outputs(replicas) -> None:
 
 
 def test_an_interrupt_leaves_the_replicas_usable(replicas) -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 1.0)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            replicas.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100, ignore_eos=True),
-                              use_tqdm=False)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    with pytest.raises(KeyboardInterrupt), interrupt_after(1.0):
+        replicas.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100, ignore_eos=True),
+                          use_tqdm=False)
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=4)
     after = replicas.generate([[4, 4], [8]], params, use_tqdm=False)
     alone = LLM("tiny", **OPTS).generate([[4, 4], [8]], params, use_tqdm=False)

@@ -7,7 +7,6 @@ interrupt leaves the replicas usable; speculative decoding; uneven splits fail c
 from __future__ import annotations
 
 import json
-import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from shoal.ops.registry import resolve_ops
 from shoal.parallel.data_parallel import _free_port
 from shoal.parallel.expert_parallel import ExpertParallel
 from shoal.runner.loading import iter_weights
+from support.interrupt import interrupt_after
 
 OPTS = {"device": "cpu", "max_num_seqs": 6, "max_model_len": 128}
 G = torch.Generator().manual_seed(11)
@@ -82,23 +82,15 @@ def test_a_tight_pool_and_a_request_too_long() -> None:
 
 def test_an_interrupt_leaves_the_ranks_usable(expected) -> None:
     llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, **OPTS)
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 1.5)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt), interrupt_after(1.5):
             llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=120, ignore_eos=True),
                          use_tqdm=False)
-        signal.setitimer(signal.ITIMER_REAL, 0)
         # the interrupted call used request indices: compare the requests with fixed seeds
         fixed = [i for i, p in enumerate(PARAMS) if p.seed is not None or p.temperature == 0]
         got = _view(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         assert [got[i] for i in fixed] == [expected[i] for i in fixed]
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         llm.close()
 
 

@@ -5,7 +5,6 @@ and `shoal run-batch` in the OpenAI batch format."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.cli import main
 from shoal.offline.output import ResultWriter, written_keys
+from support.interrupt import interrupt_after
 
 OPTS = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 64}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -73,14 +73,6 @@ def test_every_bad_line_becomes_its_entry(tmp_path: Path, capsys) -> None:
     assert "unknown field" in _records(strict)[len(BAD_IDS)]["error"]
 
 
-def _alarm_interrupt(seconds: float) -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_interrupt_leaves_the_llm_usable(async_scheduling: bool) -> None:
     llm = LLM("tiny", async_scheduling=async_scheduling, **{**OPTS, "max_model_len": 256})
@@ -88,12 +80,8 @@ def test_interrupt_leaves_the_llm_usable(async_scheduling: bool) -> None:
     (expected,) = LLM("tiny", **OPTS).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
     long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)  # seconds of work
     for delay in (0.05, 0.4, 1.2):  # before, during and well into the run
-        _alarm_interrupt(delay)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                llm.generate([[5, 6, 7]] * 6, long, use_tqdm=False)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        with pytest.raises(KeyboardInterrupt), interrupt_after(delay):
+            llm.generate([[5, 6, 7]] * 6, long, use_tqdm=False)
         (out,) = llm.generate([[9, 8, 7]], GREEDY, use_tqdm=False)
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
         assert llm.engine.scheduler.usage().num_free_blocks == free  # no leaked block

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from shoal.model.config import ModelConfig
 from shoal.model.params import ExpertShard, owns_tensor
 from shoal.model.weights import checkpoint_inventory, is_engram_table
-from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
-from shoal.runner.loading import GPU_ACTIVATION_RESERVE_GB
+from shoal.runner.cache_memory import (
+    GPU_ACTIVATION_RESERVE_GB,
+    CacheLayout,
+    MemoryPlan,
+    plan_memory,
+)
 
 
 @dataclass(frozen=True)

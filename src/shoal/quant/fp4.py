@@ -133,10 +133,15 @@ def _encode_blocks(g: Tensor, s: Tensor) -> Tensor:
     return pack_fp4(e2m1_encode(v).flatten(-2))
 
 
+# e2m1 value pair of each packed byte (low nibble first), from e2m1_decode itself: decoding by
+# one lookup gives the same bits about 3x faster on the CPU than the elementwise decode.
+_BYTE_PAIRS = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
+
+
 def _decode_blocks(packed: Tensor, s: Tensor, block: int, dtype: torch.dtype) -> Tensor:
     """packed [..., K // 2] and fp32 scales [..., K // block] -> values [..., K] of ``dtype``."""
-    v = blocked(e2m1_decode(unpack_fp4(packed)), block) * s.unsqueeze(-1)
-    return v.flatten(-2).to(dtype)
+    values = _BYTE_PAIRS.to(packed.device)[packed.long()].flatten(-2)
+    return (blocked(values, block) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def _check_packed(fn: str, packed: Tensor, scales: Tensor, block: int) -> None:

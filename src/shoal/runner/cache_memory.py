@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from shoal.model.cache_layout import CacheLayout
 
-__all__ = ["CacheLayout", "MemoryPlan", "plan_memory"]
+__all__ = ["GPU_ACTIVATION_RESERVE_GB", "CacheLayout", "MemoryPlan", "plan_memory"]
+
+GPU_ACTIVATION_RESERVE_GB = 8.0  # GPU memory kept out of the KV pool for activations and graphs
 
 
 @dataclass(frozen=True)

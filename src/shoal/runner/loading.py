@@ -21,12 +21,13 @@ from shoal.model.params import ExpertShard, ModelParams, WeightError, owns_tenso
 from shoal.model.weights import checkpoint_inventory, is_engram_table
 from shoal.ops.registry import default_backends, resolve_ops
 from shoal.parallel.expert_parallel import ExpertParallel
+from shoal.parallel.gpu_plan import plan_gpus
+from shoal.runner.cache_memory import GPU_ACTIVATION_RESERVE_GB
 from shoal.runner.host_mapped import host_mapped, node_shared
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_GB = 0.5
-GPU_ACTIVATION_RESERVE_GB = 8.0
 
 
 def pick_device(name: str) -> torch.device:
@@ -46,8 +47,6 @@ def engram_on_host(config: EngineConfig, device: torch.device, world: int = 1) -
         return False
     if placement == "host":
         return True
-    from shoal.parallel.gpu_plan import plan_gpus
-
     sched = config.scheduler
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
     return not plan_gpus(mc, world, total, max_num_seqs=sched.max_num_seqs,

@@ -19,12 +19,22 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def blockwise_matmul_nt(a: torch.Tensor, b: torch.Tensor, block: int = 32) -> torch.Tensor:
     """The official block-scaled GEMM's accumulation: each K block's product exact (fp64,
-    rounded once to fp32), added to an fp32 accumulator in K order. a [..., K] and b [N, K]
-    hold the dequantised values (the power-of-two block scales are exact factors)."""
-    acc = torch.zeros(*a.shape[:-1], b.shape[0], dtype=torch.float32, device=a.device)
-    for k in range(0, a.shape[-1], block):
-        acc += (a[..., k:k + block].double() @ b[:, k:k + block].double().t()).float()
-    return acc
+    rounded once to fp32), added to an fp32 accumulator (from zero) in K order. a [..., K] and
+    b [N, K] hold the dequantised values (the power-of-two block scales are exact factors), so
+    every block product is exact in fp64 and all blocks can be formed in one batched product."""
+    *lead, k = a.shape
+    n, nb = b.shape[0], k // block
+    rows = a.reshape(-1, nb, block)
+    wb = b.reshape(n, nb, block).permute(1, 2, 0).double()  # [nb, block, N]
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=a.device)
+    step = max(1, (1 << 25) // max(1, nb * n))  # rows per chunk: <= 256 MB of fp64 products
+    for r in range(0, rows.shape[0], step):
+        prod = torch.bmm(rows[r:r + step].transpose(0, 1).double(), wb).float()  # [nb, R, N]
+        acc = torch.zeros_like(prod[0])
+        for j in range(nb):
+            acc += prod[j]
+        out[r:r + step] = acc
+    return out.reshape(*lead, n)
 
 
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
