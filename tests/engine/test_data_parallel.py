@@ -62,3 +62,14 @@ def test_generate_cli_with_two_replicas(tmp_path: Path) -> None:
     records = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
     assert all(len(r["outputs"][0]["token_ids"]) == 3 for r in records)
+
+
+def test_requests_are_split_by_prompt_and_output_tokens() -> None:
+    from shoal.parallel.data_parallel import split_by_load
+
+    long_out = {"prompt_token_ids": [1] * 10, "sampling_params": SamplingParams(max_tokens=1000)}
+    long_in = {"prompt_token_ids": [1] * 500, "sampling_params": SamplingParams(max_tokens=10)}
+    two = {"prompt": "x" * 400, "sampling_params": SamplingParams(max_tokens=100, n=2)}  # 300
+    # loads 1010 | 510, 1020 | 1310 (the first 300-token request) | 1320
+    assert split_by_load([long_out, long_in, long_in, two, two], 2) == [[0, 3], [1, 2, 4]]
+    assert split_by_load([], 3) == [[], [], []]

@@ -1,6 +1,7 @@
-"""Data parallelism under torchrun (two CPU processes, gloo): every rank's `generate` returns one
-engine's outputs in input order, across calls and with expert parallelism; `shoal generate`
-under torchrun writes the output file once (rank 0), equal to a single engine's."""
+"""Data parallelism under torchrun (two CPU processes, gloo; one launch): every rank's `generate`
+returns one engine's outputs in input order, across calls and with expert parallelism; then
+`shoal generate` in the same processes writes the output file once (rank 0), equal to a single
+engine's."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ CALLS = [([[5, 6, 7], "hello there", [9] * 30, {"prompt_token_ids": [1, None]}],
 SCRIPT = """
 import json, sys
 from shoal import LLM
-from tests.engine.test_torchrun import CALLS, OPTS, view
+from shoal.cli import main
+from tests.engine.test_torchrun import CALLS, CLI, OPTS, view
 llm = LLM("tiny", expert_parallel=True, **OPTS)
 got = [view(llm.generate(items, params, use_tqdm=False)) for items, params in CALLS]
 with open(f"{sys.argv[1]}/rank{llm.torchrun.rank}.json", "w") as f:
     json.dump(got, f)
+sys.exit(main([*CLI, "--input", "in.jsonl", "--output", "dp.jsonl"]))
 """
+CLI = ["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
+       "--max-tokens", "3", "--temperature", "0.8", "--quiet"]
 
 
 def view(outs) -> list:
@@ -46,24 +51,19 @@ def _torchrun(tmp_path: Path, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_every_rank_returns_one_engines_outputs(tmp_path: Path) -> None:
+def test_every_rank_returns_one_engines_outputs_and_the_cli_writes_once(tmp_path: Path) -> None:
     (tmp_path / "spmd.py").write_text(SCRIPT, encoding="utf-8")
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 6]})
+                                                 for i in range(5)) + "\n", encoding="utf-8")
     _torchrun(tmp_path, "spmd.py", str(tmp_path))
     alone = LLM("tiny", **OPTS)
     expected = [view(alone.generate(items, params, use_tqdm=False)) for items, params in CALLS]
     expected = json.loads(json.dumps(expected))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
+    assert main([*CLI, "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "one.jsonl")]) == 0
 
-
-def test_generate_cli_under_torchrun(tmp_path: Path) -> None:
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 6]}) for i in range(5))
-                   + "\n", encoding="utf-8")
-    common = ["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
-              "--max-tokens", "3", "--temperature", "0.8", "--quiet", "--input", str(src)]
-    _torchrun(tmp_path, "-m", "shoal.cli", *common, "--output", str(tmp_path / "dp.jsonl"))
-    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
     def records(name: str) -> list[dict]:
         return [{k: v for k, v in json.loads(x).items() if k != "latency_s"}
                 for x in (tmp_path / name).read_text().splitlines()]

@@ -36,19 +36,26 @@ READY_TIMEOUT_S = 1800.0
 
 
 def _load_estimate(item: dict) -> int:
-    """A request's prompt size, roughly (tokens, or characters / 4 for text)."""
+    """A request's tokens, roughly: its prompt (tokens, or characters / 4 for text) plus the
+    tokens it may generate (max_tokens per sequence, 256 when unbounded)."""
     if "prompt_token_ids" in item and isinstance(item["prompt_token_ids"], Sequence):
-        return len(item["prompt_token_ids"])
-    prompt = item.get("prompt", item.get("messages", ""))
-    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
-        return len(prompt) if all(isinstance(t, int) for t in prompt) else len(str(prompt)) // 4
-    return max(1, len(str(prompt)) // 4)
+        prompt = len(item["prompt_token_ids"])
+    else:
+        text = item.get("prompt", item.get("messages", ""))
+        if isinstance(text, Sequence) and not isinstance(text, str) and \
+                all(isinstance(t, int) for t in text):
+            prompt = len(text)
+        else:
+            prompt = max(1, len(str(text)) // 4)
+    params = item.get("sampling_params")
+    out = getattr(params, "max_tokens", None) or 256
+    return prompt + out * getattr(params, "n", 1)
 
 
 def split_by_load(items: Sequence[dict], size: int) -> list[list[int]]:
     """Each replica's request positions: every request goes to the replica with the fewest
-    estimated prompt tokens so far (ties: the lowest rank). Deterministic, so ranks launched
-    by torchrun agree on it without talking."""
+    estimated tokens so far (`_load_estimate`; ties: the lowest rank). Deterministic, so ranks
+    launched by torchrun agree on it without talking."""
     loads = [0] * size
     shares: list[list[int]] = [[] for _ in range(size)]
     for position, item in enumerate(items):
@@ -184,7 +191,7 @@ class DataParallel:
 
     def run(self, items: Sequence[dict], use_tqdm: bool = False
             ) -> Iterator[tuple[int, RequestOutput]]:
-        """Spread `items` over the replicas (least estimated prompt tokens first) and yield
+        """Spread `items` over the replicas (`split_by_load`) and yield
         (input index, output) as requests finish."""
         if self.broken:
             raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"

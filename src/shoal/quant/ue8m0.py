@@ -91,7 +91,16 @@ def ue8m0_decode(e: Tensor) -> Tensor:
     """
     if e.dtype != torch.uint8:
         raise ValueError(f"ue8m0_decode: e.dtype must be torch.uint8, got {e.dtype}")
+    return _UE8M0_VALUES.to(e.device)[e.long()]
+
+
+def _decode_by_bits(e: Tensor) -> Tensor:
+    """ue8m0_decode from the bit layout: builds the lookup table that ue8m0_decode indexes."""
     field = e.to(torch.int32)
     bits = torch.where(field == 0, torch.full_like(field, 1 << 22), field << 23)
     out = bits.view(torch.float32)
     return torch.where(field == UE8M0_NAN, torch.full_like(out, float("nan")), out)
+
+
+# fp32 value of every UE8M0 byte: one lookup instead of four elementwise ops (same bits)
+_UE8M0_VALUES = _decode_by_bits(torch.arange(256, dtype=torch.uint8))
