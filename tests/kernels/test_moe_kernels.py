@@ -180,7 +180,8 @@ def test_w4a8_asm_equals_portable_conversion(name: str, configs, variant) -> Non
     _check(a, ref.moe_mxfp4(**_cpu(kw)))
 
 
-@pytest.mark.parametrize("bk", [128, 256])
+@pytest.mark.parametrize("bk", [128, pytest.param(256, marks=pytest.mark.skipif(
+    INTERP, reason="the same tile logic as 128 on the interpreter; the device runs both"))])
 def test_fused_gate_up_gives_the_split_tiles_bits(bk: int) -> None:
     """`TileConfig.fused_gate_up` (gate and up rows interleaved in one weight tile, one MMA
     chain per step) forms every output from the same products in the same K order as the split

@@ -302,7 +302,7 @@ def test_sparse_attn_decode_rows_do_not_depend_on_the_batch(monkeypatch, knobs) 
     wide = dict(dev, comp_idx=torch.nn.functional.pad(dev["comp_idx"], (0, 64), value=-1))
     assert tattn.partition(20, 5)[0] != tattn.partition(20, 4)[0]  # really more splits
     assert torch.equal(tattn.sparse_attn(**wide, **knobs).cpu(), whole)
-    for i in (1, 3, 17):
+    for i in (3,) if INTERP else (1, 3, 17):  # (the interpreter is slow; one row suffices)
         alone = {k: (v[i:i + 1] if k in ("q", "swa_idx", "comp_idx") else v)
                  for k, v in dev.items()}
         assert torch.equal(tattn.sparse_attn(**alone, **knobs).cpu(), whole[i:i + 1]), i

@@ -189,7 +189,8 @@ def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int
         t0 = time.perf_counter()
         outs, interrupted = run_requests(
             llm, pending, lambda i, out: writer.add(i, batch_result(
-                pending[i], urls[pending[i].line], out, model)), progress=not args.quiet and llm.primary)
+                pending[i], urls[pending[i].line], out, model)),
+            progress=not args.quiet and llm.primary)
     return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
                    time.perf_counter() - t0, writer.num_held)
 

@@ -16,6 +16,7 @@ every worker); the output file keeps what was written, and `--resume` continues 
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -35,7 +36,7 @@ def launched_world() -> int:
 
 
 class TorchrunRank:
-    """This process's place in a torchrun job; `device_options` says where its engine goes."""
+    """This process's place in a torchrun job; `device` is where its engine goes."""
 
     def __init__(self, data_parallel_size: int, device: str) -> None:
         self.world = launched_world()
@@ -53,6 +54,9 @@ class TorchrunRank:
                 torch.cuda.set_device(self.local_rank)
             dist.init_process_group("nccl" if use_cuda else "gloo",
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            # torn down before the interpreter: live gloo threads at exit abort the process,
+            # and torchrun would report a finished job as failed
+            atexit.register(dist.destroy_process_group)
         self.rank = dist.get_rank()
         # outputs travel as Python objects on the CPU
         self.group = dist.new_group(backend="gloo",
