@@ -12,9 +12,8 @@ demo: setup
 	.venv/bin/shoal demo
 
 # The two suites run side by side: the interpreter is one Python thread, so on a 2-core machine
-# both finish in about 85% of their serial time (762 s against 892 s measured). Anything torch
-# runs with its own threads in the second lane oversubscribes the cores (tried: 19 min instead
-# of 13). The interpreted log prints after the main one.
+# they overlap well; suites whose torch ops use threads of their own would oversubscribe the
+# cores, so they stay in the main lane. The interpreted log prints after the main one.
 test: setup
 	@mkdir -p build; \
 	TRITON_INTERPRET=1 .venv/bin/python -m pytest -p no:cacheprovider $(INTERPRETED_TESTS) \

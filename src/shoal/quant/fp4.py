@@ -133,8 +133,8 @@ def _encode_blocks(g: Tensor, s: Tensor) -> Tensor:
     return pack_fp4(e2m1_encode(v).flatten(-2))
 
 
-# e2m1 value pair of each packed byte (low nibble first), from e2m1_decode itself: decoding by
-# one lookup gives the same bits about 3x faster on the CPU than the elementwise decode.
+# e2m1 value pair of each packed byte (low nibble first), from e2m1_decode itself: one lookup
+# instead of the elementwise decode, same bits.
 _BYTE_PAIRS = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
 
 

@@ -73,11 +73,9 @@ def default_configs(rows: int, experts: int) -> tuple[TileConfig, TileConfig]:
 
 # Batch-invariant mode (`RunnerConfig.batch_invariant`, backend "triton_invariant"): tiles of
 # the mma.sync family only (fp16 operands, fp32 sums chained along K in ascending steps), whose
-# bits do not depend on BLOCK_M (< 64 rows), BLOCK_N, warps or BLOCK_K >= 64 (H200: the whole
-# T = 8192 output equal; BLOCK_K 32 is not), so a token's bits never change with the batch.
-# Above 40 rows per expert the 32-row tiles halve the weight conversions: prefill-sized calls
-# 1.4x faster than on the 16-row tiles, 1.37x slower than the default's wgmma tiles
-# (benchmarks/results/bench_moe_invariant_h200_2026-12-03.txt).
+# bits do not depend on BLOCK_M (< 64 rows), BLOCK_N, warps or BLOCK_K >= 64 (BLOCK_K 32 gives
+# other bits), so a token's bits never change with the batch. Above 40 rows per expert the
+# 32-row tiles halve the weight conversions (measurements: benchmarks/bench_moe_invariant.py).
 INVARIANT_DECODE = (TileConfig(16, 64, 128, 2, 4, f16=True),) * 2
 INVARIANT_PREFILL = (TileConfig(32, 64, 64, 2, 6, f16=True),) * 2
 
