@@ -275,3 +275,62 @@ def test_persistent_kernel_gives_the_pointer_kernels_bits(monkeypatch, m, n, k,
     assert torch.equal(chosen, default if persistent_ok(m, n, k, sm_count(DEV)) else ptr)
     with pytest.raises(ValueError, match="persistent"):
         tg.gemm_fp8_folded(fq.to(DEV), rs.to(DEV), prepared, promote, split=2, persistent=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k,segments", [(640, 2), (640, 3), (608, 2)])
+def test_segments_give_the_bits_of_the_split(monkeypatch, k: int, segments: int) -> None:
+    """`segments=s` (one program adding the partial sums of an s-way K split in order) stores
+    the bits of `split=s` (s programs and the fixed-order reduce), with a ragged last block."""
+    from shoal.ops.triton import gemm as tg
+
+    if INTERP:
+        patch_interpreter(monkeypatch)
+    m, n = 70, 64
+    xb, q, qs, wc, ws = _inputs(m, n, k, 60 + k + segments, True)
+    fq, rs = _fold_act(q, qs)
+    prepared = tg.prepare_fp8_weight(wc.to(DEV), ws.to(DEV))
+    args = (fq.to(DEV), rs.to(DEV), prepared, tg.PROMOTED)
+    tile = (64, 64, 128, 4, 2)
+    split = tg.gemm_fp8_folded(*args, split=segments, tile=tile, persistent=False).cpu()
+    one = tg.gemm_fp8_folded(*args, segments=segments, tile=tile, persistent=False).cpu()
+    assert torch.equal(one.view(torch.int16), split.view(torch.int16))
+    with pytest.raises(ValueError, match="segments"):
+        tg.gemm_fp8_folded(*args, segments=segments, split=2)
+
+
+@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="sm_90 wgmma bits")
+def test_invariant_op_rows_do_not_depend_on_the_row_count() -> None:
+    """The batch-invariant op: a row's bits are the same alone, in a decode-sized call and in
+    calls of 65 .. 2048 rows (where the default op changes split and kernel), and decode sizes
+    give exactly the default op's bits."""
+    from shoal.ops.triton import gemm as tg
+
+    n, k = 1024, 5120  # splits 8 ways at decode sizes on an H200
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, k, generator=g).to(torch.bfloat16).to(DEV)
+    wc, ws = quant_fp8_weight(torch.randn(n, k, generator=g) / k**0.5, 32)
+    kw = dict(weight=wc.to(DEV), weight_scale=ws.to(DEV), block=32)
+    assert tg.split_k(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    whole = tg.gemm_fp8_invariant(x=x, **kw)
+    for r in (1, 7, 64, 65, 300):
+        part = tg.gemm_fp8_invariant(x=x[:r], **kw)
+        assert torch.equal(part.view(torch.int16), whole[:r].view(torch.int16)), r
+    assert torch.equal(tg.gemm_fp8_invariant(x=x[:33], **kw), tg.gemm_fp8(x=x[:33], **kw))
+
+
+@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="sm_90 MMA bits")
+def test_grouped_invariant_rows_do_not_depend_on_the_row_count() -> None:
+    """The 16-row (mma.sync) decode tiles and the wide (wgmma) tiles of the grouped projection
+    give different bits; the batch-invariant op keeps the wide tiles, so a row's bits are the
+    same alone and among 256 rows."""
+    from shoal.ops.triton import gemm_grouped as tgg
+
+    g = torch.Generator().manual_seed(9)
+    o = torch.randn(256, 8, 512, generator=g).to(torch.bfloat16).to(DEV)
+    wc, ws = quant_fp8_weight(torch.randn(8 * 256, 512, generator=g) / 512**0.5, 32)
+    kw = dict(weight=wc.to(DEV), weight_scale=ws.to(DEV))
+    whole = tgg.gemm_grouped_w8a16_invariant(o=o, **kw)
+    for r in (1, 3, 16, 17, 64):
+        part = tgg.gemm_grouped_w8a16_invariant(o=o[:r], **kw)
+        assert torch.equal(part.view(torch.int16), whole[:r].view(torch.int16)), r

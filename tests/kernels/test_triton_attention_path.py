@@ -370,3 +370,44 @@ def test_e2m1_decode_of_every_byte() -> None:
     assert torch.equal(hi.cpu(), vals[byte >> 4] * 2.0**-14)
     assert torch.equal(torch.signbit(lo.cpu()), (byte & 8) != 0)  # -0.0 for code 8
     assert torch.equal(torch.signbit(hi.cpu()), (byte & 128) != 0)
+
+
+def test_invariant_partition_is_the_decode_partition_at_every_size() -> None:
+    from shoal.ops.triton import attention as tattn
+
+    for nb in (3, 5, 10, 33):
+        want = tattn.partition(1, nb)
+        assert want[1] == tattn.BLOCKS_PER_SPLIT
+        for t in (1, 64, 65, 8192):
+            assert tattn.partition(t, nb, invariant=True) == want, (t, nb)
+    # one or two blocks: still two splits of BLOCKS_PER_SPLIT (the second empty), the layout
+    # those blocks have inside a wider batch's rows
+    assert tattn.partition(1, 1, invariant=True) == (2, tattn.BLOCKS_PER_SPLIT)
+    assert tattn.partition(300, 2, invariant=True) == (2, tattn.BLOCKS_PER_SPLIT)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="rows above the decode size: slow under the interpreter")
+def test_invariant_op_rows_do_not_depend_on_the_batch(monkeypatch) -> None:
+    """`sparse_attn_sink_invariant`: a row's bits are the same alone, in a call of 80 rows
+    (above DECODE_MAX_TOKENS, where the default op runs one program per row), in row chunks,
+    and with a short row's lists padded to a wide batch's width; decode steps are the default
+    op's bits."""
+    from shoal.ops.triton import attention as tattn
+
+    kw = _attn_inputs(80, 8, 512, 64, 192, seed=123)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    rows = ("q", "swa_idx", "comp_idx")
+    whole = tattn.sparse_attn_sink_invariant(**dev)
+    for i in (0, 1, 3, 64, 79):
+        alone = {k: (v[i:i + 1] if k in rows else v) for k, v in dev.items()}
+        assert torch.equal(tattn.sparse_attn_sink_invariant(**alone), whole[i:i + 1]), i
+    decode = {k: (v[:20] if k in rows else v) for k, v in dev.items()}
+    assert torch.equal(tattn.sparse_attn_sink_invariant(**decode),
+                       tattn.sparse_attn_sink(**decode))
+    monkeypatch.setattr(tattn, "INVARIANT_PARTIAL_BYTES", 7 * 2 * 8 * 512 * 4)  # 7-row chunks
+    assert torch.equal(tattn.sparse_attn_sink_invariant(**dev), whole)
+    short = dict(dev, comp_idx=None, comp_cache=None)  # one SWA block: nb = 1
+    padded = dict(short, comp_cache=dev["comp_cache"],
+                  comp_idx=torch.full((80, 128), -1, dtype=torch.int32, device=DEV))
+    assert torch.equal(tattn.sparse_attn_sink_invariant(**short),
+                       tattn.sparse_attn_sink_invariant(**padded))

@@ -100,3 +100,42 @@ def test_triton_row_alone_equals_row_in_batch(name, case):
         alone = alone if isinstance(alone, tuple) else (alone,)
         for a, w in zip(alone, whole, strict=True):
             assert torch.equal(a[0], w[i]), f"{name} row {i} differs alone (seed {seed})"
+
+
+def _invariant_table_cases():
+    for name in sorted(ROW_ARGS):
+        for case in REGISTRY.ops[name].cases:
+            yield pytest.param(name, case, id=f"{name}-{case.name}")
+
+
+@pytest.mark.skipif(not HAS_SM90, reason="triton backend: CUDA sm_90")
+@pytest.mark.parametrize("name,case", list(_invariant_table_cases()))
+def test_batch_invariant_table_row_alone_equals_row_in_batch(name, case):
+    """What `batch_invariant=True` promises: every row-wise op of its table (backend
+    "triton_invariant" where it has one, else "triton") gives a row the same bits alone as in
+    its batch (heavy cases included). scripts/probe_row_invariance.py checks the same at the
+    real shapes, up to 8192 rows."""
+    impl = REGISTRY.impl("triton_invariant", name) or REGISTRY.impl("triton", name)
+    assert impl is not None, name
+    seed = random.randrange(1 << 30)
+    kwargs = case.make(torch.Generator().manual_seed(seed), torch.device("cuda"))
+    rows = ROW_ARGS[name]
+    n = kwargs[rows[0]].shape[0] if kwargs.get(rows[0]) is not None else 0
+    if n < 2:
+        pytest.skip("single-row case")
+    if not impl.supports(**kwargs):
+        pytest.skip(f"{name}: the fast op declines {case.name} (the reference serves it)")
+    whole = impl.fn(**kwargs)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+    for i in random.Random(seed).sample(range(n), min(n, 6)):
+        alone = impl.fn(**{k: (_rows(v, i) if k in rows else v) for k, v in kwargs.items()})
+        alone = alone if isinstance(alone, tuple) else (alone,)
+        for a, w in zip(alone, whole, strict=True):
+            assert torch.equal(_bits(a[0]), _bits(w[i])), \
+                f"{name} row {i} differs alone (seed {seed})"
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bytes of a float tensor (NaN payloads and -0 compared too), else the tensor."""
+    x = x.cpu().contiguous()
+    return x.reshape(-1).view(torch.uint8) if x.is_floating_point() else x

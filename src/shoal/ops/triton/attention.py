@@ -208,9 +208,21 @@ DECODE_MAX_TOKENS = 64
 BLOCKS_PER_SPLIT = 2
 
 
-def partition(num_tokens: int, num_blocks: int, split: int | None = None) -> tuple[int, int]:
+def index_blocks(swa_idx: torch.Tensor, comp_idx: torch.Tensor | None, block_n: int = 64
+                 ) -> int:
+    """Index blocks of a row: the SWA list's, then the compressed list's."""
+    return triton.cdiv(swa_idx.shape[1], block_n) + (
+        triton.cdiv(comp_idx.shape[1], block_n) if comp_idx is not None else 0)
+
+
+def partition(num_tokens: int, num_blocks: int, split: int | None = None,
+              invariant: bool = False) -> tuple[int, int]:
     """(splits, index blocks per split) for `num_tokens` rows of `num_blocks` blocks. split:
-    that many splits over the row's blocks (tuning and tests); None: the op's fixed partition."""
+    that many splits over the row's blocks (tuning and tests); None: the op's fixed partition.
+    invariant: the decode partition at every size, at least two splits (the last may be
+    empty), so a row's bits depend neither on the number of rows nor on the batch's width."""
+    if invariant:
+        return max(2, triton.cdiv(num_blocks, BLOCKS_PER_SPLIT)), BLOCKS_PER_SPLIT
     if split is None:
         if num_tokens > DECODE_MAX_TOKENS or num_blocks <= BLOCKS_PER_SPLIT:
             return 1, max(num_blocks, 1)
@@ -247,8 +259,10 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
                 split: int | None = None, block_n: int = 64, num_warps: int = 8,
                 num_stages: int = 1, dsplit: int | None = None, q_in_loop: bool = False,
                 scale_bcast: bool = True, keep_k: bool | None = False, p_mem: bool = False,
-                q_res: bool | None = False) -> torch.Tensor:
-    """The op with tuning knobs exposed (split=None: the op's fixed partition, `partition`).
+                q_res: bool | None = False, invariant: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The op with tuning knobs exposed (split=None: the op's fixed partition, `partition`;
+    invariant: its batch-invariant partition; out: a contiguous [T, H, D] bf16 to write).
 
     variant "flat": _sparse_attn_kernel (whole [BLOCK_N, D] key tile in registers, q resident;
     dsplit splits the P.V columns, q_in_loop reloads q per block, scale_bcast loads each scale
@@ -262,9 +276,8 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     t, h, d = q.shape
-    nb = triton.cdiv(swa_idx.shape[1], block_n) + (
-        triton.cdiv(comp_idx.shape[1], block_n) if comp_idx is not None else 0)
-    split, per = partition(t, nb, split)
+    nb = index_blocks(swa_idx, comp_idx, block_n)
+    split, per = (partition(t, nb, invariant=True) if invariant else partition(t, nb, split))
     if dsplit is None:
         dsplit = (column_split(t, split, q.device) if variant == "chunked" and d >= 128
                   and not keep_k else 1)
@@ -275,7 +288,8 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if variant == "chunked" and (d < 128 or dsplit not in (1, 2, 4) or (keep_k and dsplit != 1)):
         raise ValueError(f"chunked: needs D >= 128, dsplit in (1, 2, 4), keep_k only with "
                          f"dsplit 1 (D={d}, dsplit={dsplit}, keep_k={keep_k})")
-    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
     if t == 0:
         return out
     if q.stride(2) != 1:
@@ -334,3 +348,30 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
     """Same contract as the reference op (q [T, H, D] bf16 -> o [T, H, D] bf16)."""
     knobs = OP_KNOBS if q.shape[2] >= 128 else {}
     return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale, **knobs)
+
+
+# Row chunks of the batch-invariant op keep its fp32 partials (splits x H x D per row) under this.
+INVARIANT_PARTIAL_BYTES = 256 << 20
+
+
+@REGISTRY.implement("triton_invariant", "sparse_attn_sink", supports=_supports)
+def sparse_attn_sink_invariant(*, q: torch.Tensor, swa_cache: torch.Tensor,
+                               swa_idx: torch.Tensor, comp_cache: torch.Tensor | None,
+                               comp_idx: torch.Tensor | None, sink: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """The op on the decode partition at every size (`partition(invariant=True)`): a row's bits
+    do not depend on the rows beside it. Decode steps of more than one block pair run exactly
+    the default path; prefill pays the partials' round trip (row chunks bound their memory)."""
+    t, h, d = q.shape
+    knobs = OP_KNOBS if d >= 128 else {}
+    splits = partition(t, index_blocks(swa_idx, comp_idx), invariant=True)[0]
+    rows = max(1, INVARIANT_PARTIAL_BYTES // (splits * h * d * 4))
+    if t <= rows:
+        return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale,
+                           invariant=True, **knobs)
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
+    for r in range(0, t, rows):
+        sparse_attn(q[r:r + rows], swa_cache, swa_idx[r:r + rows], comp_cache,
+                    None if comp_idx is None else comp_idx[r:r + rows], sink, scale,
+                    invariant=True, out=out[r:r + rows], **knobs)
+    return out

@@ -221,12 +221,14 @@ def tile_offsets(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, MA, N, K, M_BUCKET,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PROMOTE: tl.constexpr):
+                   PROMOTE: tl.constexpr, SEGMENTS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c = (a * rs) @ (b * cs)^T over this program's K range
     (SPLIT_K > 1: fp32 partial sums to ws[pid_k]). PROMOTE: CHAINED chains the accumulator
     through the MMA (reduced-precision adds on sm_90 FP8 wgmma); PROMOTED forms each BLOCK_K
-    step's product from zero and adds it in fp32. M_BUCKET: the autotuning key only. MA: rows of
-    a (>= M; rows beyond M are padding, read but never stored)."""
+    step's product from zero and adds it in fp32. SEGMENTS > 1 (SPLIT_K 1): the sums of a
+    SEGMENTS-way split formed from zero and added in order, the bits of that split-K and its
+    reduce in one program. M_BUCKET: the autotuning key only. MA: rows of a (>= M; rows beyond M
+    are padding, read but never stored)."""
     pdl_wait()
     pid_k = tl.program_id(1)
     offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -239,19 +241,39 @@ def _gemm_fp8_body(a_ptr, b_ptr, c_ptr, ws_ptr, rs_ptr, cs_ptr, M, MA, N, K, M_B
     b_ptrs = b_ptr + rn[None, :] * K + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.minimum(k0 + k_per, K)
-    for kk in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
-        if PROMOTE == 1:
-            acc += tl.dot(a, b)
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if SEGMENTS > 1:
+        seg = tl.cdiv(tl.cdiv(K, BLOCK_K), SEGMENTS) * BLOCK_K
+        for s0 in range(0, K, seg):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(s0, tl.minimum(s0 + seg, K), BLOCK_K):
+                ks = kk + tl.arange(0, BLOCK_K)
+                if EVEN_K:
+                    a = tl.load(a_ptr + rm[:, None] * K + ks[None, :])
+                    b = tl.load(b_ptr + rn[None, :] * K + ks[:, None])
+                else:
+                    a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=ks[None, :] < K,
+                                other=0.0)
+                    b = tl.load(b_ptr + rn[None, :] * K + ks[:, None], mask=ks[:, None] < K,
+                                other=0.0)
+                if PROMOTE == 1:
+                    part += tl.dot(a, b)
+                else:
+                    part = tl.dot(a, b, part)
+            acc += part
+    else:
+        for kk in range(k0, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - (kk - k0), other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - (kk - k0), other=0.0)
+            if PROMOTE == 1:
+                acc += tl.dot(a, b)
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K == 1:
         rs = tl.load(rs_ptr + offs_m, mask=offs_m < M, other=0.0)
@@ -270,7 +292,7 @@ def _even_k(a) -> bool:
 
 _gemm_fp8_fixed = triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body))
 _gemm_fp8_kernel = triton.autotune(
-    configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K", "PROMOTE"],
+    configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K", "PROMOTE", "SEGMENTS"],
     prune_configs_by={"early_config_prune": _prune})(
     triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body)))
 
@@ -305,10 +327,13 @@ def split_k(m: int, n: int, k: int, sms: int) -> int:
 def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weight,
                     promote: int = DEFAULT_PROMOTE, *, split: int | None = None,
                     tile: tuple[int, int, int, int, int] | None = None,
-                    rows: int | None = None, persistent: bool | None = None) -> torch.Tensor:
+                    rows: int | None = None, persistent: bool | None = None,
+                    segments: int = 1) -> torch.Tensor:
     """y [M, N] bf16 = (q [M, K] e4m3 * row_scale [M]) @ (w.codes [N, K] * w.col_scale [N])^T.
     promote: CHAINED or PROMOTED (see `_gemm_fp8_body`). split: K splits (default
-    `split_k`; partials reduced in a fixed order). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+    `split_k`; partials reduced in a fixed order). segments: one program adds the partial sums
+    of that many K splits in their order (the bits of split=segments; split and persistent
+    must be 1 / False). tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
     stages) instead of the autotuned choice (tests under the Triton interpreter). rows: M when
     q holds padding rows beyond it (the op pads M < 16 to 16: a 64-row tile that reads one
     row 64 times is slower than one reading 16 distinct rows; docs/perf/gemm_fp8.md).
@@ -327,8 +352,12 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
         return out
     if k == 0:
         return out.zero_()
+    if segments > 1 and (split not in (None, 1) or persistent):
+        raise ValueError(f"gemm_fp8_folded: segments={segments} takes split 1 and the pointer "
+                         f"kernel, got split={split}, persistent={persistent}")
     if persistent is None:
-        persistent = split in (None, 1) and persistent_ok(m, n, k, sm_count(q.device))
+        persistent = (split in (None, 1) and segments == 1
+                      and persistent_ok(m, n, k, sm_count(q.device)))
     if persistent:
         if split not in (None, 1) or not tma_aligned(n, k):
             raise ValueError(f"gemm_fp8_folded: the persistent kernel takes one split and "
@@ -337,7 +366,7 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
                         tile or PERSISTENT_TILE)
         return out
     if split is None:
-        split = split_k(m, n, k, sm_count(q.device))
+        split = 1 if segments > 1 else split_k(m, n, k, sm_count(q.device))
     ws = (torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out)
     # one autotuning bucket for every decode size: M <= 64 all run 64-row tiles and, padded
     # to >= 16 rows by the op, read the same way (one tuning instead of seven)
@@ -348,11 +377,13 @@ def gemm_fp8_folded(q: torch.Tensor, row_scale: torch.Tensor, w: PreparedFP8Weig
 
     args = (q, w.codes, out, ws, row_scale, w.col_scale, m, ma, n, k, m_bucket)
     if tile is None:
-        _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote, **PDL_LAUNCH)
+        _gemm_fp8_kernel[grid](*args, SPLIT_K=split, PROMOTE=promote, SEGMENTS=segments,
+                               **PDL_LAUNCH)
     else:
         bm, bn, bk, warps, stages = tile
         _gemm_fp8_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                              SPLIT_K=split, PROMOTE=promote, num_warps=warps,
+                              SPLIT_K=split, PROMOTE=promote, SEGMENTS=segments,
+                              num_warps=warps,
                               num_stages=stages, **PDL_LAUNCH)
     if split > 1:
         block = 1024
@@ -380,6 +411,25 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 else state.get(weight, weight_scale, block))
     q, rs = _act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
     return gemm_fp8_folded(q, rs, prepared, rows=x.shape[0])
+
+
+@REGISTRY.implement("triton_invariant", "gemm_fp8", supports=_supports_gemm, state=PreparedCache)
+def gemm_fp8_invariant(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block: int = 32, state: PreparedCache | None = None) -> torch.Tensor:
+    """The op with one K partition at every M, so a row's bits do not depend on the rows beside
+    it: the decode sizes' split (`split_k` at one row), as a split-K up to 64 rows and as the
+    same partial sums added in one program above (never the persistent kernel's 256-K steps).
+    Decode runs exactly the default path."""
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None
+                else state.get(weight, weight_scale, block))
+    q, rs = _act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
+    n, k = prepared.codes.shape
+    split = split_k(1, n, k, sm_count(x.device))
+    if x.shape[0] <= 64:
+        return gemm_fp8_folded(q, rs, prepared, rows=x.shape[0], split=split, persistent=False)
+    return gemm_fp8_folded(q, rs, prepared, rows=x.shape[0], persistent=False, segments=split)
 
 
 def _supports_bf16(*, x: torch.Tensor, weight: torch.Tensor,

@@ -80,9 +80,12 @@ def _supports_grouped(*, o: torch.Tensor, weight: torch.Tensor, block: int = 32,
 
 
 def grouped_w8a16(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-                  tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  tile: tuple[int, int, int, int, int] | None = None,
+                  wide: bool = False) -> torch.Tensor:
     """o [T, G, Kg] bf16 -> z [T, G * R] bf16. tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-    stages) instead of the autotuned choice (tests under the Triton interpreter)."""
+    stages) instead of the autotuned choice (tests under the Triton interpreter). wide: the
+    wide (wgmma) tiles at decode sizes too, whose bits the 16-row (mma.sync) tiles do not
+    share."""
     t, g, k = o.shape
     r = weight.shape[0] // g
     z = torch.empty(t, g * r, dtype=torch.bfloat16, device=o.device)
@@ -93,6 +96,8 @@ def grouped_w8a16(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     weight = weight.contiguous()
     scale = weight_scale.contiguous()
     m_bucket = min(triton.next_power_of_2(t), 4096)
+    if wide:
+        m_bucket = max(m_bucket, 32)  # the autotuning key that prunes to the wide tiles
     args = (o, weight, scale, z, t, r, k, m_bucket, o.stride(0), o.stride(1), o.stride(2))
     if tile is None:
         def grid(meta):
@@ -112,3 +117,10 @@ def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: t
                        block: int = 32) -> torch.Tensor:
     """Same contract as the reference: o [T, G, Kg] bf16 -> z [T, G * R] bf16 (exact dequant)."""
     return grouped_w8a16(o, weight, weight_scale)
+
+
+@REGISTRY.implement("triton_invariant", "gemm_grouped_w8a16", supports=_supports_grouped)
+def gemm_grouped_w8a16_invariant(*, o: torch.Tensor, weight: torch.Tensor,
+                                 weight_scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The op on the wide tiles at every size: a row's bits do not depend on the batch."""
+    return grouped_w8a16(o, weight, weight_scale, wide=True)
