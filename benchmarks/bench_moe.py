@@ -7,7 +7,8 @@ conversion 3 there), `asm_e4m3` (the decode tiles' e4m3 weight path, the default
 everywhere: on the decode tiles the fp16 LUT conversion that conversion 3 replaced), `asm_v0` (the previous decode path: plain 16 x 32 / 16 x 64 mma tiles, asm v1; T * 6 <= 512 only), `asm_swap` (swap-AB wgmma
 decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
-conversion) and `w4a16` (the bf16 baseline). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
+ops/cuda/moe_decode.py; decode sizes only). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
 syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
@@ -41,6 +42,7 @@ import torch
 from moe_tile_sweeps import DECODE_CFGS, PLAIN_DECODE_CFGS, PREFILL_CFGS, V0_DECODE
 
 from shoal.bench import git_commit
+from shoal.ops.cuda import moe_decode as cuda_moe
 from shoal.ops.reference import moe as ref
 from shoal.ops.triton import moe as tmoe
 from shoal.ops.triton import moe_route
@@ -137,7 +139,20 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": False}
     if name == "w4a16":
         return {"w4a8": False}
+    if name == "cuda":  # the CUDA C++ decode kernels (ops/cuda/moe_decode.py)
+        return {"cuda": True} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
+
+
+CUDA_STATE: dict = {}
+
+
+def run(kw: dict, **inputs) -> torch.Tensor:
+    """The op of a variant: `moe_experts` with its kwargs, or the CUDA kernels."""
+    if kw.get("cuda"):
+        state = CUDA_STATE.setdefault("state", cuda_moe.DecodeMoEState())
+        return cuda_moe.moe_mxfp4(**inputs, state=state)
+    return tmoe.moe_experts(**inputs, **kw)
 
 
 def correctness(dev: torch.device, keep: list[str]) -> dict:
@@ -147,7 +162,7 @@ def correctness(dev: torch.device, keep: list[str]) -> dict:
     out = {}
     for name in keep:
         kw = variant_kwargs(name, 16 * TOPK)
-        got = tmoe.moe_experts(**r, **w, **kw).cpu()
+        got = run(kw, **r, **w).cpu()
         err = (got - want).abs()
         ok = bool((err <= 2e-2 + 2e-2 * want.abs()).all())
         rel = float((got - want).norm() / want.norm())
@@ -266,7 +281,7 @@ def main() -> None:
             kw = variant_kwargs(name, t * TOPK)
             if kw is None:
                 continue
-            calls = [(lambda s=s, kw=kw, wi=wi: tmoe.moe_experts(**s, **wi, **kw))
+            calls = [(lambda s=s, kw=kw, wi=wi: run(kw, **s, **wi))
                      for s in sets for wi in wsets]
             ms = time_calls(calls)
             if ms is None:

@@ -219,8 +219,8 @@ REGISTRY = OpRegistry()
 
 
 def load_backends() -> None:
-    """Import every backend module so its registrations run (reference always; triton if
-    importable with a CUDA device)."""
+    """Import every backend module so its registrations run (reference always; triton, and the
+    CUDA C++ kernels that build on it, if importable with a CUDA device)."""
     from shoal.ops import reference  # noqa: F401
 
     if torch.cuda.is_available():
@@ -228,6 +228,8 @@ def load_backends() -> None:
             from shoal.ops import triton as _triton  # noqa: F401
         except ImportError as exc:  # triton missing: the reference serves
             logger.warning("triton backend unavailable: %s", exc)
+        else:
+            from shoal.ops import cuda as _cuda  # noqa: F401  (NVRTC is checked per call)
 
 
 def default_backends(device: torch.device) -> list[str]:

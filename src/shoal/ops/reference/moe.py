@@ -129,6 +129,8 @@ def _moe_compare(got: torch.Tensor, want: torch.Tensor, case) -> None:
                         _moe_case(1, 64, 32, 4, 2, shared=True),
                         _moe_case(37, 128, 64, 8, 3, shared=True),
                         _moe_case(0, 64, 32, 4, 2, shared=True),
+                        _moe_case(19, 256, 128, 8, 3, shared=True),  # K % 128 == 0 (CUDA)
+                        _moe_case(40, 256, 128, 8, 6),  # several 16-row tiles per expert
                         _moe_case(16, 5120, 2304, 8, 6, heavy=True)])
 def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
               w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

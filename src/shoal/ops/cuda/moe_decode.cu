@@ -1,0 +1,257 @@
+// Decode MoE grouped GEMM, W4A8 (FP4 e2m1 weights with UE8M0 block scales, folded FP8 e4m3
+// activations) on FP8 mma.sync m16n8k32 (sm_89+). See moe_decode.py for the contract.
+//
+// One CTA = one 16-row tile of one expert's routed rows x 4 warps x 16 weight rows per warp.
+// Each warp runs two m16n8 tiles over the whole K: tile 0 and tile 1 are weight rows
+// [w0, w0 + 8) and [w1, w1 + 8) (w13 with SWIGLU: gate row n and up row N + n of the same
+// output columns; w2: columns n and n + 8).
+//
+// K layout. Per 128-K chunk, lane (g = lane / 4, t = lane % 4) loads 16 bytes of weight row
+// (w + g): the 32 codes of 32-block t of the chunk, and 32 activation bytes of rows g and g + 8
+// (the same block). MMA i (i = 0..3) of the chunk gives the lane's k slots {4t..4t+3} the codes
+// 8i..8i+3 of its block and slots {16+4t..16+4t+3} the codes 8i+4..8i+7, on both operands, so
+// each MMA sums products of matching k; one MMA mixes the four blocks (fine: both operands are
+// folded, see below).
+//
+// Folding (as the Triton kernels): activations arrive as e4m3(q * 2^(e_b - E_row)) with one
+// fp32 row scale 2^(E_row - 127); each weight code becomes e4m3(v * 2^(s_b - S_n)) through an
+// 8-byte table per shift d = S_n - s_b (prmt), S_n the row's largest block scale, applied as
+// 2^(S_n - 127) in the epilogue (NaN for S_n = 255, 0 for S_n = 0).
+//
+// Sums: each chunk's four MMAs chain from zero and the chunk's sum is added in fp32 (promotion
+// every 128 K, as the Triton FP8 kernels), in ascending K: a row's result does not depend on
+// the other rows of its tile or the batch.
+// No includes: NVRTC from PyPI ships no headers (bf16 rounding is written out below).
+typedef unsigned char uint8_t;
+typedef unsigned int uint32_t;
+typedef unsigned short bf16_t;  // bfloat16 bits
+typedef long long int64_t;
+
+#define WARPS 4
+#define TILE_M 16
+#define CHUNK_K 128
+#define LUT_ROWS 32
+
+struct Tile {
+    int expert;
+    int row0;
+    int row_end;
+};
+
+// The (expert, first row, end row) of live tile `j` over the expert-sorted rows: experts in
+// order, ceil(count / 16) tiles each. Warp 0 scans the counts (each lane a contiguous range of
+// experts, then a warp prefix sum); expert -1 when j is past the last tile.
+__device__ Tile find_tile(const int* __restrict__ counts, int num_experts, int j) {
+    __shared__ Tile found;
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        int per = (num_experts + 31) / 32;
+        int e0 = min(lane * per, num_experts), e1 = min(e0 + per, num_experts);
+        int tiles = 0, rows = 0;
+        for (int e = e0; e < e1; ++e) {
+            int c = counts[e];
+            tiles += (c + TILE_M - 1) / TILE_M;
+            rows += c;
+        }
+        int tiles_before = tiles, rows_before = rows;  // inclusive scans, made exclusive below
+        for (int off = 1; off < 32; off <<= 1) {
+            int tt = __shfl_up_sync(0xffffffffu, tiles_before, off);
+            int rr = __shfl_up_sync(0xffffffffu, rows_before, off);
+            if (lane >= off) {
+                tiles_before += tt;
+                rows_before += rr;
+            }
+        }
+        tiles_before -= tiles;
+        rows_before -= rows;
+        if (lane == 0) found.expert = -1;
+        __syncwarp();
+        if (j >= tiles_before && j < tiles_before + tiles) {
+            int tj = tiles_before, r = rows_before;
+            for (int e = e0; e < e1; ++e) {
+                int c = counts[e];
+                int n = (c + TILE_M - 1) / TILE_M;
+                if (j < tj + n) {
+                    found.expert = e;
+                    found.row0 = r + (j - tj) * TILE_M;
+                    found.row_end = r + c;
+                    break;
+                }
+                tj += n;
+                r += c;
+            }
+        }
+    }
+    __syncthreads();
+    return found;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// Four e2m1 codes (the low 16 bits of `codes`, code i in nibble i) -> four e4m3 bytes through
+// the 8-byte magnitude table (lo, hi), the sign bit moved to bit 7 of each byte.
+__device__ __forceinline__ uint32_t e2m1x4_to_e4m3(uint32_t codes, uint32_t lo, uint32_t hi) {
+    uint32_t mag = prmt(lo, hi, codes & 0x7777u);
+    uint32_t sign = prmt(0x00008000u, 0u, (codes >> 3) & 0x1111u);
+    return mag | sign;
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN)
+__device__ __forceinline__ bf16_t to_bf16(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float bf16_round(float x) {
+    return __uint_as_float((uint32_t)to_bf16(x) << 16);
+}
+
+__device__ __forceinline__ void store_bf16x2(bf16_t* p, float lo, float hi) {
+    *reinterpret_cast<uint32_t*>(p) = (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ float col_scale(int smax) {
+    return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
+}
+
+// a [*, K] e4m3 (folded) with row scales a_scale [*]; rows of the tile read a row arow[r]
+// (GATHER: the token of routed row r) else r. w [E, NW, K/2] packed e2m1 (low nibble = even
+// k), ws [E, NW, K/32] UE8M0, wmax [E, NW] int32 (each row's largest block scale).
+// SWIGLU: NW = 2N, out[r, n] = bf16(rw[r] * silu(min(g, L)) * clamp(u, -L, L)), g and u the
+// bf16-rounded sums of rows n and N + n; else NW = N, out[orow[r], n] = bf16(sum).
+template <bool SWIGLU>
+__device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict__ a_scale,
+                         const int* __restrict__ arow, bf16_t* __restrict__ out,
+                         const int* __restrict__ orow, const float* __restrict__ rw,
+                         const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
+                         const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
+                         const int* __restrict__ counts, int N, int E, int K, float limit,
+                         bool gather) {
+    __shared__ uint2 lut[LUT_ROWS];
+    if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
+    Tile tile = find_tile(counts, E, blockIdx.y);
+    if (tile.expert < 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int NW = SWIGLU ? 2 * N : N;
+    const int n_base = (blockIdx.x * WARPS + warp) * (SWIGLU ? 8 : 16);
+    if (n_base >= N) return;
+    // weight rows of the lane's two B columns (tile 0 and tile 1)
+    const int64_t e = tile.expert;
+    int c0 = n_base + g, c1 = SWIGLU ? N + n_base + g : n_base + 8 + g;
+    const bool ok0 = (SWIGLU ? n_base + g : c0) < N, ok1 = (SWIGLU ? n_base + g : c1) < N;
+    const int64_t w0 = e * NW + (ok0 ? c0 : 0), w1 = e * NW + (ok1 ? c1 : 0);
+    const int KB = K / 32;
+    const int smax0 = wmax[w0], smax1 = wmax[w1];
+    // activation rows g and g + 8 of the tile
+    const int r_lo = tile.row0 + g, r_hi = tile.row0 + g + 8;
+    const bool v_lo = r_lo < tile.row_end, v_hi = r_hi < tile.row_end;
+    const int64_t a_lo = v_lo ? (gather ? arow[r_lo] : r_lo) : 0;
+    const int64_t a_hi = v_hi ? (gather ? arow[r_hi] : r_hi) : 0;
+    const uint8_t* pa_lo = a + a_lo * K + 32 * t;
+    const uint8_t* pa_hi = a + a_hi * K + 32 * t;
+    const uint8_t* pw0 = w + w0 * (K / 2) + 16 * t;
+    const uint8_t* pw1 = w + w1 * (K / 2) + 16 * t;
+    const uint8_t* ps0 = ws + w0 * KB + t;
+    const uint8_t* ps1 = ws + w1 * KB + t;
+    // (the table in shared memory is visible: find_tile ends with a barrier)
+
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int k0 = 0; k0 < K; k0 += CHUNK_K) {
+        const uint4 b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
+        const uint4 b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
+        const int s0 = ps0[k0 / 32], s1 = ps1[k0 / 32];
+        uint4 alo[2], ahi[2];
+        alo[0] = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : make_uint4(0, 0, 0, 0);
+        alo[1] = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : make_uint4(0, 0, 0, 0);
+        ahi[0] = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : make_uint4(0, 0, 0, 0);
+        ahi[1] = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : make_uint4(0, 0, 0, 0);
+        const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
+        const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
+        const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
+        const uint32_t lo_w[8] = {alo[0].x, alo[0].y, alo[0].z, alo[0].w,
+                                  alo[1].x, alo[1].y, alo[1].z, alo[1].w};
+        const uint32_t hi_w[8] = {ahi[0].x, ahi[0].y, ahi[0].z, ahi[0].w,
+                                  ahi[1].x, ahi[1].y, ahi[1].z, ahi[1].w};
+        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // a: reg 0 row g slots 4t.., reg 1 row g+8 slots 4t.., reg 2 row g slots 16+4t..,
+            // reg 3 row g+8 slots 16+4t..: codes 8i..8i+3 then 8i+4..8i+7 of the lane's block
+            const uint32_t af[4] = {lo_w[2 * i], hi_w[2 * i], lo_w[2 * i + 1], hi_w[2 * i + 1]};
+            mma_e4m3(p0, af, e2m1x4_to_e4m3(wb0[i], l0.x, l0.y),
+                     e2m1x4_to_e4m3(wb0[i] >> 16, l0.x, l0.y));
+            mma_e4m3(p1, af, e2m1x4_to_e4m3(wb1[i], l1.x, l1.y),
+                     e2m1x4_to_e4m3(wb1[i] >> 16, l1.x, l1.y));
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc0[j] += p0[j];
+            acc1[j] += p1[j];
+        }
+    }
+
+    // epilogue: acc[j] is row g (j < 2) or g + 8, column 2t + (j & 1) of the tile
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? r_hi : r_lo;
+        if (!(half ? v_hi : v_lo)) continue;
+        const float rs = a_scale[half ? a_hi : a_lo];
+        const int n = n_base + 2 * t;
+        if (SWIGLU) {
+            if (n >= N) continue;
+            float h[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float cg = col_scale(wmax[e * NW + n + q]);
+                const float cu = col_scale(wmax[e * NW + N + n + q]);
+                float gg = fminf(bf16_round(acc0[2 * half + q] * rs * cg), limit);
+                float uu = fminf(fmaxf(bf16_round(acc1[2 * half + q] * rs * cu), -limit), limit);
+                h[q] = rw[r] * (gg / (1.0f + expf(-gg)) * uu);
+            }
+            store_bf16x2(out + (int64_t)r * N + n, h[0], h[1]);
+        } else {
+            const int64_t o = orow[r];
+#pragma unroll
+            for (int tl = 0; tl < 2; ++tl) {
+                const int nn = n + 8 * tl;
+                if (nn >= N) continue;
+                const float* acc = tl ? acc1 : acc0;
+                const float y0 = acc[2 * half] * rs * col_scale(wmax[e * NW + nn]);
+                const float y1 = acc[2 * half + 1] * rs * col_scale(wmax[e * NW + nn + 1]);
+                store_bf16x2(out + o * N + nn, y0, y1);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_w13_decode(const uint8_t* a, const float* a_scale, const int* arow, bf16_t* out,
+               const float* rw, const uint8_t* w, const uint8_t* ws, const int* wmax,
+               const uint2* lut, const int* counts, int N, int E, int K, float limit) {
+    moe_tile<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
+                   true);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_w2_decode(const uint8_t* a, const float* a_scale, bf16_t* out, const int* orow,
+              const uint8_t* w, const uint8_t* ws, const int* wmax, const uint2* lut,
+              const int* counts, int N, int E, int K) {
+    moe_tile<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
+                    0.f, false);
+}

@@ -1,0 +1,105 @@
+"""CUDA decode MoE: `moe_mxfp4` (backend "cuda") with its two grouped GEMMs in CUDA C++
+(moe_decode.cu, FP8 mma.sync m16n8k32, compiled by NVRTC) and the rest of the Triton pipeline
+(routing, the folded activation quantiser, the combine: ops/triton/moe.py).
+
+Numerics: the Triton kernels' fold (activations and weights re-encoded relative to their row's
+largest block scale, one fp32 scale per row and weight row in the epilogue) with every 128-K
+product formed from zero and added in fp32, as the Triton FP8 tiles; the FP8 MMA adds a K step's
+products in reduced precision, so the bits differ from the 16-row Triton tiles' (exact fp32
+sums) and the op meets the reference's MoE tolerance (`_moe_compare`), not its bits. A row's
+result does not depend on the batch (fixed K order, no split).
+
+Layouts and the lane mapping: the comment at the top of moe_decode.cu.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+
+from shoal.ops.cuda.driver import Module
+from shoal.ops.cuda.nvrtc import available, compile_file
+from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.fp4_tiles import lut_table
+from shoal.ops.triton.moe import _combine, _quant_folded
+from shoal.ops.triton.moe_route import route
+
+TILE_M, THREADS, CHUNK_K, LUT_ROWS = 16, 128, 128, 32
+W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
+MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
+
+
+class DecodeMoEState:
+    """Per op table: the loaded module and each weight's row maxima of its block scales
+    ([E, rows] int32, computed on first use, dropped with the scale tensor)."""
+
+    def __init__(self) -> None:
+        self._module: Module | None = None
+        self._lut: torch.Tensor | None = None
+        self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def module(self, device: torch.device) -> Module:
+        if self._module is None:
+            self._module = Module(compile_file("moe_decode.cu").cubin, device)
+        return self._module
+
+    def lut(self, device: torch.device) -> torch.Tensor:
+        if self._lut is None:
+            self._lut = lut_table(device)[:LUT_ROWS].contiguous()
+        return self._lut
+
+    def row_max(self, scale: torch.Tensor) -> torch.Tensor:
+        key = id(scale)
+        hit = self._wmax.get(key)
+        if hit is not None and hit[0]() is scale and hit[1] == scale._version:
+            return hit[2]
+        wmax = scale.amax(dim=-1).to(torch.int32).contiguous()
+        self._wmax[key] = (weakref.ref(scale), scale._version, wmax)
+        weakref.finalize(scale, self._wmax.pop, key, None)
+        return wmax
+
+
+def _supports(*, x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              **_) -> bool:
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)):
+        return False
+    d, inter = x.shape[1], w2.shape[2] * 2
+    return (available() and x.shape[0] * ids.shape[1] <= MAX_ROWS and d % CHUNK_K == 0
+            and inter % CHUNK_K == 0 and d % 16 == 0 and inter % 16 == 0)
+
+
+@REGISTRY.implement("cuda", "moe_mxfp4", supports=_supports, state=DecodeMoEState)
+def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+              w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
+              shared: torch.Tensor | None = None,
+              state: DecodeMoEState | None = None) -> torch.Tensor:
+    """Same contract as the reference op (see the module docstring for the numerics)."""
+    state = state or DecodeMoEState()
+    t, d = x.shape
+    k = ids.shape[1]
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    if shared is not None and shared.shape != (t, d):
+        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
+    if t == 0:
+        return torch.zeros(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
+                           device=x.device)
+    module, lut = state.module(x.device), state.lut(x.device)
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
+    tok, orow, rw, counts = route(ids, weights, e)
+    rows = t * k
+    m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
+    xq, xs = _quant_folded(x)
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
+    module.kernel("moe_w13_decode")((triton.cdiv(inter, W13_COLUMNS), m_tiles), (THREADS,),
+                                    xq, xs, tok, h, rw, w13, s13, state.row_max(s13), lut,
+                                    counts, inter, e, d, float(limit))
+    hq, hs = _quant_folded(h)
+    y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
+    module.kernel("moe_w2_decode")((triton.cdiv(d, W2_COLUMNS), m_tiles), (THREADS,),
+                                   hq, hs, y, orow, w2, s2, state.row_max(s2), lut, counts,
+                                   d, e, inter)
+    return _combine(y, t, k, d, shared)

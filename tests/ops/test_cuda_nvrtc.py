@@ -1,0 +1,39 @@
+"""The CUDA C++ kernels build with NVRTC for sm_90a on any machine (no GPU needed), the cubin
+is cached on disk (a second build compiles nothing), and a compile error reports NVRTC's log."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+from shoal.ops.cuda import nvrtc  # noqa: E402
+
+if not nvrtc.available():
+    pytest.skip("NVRTC library not installed", allow_module_level=True)
+
+SOURCES = sorted(p.name for p in nvrtc.SOURCE_DIR.glob("*.cu"))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernels_build_for_sm90a_and_are_cached(monkeypatch, tmp_path, source: str) -> None:
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    first = nvrtc.compile_file(source)
+    assert not first.cached and first.cubin[:4] == b"\x7fELF"
+    again = nvrtc.compile_file(source)
+    assert again.cached and again.cubin == first.cubin
+    assert [p.suffix for p in (tmp_path / "cuda").iterdir()] == [".cubin"]  # no partial files
+
+
+def test_compile_error_carries_the_log(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(nvrtc.NvrtcError, match="undefined_name"):
+        nvrtc.compile_cubin('extern "C" __global__ void k() { undefined_name(); }', name="bad.cu")
+
+
+def test_options_change_the_key(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    src = 'extern "C" __global__ void k(int* x) { x[0] = V; }'
+    a = nvrtc.compile_cubin(src, name="k.cu", options=("-DV=1",))
+    b = nvrtc.compile_cubin(src, name="k.cu", options=("-DV=2",))
+    assert not a.cached and not b.cached and a.cubin != b.cubin
