@@ -102,7 +102,8 @@ class RunnerConfig:
     structured output); speculative decoding always runs synchronously.
     batch_invariant: on CUDA, ops whose bits depend on the rows in a call take a fixed tiling
     instead (backend 'triton_invariant' first): the MoE stays on its mma.sync tiles at every
-    size (the one op `scripts/bisect_chunked.py` found to split chunked from whole prefill).
+    size, the FP8 GEMM and sparse attention keep their decode K / key partitions at every size,
+    the grouped wo_a GEMM its wide tiles (`scripts/probe_row_invariance.py` finds such ops).
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
     by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly

@@ -45,6 +45,22 @@ def test_priority_fallback_and_declined_calls_are_counted(caplog):
     assert table.negate(x=x).tolist() == [-1.0, -1.0, -1.0]
 
 
+def test_a_declined_call_tries_the_next_backend_before_the_reference():
+    reg = _registry()
+
+    @reg.implement("narrow", "double", supports=lambda *, x: x.numel() <= 2)
+    def narrow_double(*, x: torch.Tensor) -> torch.Tensor:
+        return x + x + 0.25
+
+    table = reg.resolve(["narrow", "fast", REFERENCE])
+    assert table.origin["double"] == "narrow"
+    assert table.double(x=torch.ones(2)).tolist() == [2.25, 2.25]  # narrow serves
+    assert table.double(x=torch.ones(3)).tolist() == [2.5, 2.5, 2.5]  # narrow declines: fast
+    assert table.declined == {}
+    assert table.double(x=torch.ones(2, 2)).tolist() == [[2.0, 2.0], [2.0, 2.0]]  # reference
+    assert table.declined == {"double": 1}
+
+
 def test_tables_count_separately_and_keyword_only():
     reg = _registry()
     a, b = reg.resolve(["fast"]), reg.resolve(["fast"])

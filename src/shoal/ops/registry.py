@@ -129,13 +129,15 @@ class OpRegistry:
         origin: dict[str, str] = {}
         declined: dict[str, int] = {}
         for name, op in sorted(self._defs.items()):
-            for backend in ([REFERENCE] if name in forced else order):
-                impl = self.impl(backend, name)
-                if impl is not None:
-                    chosen[name] = impl.fn if backend == REFERENCE else _guarded(
-                        name, impl, op.reference, declined)
-                    origin[name] = backend
-                    break
+            backends = [REFERENCE] if name in forced else order
+            impls = [(b, self.impl(b, name)) for b in backends if b != REFERENCE]
+            impls = [(b, i) for b, i in impls if i is not None]
+            if impls:
+                chosen[name] = _guarded(name, [i for _, i in impls], op.reference, declined)
+                origin[name] = impls[0][0]
+            else:
+                chosen[name] = op.reference
+                origin[name] = REFERENCE
         requested = order[0]
         table = OpTable(chosen, origin, requested, declined)
         fallbacks = table.fallbacks()
@@ -160,27 +162,28 @@ def _describe(kwargs: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _guarded(name: str, impl: BackendImpl, reference: Callable[..., Any],
+def _guarded(name: str, impls: list[BackendImpl], reference: Callable[..., Any],
              declined: dict[str, int]):
-    """Call the backend when `supports(**kwargs)` holds, else the reference (never silently
-    wrong; the predicate is cheap and shape-only). Each declined call is counted in `declined`
-    (`OpTable.declined`), and the first one per op is logged with its arguments, so a slow
-    reference on the hot path is visible rather than silent. A backend with `state` gets this
-    table's own instance on every call."""
-    extra = {} if impl.state is None else {"state": impl.state()}
+    """Call the first backend (in priority order) whose `supports(**kwargs)` holds, else the
+    reference (never silently wrong; the predicates are cheap and shape-only). Each call that
+    reaches the reference is counted in `declined` (`OpTable.declined`), and the first one per
+    op is logged with its arguments, so a slow reference on the hot path is visible rather than
+    silent. A backend with `state` gets this table's own instance on every call."""
+    chain = [(impl, {} if impl.state is None else {"state": impl.state()}) for impl in impls]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
             raise TypeError(f"op {name}: call with keyword arguments only")
-        if impl.supports(**kwargs):
-            return impl.fn(**kwargs, **extra)
+        for impl, extra in chain:
+            if impl.supports(**kwargs):
+                return impl.fn(**kwargs, **extra)
         if name not in declined:
             logger.warning("op %s: %s declines (%s); the reference runs", name,
-                           getattr(impl.fn, "__module__", "?"), _describe(kwargs))
+                           getattr(impls[0].fn, "__module__", "?"), _describe(kwargs))
         declined[name] = declined.get(name, 0) + 1
         return reference(**kwargs)
 
-    call.__name__ = f"{name}[{getattr(impl.fn, '__module__', '?')}]"
+    call.__name__ = f"{name}[{getattr(impls[0].fn, '__module__', '?')}]"
     return call
 
 

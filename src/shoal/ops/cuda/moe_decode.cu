@@ -31,6 +31,9 @@ typedef long long int64_t;
 #define TILE_M 16
 #define CHUNK_K 128
 #define LUT_ROWS 32
+#ifndef MOE_DEPTH
+#define MOE_DEPTH 4  // 128-K chunks of loads in flight per lane
+#endif
 
 struct Tile {
     int expert;
@@ -128,6 +131,54 @@ __device__ __forceinline__ float col_scale(int smax) {
     return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
 }
 
+// One 128-K chunk of a lane's operands: two 16-byte weight loads (its 32-block of each tile's
+// row), their block scales, and the 32 activation bytes of rows g and g + 8.
+struct Stage {
+    uint4 b0, b1, alo0, alo1, ahi0, ahi1;
+    int s0, s1;
+
+    __device__ __forceinline__ void load(const uint8_t* pw0, const uint8_t* pw1,
+                                         const uint8_t* ps0, const uint8_t* ps1,
+                                         const uint8_t* pa_lo, const uint8_t* pa_hi, bool v_lo,
+                                         bool v_hi, int k0) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
+        b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
+        s0 = ps0[k0 / 32];
+        s1 = ps1[k0 / 32];
+        alo0 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : zero;
+        alo1 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : zero;
+        ahi0 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : zero;
+        ahi1 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : zero;
+    }
+
+    // acc += this chunk's four MMAs, chained from zero (promotion every 128 K)
+    __device__ __forceinline__ void consume(float (&acc0)[4], float (&acc1)[4],
+                                            const uint2* lut, int smax0, int smax1) const {
+        const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
+        const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
+        const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
+        const uint32_t lo_w[8] = {alo0.x, alo0.y, alo0.z, alo0.w, alo1.x, alo1.y, alo1.z, alo1.w};
+        const uint32_t hi_w[8] = {ahi0.x, ahi0.y, ahi0.z, ahi0.w, ahi1.x, ahi1.y, ahi1.z, ahi1.w};
+        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // a: reg 0 row g slots 4t.., reg 1 row g+8 slots 4t.., reg 2 row g slots 16+4t..,
+            // reg 3 row g+8 slots 16+4t..: codes 8i..8i+3 then 8i+4..8i+7 of the lane's block
+            const uint32_t af[4] = {lo_w[2 * i], hi_w[2 * i], lo_w[2 * i + 1], hi_w[2 * i + 1]};
+            mma_e4m3(p0, af, e2m1x4_to_e4m3(wb0[i], l0.x, l0.y),
+                     e2m1x4_to_e4m3(wb0[i] >> 16, l0.x, l0.y));
+            mma_e4m3(p1, af, e2m1x4_to_e4m3(wb1[i], l1.x, l1.y),
+                     e2m1x4_to_e4m3(wb1[i] >> 16, l1.x, l1.y));
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc0[j] += p0[j];
+            acc1[j] += p1[j];
+        }
+    }
+};
+
 // a [*, K] e4m3 (folded) with row scales a_scale [*]; rows of the tile read a row arow[r]
 // (GATHER: the token of routed row r) else r. w [E, NW, K/2] packed e2m1 (low nibble = even
 // k), ws [E, NW, K/32] UE8M0, wmax [E, NW] int32 (each row's largest block scale).
@@ -171,38 +222,21 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
     // (the table in shared memory is visible: find_tile ends with a barrier)
 
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 2
-    for (int k0 = 0; k0 < K; k0 += CHUNK_K) {
-        const uint4 b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
-        const uint4 b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
-        const int s0 = ps0[k0 / 32], s1 = ps1[k0 / 32];
-        uint4 alo[2], ahi[2];
-        alo[0] = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : make_uint4(0, 0, 0, 0);
-        alo[1] = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : make_uint4(0, 0, 0, 0);
-        ahi[0] = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : make_uint4(0, 0, 0, 0);
-        ahi[1] = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : make_uint4(0, 0, 0, 0);
-        const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
-        const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
-        const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
-        const uint32_t lo_w[8] = {alo[0].x, alo[0].y, alo[0].z, alo[0].w,
-                                  alo[1].x, alo[1].y, alo[1].z, alo[1].w};
-        const uint32_t hi_w[8] = {ahi[0].x, ahi[0].y, ahi[0].z, ahi[0].w,
-                                  ahi[1].x, ahi[1].y, ahi[1].z, ahi[1].w};
-        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+    // MOE_DEPTH chunks in flight: a stage is reloaded with chunk c + MOE_DEPTH right after
+    // chunk c is consumed (the sums still run in ascending K)
+    Stage st[MOE_DEPTH];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            // a: reg 0 row g slots 4t.., reg 1 row g+8 slots 4t.., reg 2 row g slots 16+4t..,
-            // reg 3 row g+8 slots 16+4t..: codes 8i..8i+3 then 8i+4..8i+7 of the lane's block
-            const uint32_t af[4] = {lo_w[2 * i], hi_w[2 * i], lo_w[2 * i + 1], hi_w[2 * i + 1]};
-            mma_e4m3(p0, af, e2m1x4_to_e4m3(wb0[i], l0.x, l0.y),
-                     e2m1x4_to_e4m3(wb0[i] >> 16, l0.x, l0.y));
-            mma_e4m3(p1, af, e2m1x4_to_e4m3(wb1[i], l1.x, l1.y),
-                     e2m1x4_to_e4m3(wb1[i] >> 16, l1.x, l1.y));
-        }
+    for (int s = 0; s < MOE_DEPTH; ++s)
+        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, v_lo, v_hi, s * CHUNK_K);
+    for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            acc0[j] += p0[j];
-            acc1[j] += p1[j];
+        for (int s = 0; s < MOE_DEPTH; ++s) {
+            const int kc = k0 + s * CHUNK_K;
+            if (kc < K) {
+                st[s].consume(acc0, acc1, lut, smax0, smax1);
+                const int kn = kc + MOE_DEPTH * CHUNK_K;
+                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, v_lo, v_hi, kn);
+            }
         }
     }
 

@@ -29,20 +29,24 @@ from shoal.ops.triton.moe_route import route
 TILE_M, THREADS, CHUNK_K, LUT_ROWS = 16, 128, 128, 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
+DEPTH = 4
 
 
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
-    ([E, rows] int32, computed on first use, dropped with the scale tensor)."""
+    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: 128-K
+    chunks of loads in flight per lane (the kernel's MOE_DEPTH; benchmarks sweep it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = DEPTH) -> None:
+        self.depth = depth
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            self._module = Module(compile_file("moe_decode.cu").cubin, device)
+            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",)).cubin
+            self._module = Module(cubin, device)
         return self._module
 
     def lut(self, device: torch.device) -> torch.Tensor:
