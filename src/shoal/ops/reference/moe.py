@@ -12,7 +12,8 @@ import torch
 
 from shoal.ops.compare import assert_same_nonfinite
 from shoal.ops.reference._cases import fp4_weight, randn
-from shoal.ops.reference._math import blockwise_matmul_nt, matmul_nt
+from shoal.ops.reference._math import blockwise_matmul_blocks, matmul_nt, weight_blocks
+from shoal.ops.reference._prepared import Prepared
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp4 import dequant_mxfp4
 from shoal.quant.fp8 import qdq_fp8_act
@@ -123,18 +124,20 @@ def _moe_compare(got: torch.Tensor, want: torch.Tensor, case) -> None:
 
 
 @REGISTRY.define("moe_mxfp4", tolerances={torch.float32: MOE_TOL, torch.bfloat16: MOE_TOL},
-                 compare=_moe_compare,
+                 compare=_moe_compare, state=Prepared,
                  cases=[_moe_case(1, 64, 32, 4, 2), _moe_case(7, 128, 64, 8, 2),
                         _moe_case(0, 64, 32, 4, 2), _moe_case(83, 128, 64, 8, 3),
                         _moe_case(1, 64, 32, 4, 2, shared=True),
                         _moe_case(37, 128, 64, 8, 3, shared=True),
                         _moe_case(0, 64, 32, 4, 2, shared=True),
-                        _moe_case(19, 256, 128, 8, 3, shared=True),  # K % 128 == 0 (CUDA)
-                        _moe_case(40, 256, 128, 8, 6),  # several 16-row tiles per expert
+                        # K % 128 == 0 (the CUDA kernels), several 16-row tiles per expert
+                        _moe_case(19, 256, 128, 8, 3, heavy=True, shared=True),
+                        _moe_case(40, 256, 128, 8, 6, heavy=True),
                         _moe_case(16, 5120, 2304, 8, 6, heavy=True)])
 def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
               w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-              limit: float, shared: torch.Tensor | None = None) -> torch.Tensor:
+              limit: float, shared: torch.Tensor | None = None,
+              state: Prepared | None = None) -> torch.Tensor:
     """Routed experts: sum_k bf16(expert_{ids[t,k]}(x_t, w[t,k])) in fp32 -> [T, D] fp32; with
     `shared` [T, D] bf16 (the shared expert's output) added in fp32 and the sum rounded once:
     the block's FFN output [T, D] bf16.
@@ -143,7 +146,8 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     0..I-1 = w1, I..2I-1 = w3; low nibble = even K element) with w13_scale [E, 2I, D/32] uint8;
     w2 [E, D, I/2] uint8 with w2_scale [E, D, I/32]. Per expert: g, u = bf16 outputs of the
     FP8-activation x FP4-weight GEMMs, read as fp32; h = swiglu_clamp(g, u, w); out = w2 . h
-    (h re-quantised per 32) rounded to bf16.
+    (h re-quantised per 32) rounded to bf16. `state`: the op table's memo of dequantised
+    experts.
     """
     t, d = x.shape
     out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
@@ -152,14 +156,20 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     if t == 0:
         return out if shared is None else out.to(torch.bfloat16)
     inter = w2.shape[2] * 2
+
+    def blocks(w: torch.Tensor, scale: torch.Tensor, e: int) -> torch.Tensor:
+        def build() -> torch.Tensor:
+            return weight_blocks(dequant_mxfp4(w[e], scale[e], 32))
+
+        return build() if state is None else state.get((w, scale), ("mxfp4", e), build)
+
     xq = qdq_fp8_act(x, 32).float()
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        w13_e = dequant_mxfp4(w13[e], w13_scale[e], 32)
-        gu = blockwise_matmul_nt(xq[tok], w13_e).to(torch.bfloat16).float()
+        gu = blockwise_matmul_blocks(xq[tok], blocks(w13, w13_scale, e)).to(
+            torch.bfloat16).float()
         h = swiglu_clamp(gate=gu[:, :inter], up=gu[:, inter:], weight=weights[tok, slot],
                          limit=limit)
-        y = blockwise_matmul_nt(qdq_fp8_act(h, 32).float(),
-                                dequant_mxfp4(w2[e], w2_scale[e], 32))
+        y = blockwise_matmul_blocks(qdq_fp8_act(h, 32).float(), blocks(w2, w2_scale, e))
         out.index_add_(0, tok, y.to(torch.bfloat16).float())
     return out if shared is None else (out + shared.float()).to(torch.bfloat16)
