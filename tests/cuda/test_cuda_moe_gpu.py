@@ -15,13 +15,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs CUDA
 def _inputs(t: int, e: int = 16, d: int = 5120, inter: int = 2304, k: int = 6, seed: int = 0):
     from shoal.quant.fp4 import quant_mxfp4
 
-    g = torch.Generator().manual_seed(seed)
-    w13, s13 = quant_mxfp4(torch.randn(e, 2 * inter, d, generator=g) / d ** 0.5)
-    w2, s2 = quant_mxfp4(torch.randn(e, d, inter, generator=g) / inter ** 0.5)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    return dict(x=torch.randn(t, d, generator=g).to(torch.bfloat16).cuda(), ids=ids.cuda(),
-                weights=torch.rand(t, k, generator=g).cuda(), w13=w13.cuda(),
-                w13_scale=s13.cuda(), w2=w2.cuda(), w2_scale=s2.cuda(), limit=10.0)
+    g = torch.Generator(device="cuda").manual_seed(seed)  # weights made on the device (fast)
+    w13, s13 = quant_mxfp4(torch.randn(e, 2 * inter, d, generator=g, device="cuda") / d ** 0.5)
+    w2, s2 = quant_mxfp4(torch.randn(e, d, inter, generator=g, device="cuda") / inter ** 0.5)
+    gc = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gc)[:k] for _ in range(t)])
+    return dict(x=torch.randn(t, d, generator=gc).to(torch.bfloat16).cuda(), ids=ids.cuda(),
+                weights=torch.rand(t, k, generator=gc).cuda(), w13=w13, w13_scale=s13, w2=w2,
+                w2_scale=s2, limit=10.0)
 
 
 def test_matches_the_reference_and_rows_do_not_depend_on_the_batch() -> None:
