@@ -17,6 +17,7 @@ Debugging: the environment variable ``SHOAL_REFERENCE_OPS=op1,op2`` (read only h
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -61,6 +62,10 @@ class OpDef:
     # Optional custom comparison (a, b, case) -> None or raise AssertionError; for outputs whose
     # equality is defined modulo ties (top-k sets) or that are byte records.
     compare: Callable[..., None] | None = None
+    # state(): a fresh per-table memo the reference keeps prepared inputs in (dequantised
+    # weights), passed as `state=` when a table resolves the op to the reference; direct calls
+    # pass none and compute the same bits
+    state: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,16 @@ class OpRegistry:
 
     def define(self, name: str, *, tolerances: dict[torch.dtype, Tolerance] | None = None,
                cases: Iterable[OpCase] = (), inplace: tuple[str, ...] = (),
-               compare: Callable[..., None] | None = None):
-        """Decorator registering `fn` as the reference definition of op `name`."""
+               compare: Callable[..., None] | None = None,
+               state: Callable[[], Any] | None = None):
+        """Decorator registering `fn` as the reference definition of op `name` (with `state`,
+        `fn` takes a `state=None` keyword, as a backend does)."""
 
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._defs:
                 raise ValueError(f"op {name!r} is defined twice")
             self._defs[name] = OpDef(name, fn, dict(tolerances or {}), tuple(cases), inplace,
-                                     compare)
+                                     compare, state)
             return fn
 
         return wrap
@@ -136,7 +143,8 @@ class OpRegistry:
                 chosen[name] = _guarded(name, [i for _, i in impls], op.reference, declined)
                 origin[name] = impls[0][0]
             else:
-                chosen[name] = op.reference
+                chosen[name] = op.reference if op.state is None else functools.partial(
+                    op.reference, state=op.state())
                 origin[name] = REFERENCE
         requested = order[0]
         table = OpTable(chosen, origin, requested, declined)

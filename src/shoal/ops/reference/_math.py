@@ -22,10 +22,20 @@ def blockwise_matmul_nt(a: torch.Tensor, b: torch.Tensor, block: int = 32) -> to
     rounded once to fp32), added to an fp32 accumulator (from zero) in K order. a [..., K] and
     b [N, K] hold the dequantised values (the power-of-two block scales are exact factors), so
     every block product is exact in fp64 and all blocks can be formed in one batched product."""
-    *lead, k = a.shape
-    n, nb = b.shape[0], k // block
+    return blockwise_matmul_blocks(a, weight_blocks(b, block))
+
+
+def weight_blocks(b: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """b [N, K] -> [K / block, block, N] fp64: the weight as blockwise_matmul_nt reads it."""
+    n, k = b.shape
+    return b.reshape(n, k // block, block).permute(1, 2, 0).double()
+
+
+def blockwise_matmul_blocks(a: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """blockwise_matmul_nt of a [..., K] and a weight already in `weight_blocks` form."""
+    *lead, _ = a.shape
+    nb, block, n = wb.shape
     rows = a.reshape(-1, nb, block)
-    wb = b.reshape(n, nb, block).permute(1, 2, 0).double()  # [nb, block, N]
     out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=a.device)
     step = max(1, (1 << 25) // max(1, nb * n))  # rows per chunk: <= 256 MB of fp64 products
     for r in range(0, rows.shape[0], step):

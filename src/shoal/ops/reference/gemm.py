@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from shoal.ops.reference._cases import fp8_weight, randn
-from shoal.ops.reference._math import blockwise_matmul_nt, einsum, matmul_nt
+from shoal.ops.reference._math import blockwise_matmul_blocks, einsum, matmul_nt, weight_blocks
+from shoal.ops.reference._prepared import Prepared
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 from shoal.quant.fp8 import dequant_fp8_act, dequant_fp8_weight, quant_fp8_act
 
@@ -43,23 +44,28 @@ def _gemm_case(t: int, n: int, k: int, heavy: bool = False) -> OpCase:
     return OpCase(f"T{t}xN{n}xK{k}", make, heavy=heavy)
 
 
-@REGISTRY.define("gemm_fp8", tolerances=BF16_TOL, cases=[
+@REGISTRY.define("gemm_fp8", tolerances=BF16_TOL, state=Prepared, cases=[
     _gemm_case(1, 32, 32), _gemm_case(7, 96, 64), _gemm_case(83, 200, 128), _gemm_case(0, 64, 64),
     _gemm_case(5, 769, 96), _gemm_case(4, 1280, 5120, heavy=True),  # wq_a
     _gemm_case(16, 32768, 1280, heavy=True),  # wq_b
     _gemm_case(16, 5120, 8192, heavy=True)])  # wo_b
 def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             block: int = 32) -> torch.Tensor:
+             block: int = 32, state: Prepared | None = None) -> torch.Tensor:
     """y = x @ W^T for an FP8 weight with 32x32 UE8M0 blocks.
 
     x [T, K] bf16 (quantised inside, as `act_quant_fp8`); weight [N, K] float8_e4m3fn;
     weight_scale [ceil(N/32), K/32] uint8. Returns [T, N] bf16. Same rounding as the official
     kernel: the exact block dot products scaled by s_a * s_w, added in fp32 in K order.
+    `state`: the op table's memo of dequantised weights.
     """
     codes, scales = quant_fp8_act(x, block)
     a = dequant_fp8_act(codes, scales, block)
-    w = dequant_fp8_weight(weight, weight_scale, block)
-    return blockwise_matmul_nt(a, w, block).to(torch.bfloat16)
+
+    def blocks() -> torch.Tensor:
+        return weight_blocks(dequant_fp8_weight(weight, weight_scale, block), block)
+
+    wb = blocks() if state is None else state.get((weight, weight_scale), ("fp8", block), blocks)
+    return blockwise_matmul_blocks(a, wb).to(torch.bfloat16)
 
 
 def _grouped_case(t: int, groups: int, rank: int, k: int, heavy: bool = False) -> OpCase:
@@ -71,20 +77,26 @@ def _grouped_case(t: int, groups: int, rank: int, k: int, heavy: bool = False) -
     return OpCase(f"T{t}xG{groups}xR{rank}xK{k}", make, heavy=heavy)
 
 
-@REGISTRY.define("gemm_grouped_w8a16", tolerances=BF16_TOL, cases=[
+@REGISTRY.define("gemm_grouped_w8a16", tolerances=BF16_TOL, state=Prepared, cases=[
     _grouped_case(1, 2, 32, 128), _grouped_case(7, 2, 32, 128), _grouped_case(0, 2, 32, 64),
     _grouped_case(83, 4, 64, 96), _grouped_case(4, 8, 1024, 4096, heavy=True)])
 def gemm_grouped_w8a16(*, o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       block: int = 32) -> torch.Tensor:
+                       block: int = 32, state: Prepared | None = None) -> torch.Tensor:
     """Grouped low-rank output projection `wo_a` (model.md §2.5 step 9).
 
     o [T, G, Kg] bf16 (attention output, G groups of heads_per_group * head_dim values);
     weight [G * R, Kg] float8_e4m3fn with 32x32 UE8M0 scales, viewed as [G, R, Kg]
     (block-diagonal). Returns z [T, G * R] bf16 with z_g = o_g @ W_g^T. Activations are NOT
     quantised (the reference upcasts wo_a to bf16 and runs in bf16 with fp32 accumulation).
+    `state`: the op table's memo of dequantised weights.
     """
     t, g, k = o.shape
-    w = dequant_fp8_weight(weight, weight_scale, block).view(g, -1, k)
+
+    def grouped() -> torch.Tensor:  # fp64, as einsum reads it
+        return dequant_fp8_weight(weight, weight_scale, block).view(g, -1, k).double()
+
+    w = grouped() if state is None else state.get((weight, weight_scale), ("grouped", g, block),
+                                                  grouped)
     z = einsum("tgk,grk->tgr", o.float(), w)
     return z.to(torch.bfloat16).reshape(t, z.shape[1] * z.shape[2])
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.ops.reference._cases import randn
+from shoal.ops.reference._prepared import Prepared
 from shoal.ops.registry import REGISTRY, OpCase, Tolerance
 
 
@@ -58,18 +59,21 @@ def _case(shape: tuple[int, ...], rd: int, yarn: bool, inverse: bool) -> OpCase:
 
 
 @REGISTRY.define("rope_tail", tolerances={torch.bfloat16: Tolerance(atol=1e-2, rtol=1e-2)},
+                 state=Prepared,
                  cases=[_case((1, 64), 16, False, False), _case((7, 4, 64), 16, True, False),
                         _case((0, 4, 64), 16, True, True), _case((83, 32, 128), 64, True, False),
                         _case((9, 64, 512), 64, True, True)])
 def rope_tail(*, x: torch.Tensor, positions: torch.Tensor, params: RopeParams,
-              inverse: bool = False) -> torch.Tensor:
+              inverse: bool = False, state: Prepared | None = None) -> torch.Tensor:
     """Rotate pairs (2i, 2i+1) of the last rope_dim dims of x by angle pos * f_i.
 
     x [T, n] or [T, H, n] bf16; positions [T] int64 (p, or j*r for compressed rows).
     `inverse` conjugates the rotation (attention output). Returns a new bf16 tensor.
+    `state`: the op table's memo of each layer's frequencies.
     """
     rd = params.rope_dim
-    freqs = rope_frequencies(params, x.device)
+    freqs = rope_frequencies(params, x.device) if state is None else state.value(
+        ("rope", params), x.device, lambda: rope_frequencies(params, x.device))
     angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [T, rd/2]
     # cos/sin of the fp32 angle evaluated in fp64 and rounded (batch-invariant; within an ulp
     # of the reference's fp32 table)
