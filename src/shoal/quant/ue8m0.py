@@ -22,6 +22,8 @@ __all__ = ["UE8M0_NAN", "pow2_scale_ceil", "ue8m0_decode", "ue8m0_encode"]
 
 UE8M0_NAN = 0xFF  # the one NaN byte of UE8M0
 _MANTISSA_MASK = (1 << 23) - 1
+_MAGNITUDE_MASK = (1 << 31) - 1
+_EXPONENT_MASK = -(1 << 23)  # int32 0xFF800000: sign and exponent fields
 
 
 def _as_fp32(x: float) -> float:
@@ -56,12 +58,12 @@ def pow2_scale_ceil(amax: Tensor, inv_max: float) -> Tensor:
     # A Python scalar (already an fp32 value), not a device tensor: no host -> device copy, so
     # this runs inside a CUDA graph capture; the product is formed in fp32 either way.
     p = amax.to(torch.float32) * _as_fp32(inv_max)
-    bits = _fp32_bits(p)
-    exp_field = (bits >> 23) & 0xFF
-    mant = bits & _MANTISSA_MASK
-    biased = exp_field + (mant != 0).to(torch.int32)  # = ceil(log2 p) + 127 for normal p
-    out = (biased << 23).view(torch.float32)
-    return torch.where(torch.isnan(p), torch.full_like(out, float("nan")), out)
+    # |p|'s bits plus a full mantissa carry into the exponent exactly when a mantissa bit is set;
+    # clearing the mantissa leaves 2^(exponent field + carry - 127), the rule above in three
+    # integer ops (a decode step quantises a hundred activations)
+    bits = torch.bitwise_and(_fp32_bits(p), _MAGNITUDE_MASK)
+    out = bits.add_(_MANTISSA_MASK).bitwise_and_(_EXPONENT_MASK).view(torch.float32)
+    return torch.where(p == p, out, float("nan"))
 
 
 def ue8m0_encode(pow2: Tensor) -> Tensor:
@@ -76,8 +78,8 @@ def ue8m0_encode(pow2: Tensor) -> Tensor:
         A value that is not a power of two is truncated to its exponent field (0.0 and any
         subnormal give 0, i.e. 2^-127); the sign is ignored.
     """
-    bits = _fp32_bits(pow2)
-    return ((bits >> 23) & 0xFF).to(torch.uint8)
+    # the cast to uint8 keeps the low 8 bits: the exponent field, without the sign
+    return torch.bitwise_right_shift(_fp32_bits(pow2), 23).to(torch.uint8)
 
 
 def ue8m0_decode(e: Tensor) -> Tensor:
