@@ -63,7 +63,7 @@ def pow2_scale_ceil(amax: Tensor, inv_max: float) -> Tensor:
     # integer ops (a decode step quantises a hundred activations)
     bits = torch.bitwise_and(_fp32_bits(p), _MAGNITUDE_MASK)
     out = bits.add_(_MANTISSA_MASK).bitwise_and_(_EXPONENT_MASK).view(torch.float32)
-    return torch.where(p == p, out, float("nan"))
+    return out.masked_fill_(p != p, float("nan"))  # a fill value, not a host tensor
 
 
 def ue8m0_encode(pow2: Tensor) -> Tensor:
