@@ -80,6 +80,24 @@ def test_hc_coeffs_explicit_sinkhorn(seed: int, t: int, d: int, iters: int):
         assert np.all(_f64(comb[i]).sum(0) <= 1 + 1e-6)  # column normalisation runs last
 
 
+@pytest.mark.parametrize("t,iters", [(0, 20), (1, 20), (1, 1), (1, 0), (7, 3), (83, 20),
+                                     (1000, 20)])
+def test_hc_sinkhorn_on_the_cpu_has_the_torch_expressions_bits(seed: int, t: int, iters: int):
+    """The numpy normalisations hc_coeffs runs on the CPU give the bits of the torch ones, on
+    softmax rows from narrow to near one-hot (tiny entries, subnormal ones) and with NaN / inf."""
+    g = _gen(seed, t * 10 + iters)
+    logits = torch.randn(t, 4, 4, generator=g) * torch.tensor([0.1, 3.0, 30.0, 120.0])[
+        torch.randint(0, 4, (t, 1, 1), generator=g)]
+    comb = torch.exp((logits - logits.amax(-1, keepdim=True)).double()).float()
+    if t > 3:
+        comb[1, 2, 3], comb[2, 0, 0], comb[3, 1, 1] = float("nan"), float("inf"), 0.0
+    for hc_eps in (1e-6, 0.0):
+        want = hyper_connections._sinkhorn(comb, hc_eps, iters)
+        got = hyper_connections._sinkhorn_cpu(comb, hc_eps, iters)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_hc_collapse_norm_post_mean(seed: int):
     g = _gen(seed, 1)
     t, d = 7, 13
