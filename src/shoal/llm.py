@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -160,6 +160,41 @@ class LLM:
             self.engine.cancel([g for g in groups if g not in done])
             raise
 
+    def run_fed(self, feed: Callable[[bool], list[tuple[Any, dict]] | None]
+                ) -> Iterator[tuple[Any, RequestOutput]]:
+        """`run` for requests that arrive while it runs (a data-parallel replica's loop):
+        feed(wait) gives the next (key, item) pairs, [] when none is ready (it may block only
+        when `wait`, which is asked when nothing is running), or None once no more will come.
+        Yields (key, output) as requests finish; an exception aborts the unfinished ones."""
+        keys: dict[str, Any] = {}
+        chat_prompts: dict[str, str] = {}
+        ended = False
+        try:
+            while True:
+                if not ended:
+                    if not keys:
+                        self.engine.flush()  # no step in flight while waiting for work
+                    got = feed(not keys)
+                    ended = got is None
+                    for key, item in got or ():
+                        group, prompt = self._submit(item)
+                        keys[group] = key
+                        if prompt is not None:
+                            chat_prompts[group] = prompt
+                    for group in [g for g in keys if self._complete(g)]:  # rejected at add
+                        yield keys.pop(group), self._take(group, chat_prompts)
+                if not keys:
+                    if ended:
+                        break
+                    continue
+                for group in self.engine.step():
+                    if group in keys:
+                        yield keys.pop(group), self._take(group, chat_prompts)
+            self.engine.flush()
+        except BaseException:
+            self.engine.cancel(list(keys))
+            raise
+
     # ---- internals ----------------------------------------------------------------------------
     @staticmethod
     def _items(prompts: list, sampling_params) -> list[dict]:
@@ -228,9 +263,11 @@ class LLM:
     def _complete(self, group: str) -> bool:
         return all(self.engine.requests[r].finished for r in self.engine.groups[group])
 
-    def _take(self, group: str) -> RequestOutput:
+    def _take(self, group: str, chat_prompts: dict[str, str] | None = None) -> RequestOutput:
         out = self.engine.output(group)
         self.engine.release(group)
+        if chat_prompts and group in chat_prompts:
+            parse_chat_output(out, chat_prompts[group])
         return out
 
 

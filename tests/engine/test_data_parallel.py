@@ -73,3 +73,24 @@ def test_requests_are_split_by_prompt_and_output_tokens() -> None:
     # loads 1010 | 510, 1020 | 1310 (the first 300-token request) | 1320
     assert split_by_load([long_out, long_in, long_in, two, two], 2) == [[0, 3], [1, 2, 4]]
     assert split_by_load([], 3) == [[], [], []]
+
+
+def test_replicas_are_fed_as_they_make_room() -> None:
+    """Requests whose length the estimate cannot see (every other one stops at its first
+    token) are not split up front: the replica whose requests end early is fed the waiting
+    ones, long ones included, while the other still decodes; outputs stay one engine's."""
+    opts = dict(OPTS, max_num_seqs=1)  # each replica holds 2 unfinished requests
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=list(range(512)))
+    prompts = [[3 + i, 4] for i in range(8)]
+    params = [long if i % 2 == 0 else short for i in range(8)]
+    llm = LLM("tiny", data_parallel_size=2, **opts)
+    try:
+        got = _view(llm.generate(prompts, params, use_tqdm=False))
+        served = llm.replicas.served_by
+    finally:
+        llm.close()
+    assert got == _view(LLM("tiny", **opts).generate(prompts, params, use_tqdm=False))
+    assert sorted(served) == list(range(8))
+    # up front (split_by_load: equal estimates alternate) replica 0 would hold every long one
+    assert [p for p in range(0, 8, 2) if served[p] == 1], served

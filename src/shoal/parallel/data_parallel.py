@@ -1,6 +1,12 @@
 """Data parallelism: N engine replicas, each in its own process with its own scheduler and KV
-pool (one GPU each, or a share of the CPU threads), and a front end that spreads each call's
-requests over them by load and yields outputs as they finish.
+pool (one GPU each, or a share of the CPU threads), and a front end that feeds each call's
+requests to them as they make room and yields outputs as they finish.
+
+Feeding: a replica holds at most `window` unfinished requests (twice its max_num_seqs, so its
+scheduler always has a queue to fill freed slots from); each time one finishes, the front end
+sends the next request in input order to the open replica with the fewest estimated tokens
+outstanding (`_load_estimate`). A replica whose requests end early (EOS, stops) so takes more of
+them, and none idles while requests wait.
 
 With `expert_parallel`, the replicas form one torch.distributed group (NCCL on GPUs, gloo on
 the CPU) and shard the routed experts (`parallel/expert_parallel.py`): every call goes to every
@@ -16,6 +22,7 @@ call with an error naming it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import queue
@@ -31,6 +38,7 @@ import torch.multiprocessing as mp
 
 from shoal.config import ShoalError
 from shoal.engine.outputs import RequestOutput
+from shoal.scheduler.config import SchedulerConfig
 
 READY_TIMEOUT_S = 1800.0
 
@@ -76,6 +84,7 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
     """A replica's process: an LLM of its own, running the calls it is sent. `group`: (world
     size, port, backend) of the expert-parallel process group to join."""
     running = [False]
+    last_call = [-1]  # the last fed call served (calls are numbered in order)
 
     def interrupt(signum, frame):
         if running[0]:
@@ -108,6 +117,11 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
         command = commands.get()
         if command[0] == "stop":
             return
+        if command[0] in ("feed", "end"):
+            if command[1] > last_call[0]:  # else left over from a finished (interrupted) call
+                _serve_fed(llm, rank, command, commands, results, running)
+                last_call[0] = command[1]
+            continue
         if command[0] == "loads":
             try:
                 results.put(("loads", None, rank, llm.expert_loads()))
@@ -118,7 +132,7 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
         running[0] = True
         try:
             for position, out in llm.run([item for _, item in items], use_tqdm=False):
-                results.put(("out", call, items[position][0], out))
+                results.put(("out", call, rank, (items[position][0], out)))
             running[0] = False
             llm.engine.serve_until_idle()
             results.put(("done", call, rank, None))
@@ -129,6 +143,91 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
         except BaseException as exc:  # noqa: BLE001 - the front end raises it
             running[0] = False
             results.put(("failed", call, rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _serve_fed(llm, rank: int, first: tuple, commands, results, running: list) -> None:
+    """One call of a replica fed while it runs: `first` and the later ("feed", call, items)
+    commands add requests, ("end", call) says no more come; commands of an older (interrupted)
+    call are dropped."""
+    call = first[1]
+
+    def feed(wait: bool) -> list | None:
+        nonlocal first
+        while True:
+            if first is not None:
+                command, first = first, None
+            else:
+                try:
+                    command = commands.get(block=wait)
+                except queue.Empty:
+                    return []
+            if command[0] == "stop":  # the LLM closed mid-call: stop after this call
+                commands.put(command)
+                return None
+            if command[1] != call:
+                continue
+            return None if command[0] == "end" else command[2]
+
+    running[0] = True
+    try:
+        for position, out in llm.run_fed(feed):
+            results.put(("out", call, rank, (position, out)))
+        running[0] = False
+        results.put(("done", call, rank, None))
+    except KeyboardInterrupt:
+        running[0] = False
+        results.put(("cancelled", call, rank, None))
+    except BaseException as exc:  # noqa: BLE001 - the front end raises it
+        running[0] = False
+        results.put(("failed", call, rank, f"{type(exc).__name__}: {exc}"))
+
+
+class _Feeder:
+    """The front end's side of feeding one call (see the module docstring): which requests
+    wait, what each replica holds, and which replica served each request (`served_by`)."""
+
+    def __init__(self, items: Sequence[dict], base: int, size: int, window: int) -> None:
+        self.items, self.base, self.window = items, base, window
+        self.estimate = [_load_estimate(item) for item in items]
+        self.waiting = collections.deque(range(len(items)))
+        self.held = [0] * size  # unfinished requests per replica
+        self.tokens = [0] * size  # their estimated tokens
+        self.started: set[int] = set()
+        self.ended: set[int] = set()
+        self.served_by: dict[int, int] = {}  # input position -> replica
+
+    def dispatch(self, call: int, commands) -> set[int]:
+        """Send waiting requests to open replicas (then "end" to every started replica once
+        none waits); returns the replicas started so far."""
+        batches: dict[int, list] = {}
+        while self.waiting:
+            open_ = [r for r in range(len(self.held)) if self.held[r] < self.window]
+            if not open_:
+                break
+            rank = min(open_, key=lambda r: (self.tokens[r], r))
+            position = self.waiting.popleft()
+            self.held[rank] += 1
+            self.tokens[rank] += self.estimate[position]
+            self.served_by[position] = rank
+            batches.setdefault(rank, []).append(
+                (position, dict(self.items[position], request_index=self.base + position)))
+        for rank, batch in batches.items():
+            commands[rank].put(("feed", call, batch))
+            self.started.add(rank)
+        if not self.waiting:
+            self.end(call, commands)
+        return set(self.started)
+
+    def end(self, call: int, commands) -> None:
+        """No more requests: "end" to every started replica not yet told."""
+        self.waiting.clear()
+        for rank in sorted(self.started - self.ended):
+            commands[rank].put(("end", call, None))
+            self.ended.add(rank)
+
+    def finished(self, rank: int, position: int) -> None:
+        self.held[rank] -= 1
+        self.tokens[rank] -= self.estimate[position]
 
 
 class DataParallel:
@@ -161,6 +260,8 @@ class DataParallel:
             proc.start()
             self.processes.append(proc)
         self.size = size
+        self.window = 2 * options.get("max_num_seqs", SchedulerConfig.max_num_seqs)
+        self.served_by: dict[int, int] = {}  # the last call's input position -> replica
         self._calls = itertools.count()
         self._next_index = 0  # global request index of the next call's first request
         ready = 0
@@ -191,30 +292,39 @@ class DataParallel:
 
     def run(self, items: Sequence[dict], use_tqdm: bool = False
             ) -> Iterator[tuple[int, RequestOutput]]:
-        """Spread `items` over the replicas (`split_by_load`) and yield
-        (input index, output) as requests finish."""
+        """Feed `items` to the replicas (`_Feeder`; under expert parallelism each replica's
+        `split_by_load` share up front) and yield (input index, output) as requests finish."""
         if self.broken:
             raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
                              " create a new LLM")
         call = next(self._calls)
         base, self._next_index = self._next_index, self._next_index + len(items)
-        shares = [[(p, dict(items[p], request_index=base + p)) for p in positions]
-                  for positions in split_by_load(items, self.size)]
-        # expert parallelism: a replica without requests still serves its experts
-        busy = {rank for rank in range(self.size) if shares[rank] or self.expert_parallel}
-        for rank in busy:
-            self.commands[rank].put(("run", call, shares[rank]))
+        if self.expert_parallel:  # lockstep: each replica's share up front, every rank joins
+            for rank, positions in enumerate(split_by_load(items, self.size)):
+                share = [(p, dict(items[p], request_index=base + p)) for p in positions]
+                self.commands[rank].put(("run", call, share))
+            busy, feeder = set(range(self.size)), None
+        else:
+            feeder = _Feeder(items, base, self.size, self.window)
+            busy = feeder.dispatch(call, self.commands)
+        answered: set[int] = set()
+        self.served_by = feeder.served_by if feeder is not None else {}
         try:
             while busy:
                 kind, got_call, who, payload = self._get(READY_TIMEOUT_S)
                 if got_call != call:
                     continue  # left over from an interrupted call
                 if kind == "out":
-                    yield who, payload
+                    position, out = payload
+                    if feeder is not None:
+                        feeder.finished(who, position)
+                        busy |= feeder.dispatch(call, self.commands) - answered
+                    yield position, out
                 elif kind == "failed":
                     raise ShoalError(f"data-parallel replica {who}: {payload}{self._exited()}")
                 else:
                     busy.discard(who)
+                    answered.add(who)
         except BaseException as exc:
             if self.expert_parallel and isinstance(exc, ShoalError):
                 self.broken = str(exc)  # a replica failed or died: the others wait inside a
@@ -223,6 +333,7 @@ class DataParallel:
             if self.expert_parallel:  # seen by every replica at the same step
                 self.cancel.set()
             else:
+                feeder.end(call, self.commands)  # a replica not yet fed then ends by itself
                 for rank in busy:  # interrupt their call; they abort its requests and answer
                     os.kill(self.processes[rank].pid, signal.SIGINT)
             try:
