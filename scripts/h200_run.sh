@@ -6,7 +6,8 @@
 # conformance suite; the whole suite also runs the engine tests on CUDA and does not fit one
 # 10-minute call; TEST_ARGS replaces the paths, e.g. "tests/kernels -k moe"), probe (every Triton op at real shapes, one fresh process
 # each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick), profile
-# (benchmarks/profile_decode.py at batch 1 and 64; PROFILE_ARGS adds arguments), e2e (shoal bench; E2E_ARGS adds arguments).
+# (benchmarks/profile_decode.py at batch 1 and 64; PROFILE_ARGS adds arguments), e2e (shoal bench; E2E_ARGS adds arguments),
+# invariance (scripts/probe_row_invariance.py: which fast ops change a row's bits with the batch).
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
@@ -40,6 +41,8 @@ for spec in "$@"; do
                  ${OPS_ARGS:-} > "$OUT/ops.txt" 2>&1 ;;
         moe) timeout "$limit" python3 benchmarks/bench_moe.py --quick ${MOE_ARGS:-} \
                  > "$OUT/moe.txt" 2>&1 ;;
+        invariance) PYTHONPATH=$PYTHONPATH:scripts timeout "$limit" \
+                 python3 scripts/probe_row_invariance.py > "$OUT/invariance.txt" 2>&1 ;;
         profile) timeout "$limit" python3 benchmarks/profile_decode.py --batch 1 --batch 64 ${PROFILE_ARGS:-} \
                      --out "$OUT" > /dev/null 2> "$OUT/profile_err.log" ;;
         e2e) timeout "$limit" python3 -m shoal.cli bench --plot "$OUT/bench_e2e_tpot.png" \
