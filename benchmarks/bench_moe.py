@@ -8,7 +8,8 @@ everywhere: on the decode tiles the fp16 LUT conversion that conversion 3 replac
 decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
-ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight,
+`cuda_dNa0`: the activations read when consumed). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
 syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
@@ -139,9 +140,10 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": False}
     if name == "w4a16":
         return {"w4a8": False}
-    if name.startswith("cuda"):  # the CUDA C++ decode kernels; cuda_dN: MOE_DEPTH N
-        depth = int(name[6:]) if name.startswith("cuda_d") else cuda_moe.DEPTH
-        return {"cuda": depth} if rows <= cuda_moe.MAX_ROWS else None
+    if name.startswith("cuda"):  # the CUDA C++ decode kernels; cuda_dN[a0]: MOE_DEPTH N
+        depth, _, ahead = name.removeprefix("cuda_d").partition("a")  # (a0: MOE_ACT_AHEAD 0)
+        knobs = (int(depth) if name.startswith("cuda_d") else cuda_moe.DEPTH, ahead != "0")
+        return {"cuda": knobs} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
 
 
@@ -151,8 +153,8 @@ CUDA_STATE: dict = {}
 def run(kw: dict, **inputs) -> torch.Tensor:
     """The op of a variant: `moe_experts` with its kwargs, or the CUDA kernels."""
     if kw.get("cuda"):
-        depth = kw["cuda"]
-        state = CUDA_STATE.setdefault(depth, cuda_moe.DecodeMoEState(depth))
+        knobs = kw["cuda"]
+        state = CUDA_STATE.setdefault(knobs, cuda_moe.DecodeMoEState(*knobs))
         return cuda_moe.moe_mxfp4(**inputs, state=state)
     return tmoe.moe_experts(**inputs, **kw)
 

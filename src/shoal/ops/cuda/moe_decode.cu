@@ -34,6 +34,9 @@ typedef long long int64_t;
 #ifndef MOE_DEPTH
 #define MOE_DEPTH 4  // 128-K chunks of loads in flight per lane
 #endif
+#ifndef MOE_ACT_AHEAD
+#define MOE_ACT_AHEAD 1  // activations loaded with their chunk's weights (see Stage)
+#endif
 
 struct Tile {
     int expert;
@@ -131,35 +134,55 @@ __device__ __forceinline__ float col_scale(int smax) {
     return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
 }
 
-// One 128-K chunk of a lane's operands: two 16-byte weight loads (its 32-block of each tile's
-// row), their block scales, and the 32 activation bytes of rows g and g + 8.
+// The 32 activation bytes of rows g and g + 8 for one 128-K chunk (zeros for rows past the
+// tile's end).
+struct Act {
+    uint4 lo0, lo1, hi0, hi1;
+
+    __device__ __forceinline__ void load(const uint8_t* pa_lo, const uint8_t* pa_hi, bool v_lo,
+                                         bool v_hi, int k0) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        lo0 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : zero;
+        lo1 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : zero;
+        hi0 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : zero;
+        hi1 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : zero;
+    }
+};
+
+// One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each tile's row) and
+// their block scales; with MOE_ACT_AHEAD its activations too (else they are read, mostly from
+// L1, when the chunk is consumed: fewer registers per chunk in flight).
 struct Stage {
-    uint4 b0, b1, alo0, alo1, ahi0, ahi1;
+    uint4 b0, b1;
     int s0, s1;
+#if MOE_ACT_AHEAD
+    Act act;
+#endif
 
     __device__ __forceinline__ void load(const uint8_t* pw0, const uint8_t* pw1,
                                          const uint8_t* ps0, const uint8_t* ps1,
                                          const uint8_t* pa_lo, const uint8_t* pa_hi, bool v_lo,
                                          bool v_hi, int k0) {
-        const uint4 zero = make_uint4(0, 0, 0, 0);
         b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
         b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
         s0 = ps0[k0 / 32];
         s1 = ps1[k0 / 32];
-        alo0 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : zero;
-        alo1 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : zero;
-        ahi0 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : zero;
-        ahi1 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : zero;
+#if MOE_ACT_AHEAD
+        act.load(pa_lo, pa_hi, v_lo, v_hi, k0);
+#endif
     }
 
     // acc += this chunk's four MMAs, chained from zero (promotion every 128 K)
     __device__ __forceinline__ void consume(float (&acc0)[4], float (&acc1)[4],
-                                            const uint2* lut, int smax0, int smax1) const {
+                                            const uint2* lut, int smax0, int smax1,
+                                            const Act& a) const {
         const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
         const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
         const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
-        const uint32_t lo_w[8] = {alo0.x, alo0.y, alo0.z, alo0.w, alo1.x, alo1.y, alo1.z, alo1.w};
-        const uint32_t hi_w[8] = {ahi0.x, ahi0.y, ahi0.z, ahi0.w, ahi1.x, ahi1.y, ahi1.z, ahi1.w};
+        const uint32_t lo_w[8] = {a.lo0.x, a.lo0.y, a.lo0.z, a.lo0.w,
+                                  a.lo1.x, a.lo1.y, a.lo1.z, a.lo1.w};
+        const uint32_t hi_w[8] = {a.hi0.x, a.hi0.y, a.hi0.z, a.hi0.w,
+                                  a.hi1.x, a.hi1.y, a.hi1.z, a.hi1.w};
         float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -233,7 +256,13 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
         for (int s = 0; s < MOE_DEPTH; ++s) {
             const int kc = k0 + s * CHUNK_K;
             if (kc < K) {
-                st[s].consume(acc0, acc1, lut, smax0, smax1);
+#if MOE_ACT_AHEAD
+                st[s].consume(acc0, acc1, lut, smax0, smax1, st[s].act);
+#else
+                Act a;
+                a.load(pa_lo, pa_hi, v_lo, v_hi, kc);
+                st[s].consume(acc0, acc1, lut, smax0, smax1, a);
+#endif
                 const int kn = kc + MOE_DEPTH * CHUNK_K;
                 if (kn < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, v_lo, v_hi, kn);
             }

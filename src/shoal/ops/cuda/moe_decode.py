@@ -35,17 +35,19 @@ DEPTH = 4
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
     ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: 128-K
-    chunks of loads in flight per lane (the kernel's MOE_DEPTH; benchmarks sweep it)."""
+    chunks of loads in flight per lane; act_ahead: activations loaded with them (the kernel's
+    MOE_DEPTH and MOE_ACT_AHEAD; benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH) -> None:
-        self.depth = depth
+    def __init__(self, depth: int = DEPTH, act_ahead: bool = True) -> None:
+        self.depth, self.act_ahead = depth, act_ahead
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",)).cubin
+            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_ACT_AHEAD={int(self.act_ahead)}")
+            cubin = compile_file("moe_decode.cu", options=options).cubin
             self._module = Module(cubin, device)
         return self._module
 
