@@ -23,7 +23,7 @@ from shoal.ops.cuda.driver import Module
 from shoal.ops.cuda.nvrtc import available, compile_file
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.fp4_tiles import lut_table
-from shoal.ops.triton.moe import _combine, _quant_folded
+from shoal.ops.triton.moe import _combine, _quant_folded, empty_result
 from shoal.ops.triton.moe_route import route
 
 TILE_M, THREADS, CHUNK_K, LUT_ROWS = 16, 128, 128, 32
@@ -82,16 +82,13 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
               shared: torch.Tensor | None = None,
               state: DecodeMoEState | None = None) -> torch.Tensor:
     """Same contract as the reference op (see the module docstring for the numerics)."""
+    if (empty := empty_result(x, shared)) is not None:
+        return empty
     state = state or DecodeMoEState()
     t, d = x.shape
     k = ids.shape[1]
     e, two_i, _ = w13.shape
     inter = two_i // 2
-    if shared is not None and shared.shape != (t, d):
-        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
-    if t == 0:
-        return torch.zeros(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
-                           device=x.device)
     module, lut = state.module(x.device), state.lut(x.device)
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()

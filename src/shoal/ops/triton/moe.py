@@ -352,6 +352,17 @@ def _combine(y: torch.Tensor, t: int, k: int, d: int,
     return out
 
 
+def empty_result(x: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor | None:
+    """Checks `shared` against x; the op's result when x has no rows (else None)."""
+    t, d = x.shape
+    if shared is not None and shared.shape != (t, d):
+        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
+    if t:
+        return None
+    return torch.zeros(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
+                       device=x.device)
+
+
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
                 shared: torch.Tensor | None = None, *, w4a8: bool = True, use_asm: bool | None = None,
@@ -371,11 +382,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     k = ids.shape[1]
     e, two_i, _ = w13.shape
     inter = two_i // 2
-    if shared is not None and shared.shape != (t, d):
-        raise ValueError(f"moe_mxfp4: shared {tuple(shared.shape)} must be [T, D] = {(t, d)}")
-    if t == 0:
-        return torch.zeros(t, d, dtype=torch.float32 if shared is None else torch.bfloat16,
-                           device=x.device)
+    if (empty := empty_result(x, shared)) is not None:
+        return empty
     if use_asm is None:
         use_asm = x.is_cuda
     if asm_variant not in (None, 1, 2, 3):
