@@ -291,9 +291,11 @@ def _even_k(a) -> bool:
 
 
 _gemm_fp8_fixed = triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body))
+# cache_results: the timings stay in Triton's disk cache, so a second start on the machine
+# neither re-times the tiles nor can pick another one
 _gemm_fp8_kernel = triton.autotune(
     configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K", "PROMOTE", "SEGMENTS"],
-    prune_configs_by={"early_config_prune": _prune})(
+    prune_configs_by={"early_config_prune": _prune}, cache_results=True)(
     triton.heuristics({"EVEN_K": _even_k})(triton.jit(_gemm_fp8_body)))
 
 

@@ -34,7 +34,8 @@ def _grouped_prune(configs, named_args, **kwargs):
 @triton.autotune(configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
                                         num_warps=w, num_stages=s)
                           for bm, bn, bk, w, s in _GROUPED_TILES],
-                 key=["M_BUCKET", "R", "K"], prune_configs_by={"early_config_prune": _grouped_prune})
+                 key=["M_BUCKET", "R", "K"], prune_configs_by={"early_config_prune": _grouped_prune},
+                 cache_results=True)  # timings kept on disk, as gemm.py's
 @triton.jit
 def _grouped_w8a16_kernel(o_ptr, w_ptr, s_ptr, z_ptr, M, R, K, M_BUCKET, stride_om, stride_og,
                           stride_ok, G: tl.constexpr, BLOCK_M: tl.constexpr,
