@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="RunnerConfig.batch_invariant: fixed tilings (report its cost)")
     ap.add_argument("--engram-placement", default="auto", choices=["auto", "device", "host"],
                     help="where the Engram tables live (RunnerConfig.engram_placement)")
+    ap.add_argument("--backends", default=None, type=lambda v: tuple(v.split(",")),
+                    help="op backend priority, e.g. cuda,triton (RunnerConfig.backends)")
     args = ap.parse_args(argv)
     commit = git_commit()
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling,
               "engram_placement": args.engram_placement,
-              "batch_invariant": args.batch_invariant}
+              "batch_invariant": args.batch_invariant, "backends": args.backends}
     t0 = time.perf_counter()
     budget = args.prefill_budget
     if budget < 2 * max(args.batches):  # decode_prefill_steps would grow to batch x prompt
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         longest = max(longest, args.prefill_len + 16)
     llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
               async_scheduling=args.async_scheduling, engram_placement=args.engram_placement,
-              batch_invariant=args.batch_invariant,
+              batch_invariant=args.batch_invariant, backends=args.backends,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=budget,

@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="verify a draft only while the confidence head gives it and the "
                    "drafts before it at least this chance of acceptance (default 0: all)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
+    p.add_argument("--backends", dest="backends", default=None,
+                   type=lambda v: tuple(v.split(",")),
+                   help="op backend priority, e.g. cuda,triton (default: triton on sm_90+)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="run each step synchronously (no host/device overlap)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
@@ -66,7 +69,7 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "spec_confidence", "spec_verify", "async_scheduling", "enable_prefix_caching",
                 "num_prefix_snapshots", "kv_host_memory_gb", "kv_store_path", "kv_store_ttl_days",
                 "block_size", "prefix_resume", "expert_parallel", "expert_placement",
-                "batch_invariant")
+                "batch_invariant", "backends")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

@@ -140,3 +140,22 @@ def test_generate_with_prefix_caching_reports_the_hits(tmp_path: Path,
     err = capsys.readouterr().err
     assert "prefix cache: 256/603 prompt tokens hit (42%; 0 from host memory, 0 from the " \
            "store)" in err, err
+
+
+def test_backends_flag_sets_the_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--backends a,b` reaches RunnerConfig.backends (on the CPU neither loads: the
+    reference serves every op)."""
+    from shoal.config import EngineConfig
+
+    seen = []
+    create = EngineConfig.create.__func__
+
+    def spy(cls, model, **opts):
+        config = create(cls, model, **opts)
+        seen.append(config.runner.backends)
+        return config
+
+    monkeypatch.setattr(EngineConfig, "create", classmethod(spy))
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--backends", "cuda,triton",
+                 "--prompt", "x", *GREEDY_ARGS]) == 0
+    assert seen and all(b == ("cuda", "triton") for b in seen)
