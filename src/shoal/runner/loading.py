@@ -109,10 +109,11 @@ def iter_weights(config: EngineConfig, device: torch.device, shard: ExpertShard 
 
 def op_backends(run: RunnerConfig, default: list[str]) -> list[str]:
     """The backend priority: `run.backends` or the device's default, with the batch-invariant
-    variants ahead of the Triton ops under `batch_invariant`."""
+    variants ahead of every other backend under `batch_invariant` (an op served by two
+    backends at different sizes would change bits with the batch)."""
     backends = list(run.backends) if run.backends else list(default)
     if run.batch_invariant and "triton" in backends:
-        backends.insert(backends.index("triton"), "triton_invariant")
+        backends.insert(0, "triton_invariant")
     return backends
 
 

@@ -21,6 +21,7 @@
 // Sums: each chunk's four MMAs chain from zero and the chunk's sum is added in fp32 (promotion
 // every 128 K, as the Triton FP8 kernels), in ascending K: a row's result does not depend on
 // the other rows of its tile or the batch.
+
 // No includes: NVRTC from PyPI ships no headers (bf16 rounding is written out below).
 typedef unsigned char uint8_t;
 typedef unsigned int uint32_t;
