@@ -159,3 +159,23 @@ def test_backends_flag_sets_the_priority(monkeypatch: pytest.MonkeyPatch) -> Non
     assert main(["generate", "--model", "tiny", "--device", "cpu", "--backends", "cuda,triton",
                  "--prompt", "x", *GREEDY_ARGS]) == 0
     assert seen and all(b == ("cuda", "triton") for b in seen)
+
+
+def test_threads_default_to_omp_num_threads_else_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from shoal.cli import _threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _threads(SimpleNamespace(threads=None))
+    assert torch.get_num_threads() == 1
+    for unset in ("", "0", "2,1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        _threads(SimpleNamespace(threads=None))
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    _threads(SimpleNamespace(threads=1))  # the flag wins
+    assert torch.get_num_threads() == 1
