@@ -3,11 +3,10 @@
 torch's intra-op threads: one on a machine without CUDA, unless OMP_NUM_THREADS says otherwise
 or the Triton interpreter runs (its lane). `make test` runs the main suite beside the
 interpreted lane on 2 cores, where a second torch thread of the main suite waits on the core the
-interpreter holds (tiny-model steps ran 3x slower); alone, the tiny model's ops are too small for
-a second thread to pay. The interpreted lane keeps torch's threads: its large reference ops take
-the second core whenever the main suite leaves it. Every test starts with the count (an
-in-process `shoal` CLI call sets its own); spawned processes and the CLI read it from
-OMP_NUM_THREADS.
+interpreter holds; alone, the tiny model's ops are too small for a second thread to pay. The
+interpreted lane keeps torch's threads: its large reference ops take the second core whenever
+the main suite leaves it. Every test starts with the count (an in-process `shoal` CLI call sets
+its own); spawned processes and the CLI read it from OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
