@@ -25,8 +25,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset (tiny, mini, flash) or checkpoint dir")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: OMP_NUM_THREADS when set, else the "
-                        "cores available to the process)")
+                   help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores)")
     p.add_argument("--prefill-mode", dest="prefill_mode", default=None,
                    choices=["full", "staircase", "bounded"])
     for name, kind in (("replay_window", int), ("max_num_seqs", int), ("max_model_len", int),
@@ -127,10 +126,9 @@ def _default_params(args):
 def _threads(args) -> None:
     import torch
 
-    n = args.threads
-    if n is None:  # torch's own default honours OMP_NUM_THREADS; so does ours
-        env = os.environ.get("OMP_NUM_THREADS", "").strip()
-        n = int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()  # torch's own default reads it too
+    n = args.threads if args.threads is not None else (
+        int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0)))
     if n < 1:
         raise ShoalError(f"--threads: got {n}, expected >= 1")
     torch.set_num_threads(n)
