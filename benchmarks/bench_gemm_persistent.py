@@ -16,6 +16,7 @@ import torch
 import triton
 
 from shoal.bench import git_commit
+from shoal.ops.triton import act_quant as tact
 from shoal.ops.triton import gemm as tg
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_persistent import persistent_ok
@@ -30,7 +31,7 @@ ROWS = (128, 256, 512, 1024, 2048, 4096, 8192)
 def measure(name: str, prep: tg.PreparedFP8Weight, x: torch.Tensor) -> dict:
     """One shape and M: both kernels (and _scaled_mm from M = 4096) on the same folded codes."""
     (m, k), n = x.shape, prep.codes.shape[0]
-    q, rs = tg._act_quant(x, 32, fold=True)
+    q, rs = tact.act_quant(x, 32, fold=True)
     calls = {"pointer": lambda: tg.gemm_fp8_folded(q, rs, prep, persistent=False),
              "persistent": lambda: tg.gemm_fp8_folded(q, rs, prep, persistent=True)}
     row = {"shape": name, "M": m, "N": n, "K": k,

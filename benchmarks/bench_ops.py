@@ -33,6 +33,7 @@ from op_bench import BF16_PEAK, FP8_PEAK, HBM, LINES, RESULTS, bench, copies, lo
 from shoal.bench import git_commit
 from shoal.ops.reference import gemm as ref_gemm
 from shoal.ops.reference import hyper_connections as ref_hc
+from shoal.ops.triton import act_quant as tact
 from shoal.ops.triton import gemm as tri_gemm
 from shoal.ops.triton import gemm_grouped as tri_grouped
 from shoal.ops.triton import gemm_nt as tri_nt
@@ -85,7 +86,7 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
                                                  device="cuda").float()).repeat_interleave(32, 1)
             x = x.to(torch.bfloat16)
             ref = ref_gemm.gemm_fp8(x=x, weight=codes, weight_scale=scales)
-            xq, prep = tri_gemm._act_quant(x, 32, fold=True), tri_gemm.prepare_fp8_weight(
+            xq, prep = tact.act_quant(x, 32, fold=True), tri_gemm.prepare_fp8_weight(
                 codes, scales)
             errs = ", ".join(f"{mode} {rel_err(tri_gemm.gemm_fp8_folded(*xq, prep, v), ref):.2e}"
                              for mode, v in GEMM_MODES.items())
@@ -96,7 +97,7 @@ def bench_gemm_fp8(ms_list: list[int]) -> None:
         prepared = [tri_gemm.prepare_fp8_weight(c, s) for c, s in weights]
         for m in ms_list:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            qf = [tri_gemm._act_quant(xi, 32, fold=True) for xi in xs]
+            qf = [tact.act_quant(xi, 32, fold=True) for xi in xs]
             flops = 2.0 * m * n * k
             nbytes = m * k + n * k + 2 * m * n
             one = torch.ones((), device="cuda")

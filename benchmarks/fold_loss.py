@@ -7,7 +7,7 @@ recomputed on the same inputs in variants, otherwise exact (fp64 sums rounded as
 rounds), each compared with the op's output by its tolerance (|d| <= atol + rtol |ref|):
 
   exact     no change (a self-check: must equal the reference bit for bit)
-  fold      the kernels' scale folding (triton/gemm.py `_act_quant_kernel(FOLD=True)`,
+  fold      the kernels' scale folding (triton/act_quant.py `_act_quant_kernel(FOLD=True)`,
             `prepare_fp8_weight`; triton/moe.py `_quant_folded` and the e2m1 -> e4m3 weight LUT):
             a 32-block of exponent e in a row whose largest is E becomes e4m3_RNE(v 2^(e - E)),
             one scale 2^(E - 127) per row; lossy where that falls into e4m3 subnormals. Which

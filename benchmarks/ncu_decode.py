@@ -22,6 +22,7 @@ import bench_attn
 import bench_moe
 import torch
 
+from shoal.ops.triton import act_quant as tact
 from shoal.ops.triton import attention as tri_attn
 from shoal.ops.triton import gemm as tg
 from shoal.ops.triton import gemm_grouped as tgg
@@ -54,7 +55,7 @@ def workloads(only: set[str]) -> list[tuple[str, object]]:
             wt = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
             ws = torch.full((n // 32, k // 32), 120, dtype=torch.uint8, device=dev)
             prep = tg.prepare_fp8_weight(wt, ws)
-            q, rs = tg._act_quant(x, 32, fold=True)
+            q, rs = tact.act_quant(x, 32, fold=True)
             out.append((f"gemm_fp8 {name} M=1", lambda q=q, rs=rs, p=prep:
                         tg.gemm_fp8_folded(q, rs, p)))
     if "grouped" in only:

@@ -77,7 +77,7 @@ def test_fp8_gemm_near_exact_sum(monkeypatch, m, n, k, tile, split, spread) -> N
 
 
 def _fold_act(q: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fold of `_act_quant(fold=True)` applied to reference codes (CPU, RNE)."""
+    """The fold of `act_quant(fold=True)` applied to reference codes (CPU, RNE)."""
     e = qs.to(torch.int32)
     top = e.amax(dim=1, keepdim=True)
     f = torch.exp2((e - top).clamp_min(-126).float()).repeat_interleave(32, dim=1)

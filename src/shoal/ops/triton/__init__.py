@@ -5,6 +5,7 @@ Invariant: every implementation has the reference op's exact signature and a che
 """
 
 from shoal.ops.triton import (  # noqa: F401
+    act_quant,
     attention,
     attention_meta,
     cache,

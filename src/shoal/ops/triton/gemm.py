@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.act_quant import act_quant
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
 from shoal.ops.triton.gemm_persistent import (
@@ -69,64 +70,6 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
     col = torch.exp2((top.squeeze(1) - 127).float()).repeat_interleave(block)[:n]
     col = torch.where(top.squeeze(1).repeat_interleave(block)[:n] == 255, torch.nan, col)
     return PreparedFP8Weight(codes, col.contiguous(), weight._version)
-
-
-# --------------------------------------------------------------------------- activation quant
-
-
-@triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk,
-                      FOLD: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
-    pdl_wait()
-    row = tl.program_id(0).to(tl.int64)
-    nb = K // BLOCK
-    offs_b = tl.arange(0, NB_P2)
-    offs_e = tl.arange(0, BLOCK)
-    col = offs_b[:, None] * BLOCK + offs_e[None, :]
-    mask = offs_b[:, None] < nb
-    x = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    p = amax * (1.0 / 448.0)
-    bits = p.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of s
-    e = tl.minimum(e, 253)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # exact 1/s
-    q = tl.clamp(x * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
-    if FOLD:
-        top = tl.max(tl.where(offs_b < nb, e, 0), axis=0)
-        sh = tl.maximum(e - top, -126)
-        f = ((sh + 127) << 23).to(tl.float32, bitcast=True)
-        q = (q.to(tl.float32) * f[:, None]).to(tl.float8e4nv)
-        tl.store(s_ptr + row, (top << 23).to(tl.float32, bitcast=True))  # 2^(top - 127)
-    else:
-        tl.store(s_ptr + row * nb + offs_b, e.to(tl.uint8), mask=offs_b < nb)
-    tl.store(q_ptr + row * K + col, q, mask=mask)
-
-
-def _act_quant(x: torch.Tensor, block: int, fold: bool,
-               min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (codes, scales). min_rows: the codes get at least that many rows, those
-    beyond T left unwritten (padding for `gemm_fp8_folded(rows=T)`)."""
-    t, k = x.shape
-    q = torch.empty(max(t, min_rows), k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = (torch.empty(t, dtype=torch.float32, device=x.device) if fold else
-         torch.empty(t, k // block, dtype=torch.uint8, device=x.device))
-    if t:
-        nb = k // block
-        _act_quant_kernel[(t,)](x, q, s, k, x.stride(0), x.stride(1), FOLD=fold,
-                                NB_P2=triton.next_power_of_2(nb), BLOCK=block,
-                                num_warps=4 if k <= 2048 else 8, **PDL_LAUNCH)
-    return q, s
-
-
-def _supports_act(*, x: torch.Tensor, block: int = 32, **_) -> bool:
-    return x.is_cuda and x.dim() == 2 and block == 32 and x.shape[1] % block == 0
-
-
-@REGISTRY.implement("triton", "act_quant_fp8", supports=_supports_act)
-def act_quant_fp8(*, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as the reference: codes [T, K] e4m3, scales [T, K/32] uint8 (bit-exact)."""
-    return _act_quant(x, block, fold=False)
 
 
 # --------------------------------------------------------------------------- FP8 GEMM
@@ -411,7 +354,7 @@ def gemm_fp8(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         weight = weight.view(torch.float8_e4m3fn)
     prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None
                 else state.get(weight, weight_scale, block))
-    q, rs = _act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
+    q, rs = act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
     return gemm_fp8_folded(q, rs, prepared, rows=x.shape[0])
 
 
@@ -426,7 +369,7 @@ def gemm_fp8_invariant(*, x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         weight = weight.view(torch.float8_e4m3fn)
     prepared = (prepare_fp8_weight(weight, weight_scale, block) if state is None
                 else state.get(weight, weight_scale, block))
-    q, rs = _act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
+    q, rs = act_quant(x, block, fold=True, min_rows=DECODE_MIN_ROWS)
     n, k = prepared.codes.shape
     split = split_k(1, n, k, sm_count(x.device))
     if x.shape[0] <= 64:

@@ -6,29 +6,19 @@ W4A8 pipeline (no host synchronisation; every size below comes from tensor shape
 1. permutation: the T*k (token, slot) rows are sorted by expert id (stable) with per-expert
    counts, on device (moe_route.py): one counting-sort launch for decode sizes, torch's
    argsort + scatter-add above; each GEMM program finds its (expert, row block) from the counts.
-2. x -> e4m3 per 32 (model.md §5.2, bit-exact `gemm._act_quant`), *folded*: every 32-block is
+2. x -> e4m3 per 32 (model.md §5.2, bit-exact `act_quant.act_quant`), *folded*: every 32-block is
    re-encoded relative to the row's largest block exponent, one fp32 scale per row remains.
 3. grouped GEMM w1|w3 (w13 [E, 2I, D/2]): weights stay 4-bit in memory; in registers each e2m1
    code becomes an e4m3 byte whose exponent is shifted by (block scale - row max scale) through a
    8-byte LUT per 32-block (`prmt` byte permutes via `inline asm`, 4 codes at a time), so the
    main loop is a pure `tl.dot(a, b, acc)` on FP8 wgmma. The LUT words are computed in closed
    form for blocks within 5 (word 0) / 7 (word 1) binades of their row's largest and read from a
-   256-entry table only beyond (`fp4_tiles.w_e4m3`; the table for every block is slower, from
-   shared-memory bank conflicts). Epilogue: row x column scales, g/u rounded to bf16 (as the
-   reference), clamped SwiGLU, routing weight. Conversions (`w_e4m3` CONVERT): 0 portable
-   integer ops (what the Triton interpreter runs; `use_asm=False`), 1 prmt on duplicated bytes
-   (device-verified), 2 prmt on the 16-bit word of 4 codes. All give identical bits. On
-   CUDA the op uses prmt by default: variant 2 on swap-AB tiles, 1 on plain tiles (the cheaper
-   one for each orientation in sm_90 SASS: ~3.2 vs ~4.6 instructions per weight element in the
-   swap-AB decode loop; on plain tiles 2 costs more, 6.1 vs 4.4). The f16 decode tiles run 3
-   (`fp4_tiles.w_f16_perm` / `a_f16_perm`, which say how): sm_90 w13 loop 991 against 1080
-   instructions per K step, fewer on the throttled integer pipe; same bits as 1 at T = 1..256,
-   and faster. Tiles (`moe_tiles.default_configs`, by routed rows per expert, with the reason
-   behind each choice): up to 40, plain 16-row mma.sync tiles with fp16 operands (exact
-   products, fp32 sums); above, 128-row wgmma tiles with promoted accumulation, the w13 tile
-   with gate and up rows interleaved in one weight tile (`_fused_gu_tile`). Swap-AB wgmma tiles
-   (faster, less accurate) are opt-in. Split-K across programs, and K slices across the warps
-   of one program (a 3-D `tl.dot`, slower), were measured on the H200 and removed.
+   256-entry table only beyond (`fp4_tiles.w_e4m3`). Epilogue: row x column scales, g/u rounded
+   to bf16 (as the reference), clamped SwiGLU, routing weight. Conversions (`w_e4m3` CONVERT,
+   identical bits): 0 portable integer ops (the Triton interpreter; `use_asm=False`), 1 prmt
+   on duplicated bytes (plain tiles), 2 prmt on the 16-bit word of 4 codes (swap-AB tiles), 3
+   the f16 decode tiles' K-permuted shifts (`fp4_tiles.w_f16_perm`). Tiles: `moe_tiles` (by
+   routed rows per expert, with the reason behind each choice).
    (measurements: docs/perf/moe.md)
 4. h -> e4m3 per 32, folded (same quantiser); grouped GEMM w2, epilogue scales, bf16 y written to
    its (token, slot) row; 5. combine: out[t] = sum_j fp32(y[t, j]) (slot order).
@@ -60,6 +50,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.triton.act_quant import act_quant
 from shoal.ops.triton.fp4_tiles import (
     a_f16_perm,
     block_scales,
@@ -71,7 +62,6 @@ from shoal.ops.triton.fp4_tiles import (
     w_f16,
     w_f16_perm,
 )
-from shoal.ops.triton.gemm import _act_quant
 from shoal.ops.triton.moe_route import expert_tile, route
 from shoal.ops.triton.moe_tiles import (
     TileConfig,
@@ -293,7 +283,7 @@ def _quant_folded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bit-exact Triton quantiser of gemm.py; elsewhere (the Triton interpreter, whose fp32 -> fp8
     cast is not RNE) the same fold of the torch reference quantiser."""
     if x.is_cuda:
-        return _act_quant(x, 32, fold=True)
+        return act_quant(x, 32, fold=True)
     codes, scales = quant_fp8_act(x, 32)
     e = scales.to(torch.int32)
     top = e.amax(dim=1, keepdim=True)
