@@ -19,8 +19,8 @@ from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 # the wide tiles' 64 programs), larger M the wide tiles. The decode tiles load the codes as
 # [BLOCK_N, BLOCK_K] rows (16-byte loads along K) with one scale per 32-block, the wide tiles as
 # [BLOCK_K, BLOCK_N] with a scale per element (row loads made them slower): the same products,
-# but the two families' bits differ (mma.sync against wgmma sums; H200 probe 2026-12-03), so
-# `batch_invariant` keeps the wide tiles at every size. (measurements: docs/perf/gemm_grouped.md)
+# but the two families' bits differ (mma.sync against wgmma sums), so `batch_invariant` keeps
+# the wide tiles at every size. (measurements: docs/perf/gemm_grouped.md)
 _GROUPED_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                   (64, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                   (16, 32, 128, 8, 4)]
