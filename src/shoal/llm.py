@@ -141,24 +141,25 @@ class LLM:
 
     def _run_local(self, items: Sequence[dict], use_tqdm: bool
                    ) -> Iterator[tuple[int, RequestOutput]]:
-        groups: list[str] = []
-        chat_prompts: dict[str, str] = {}
-        done: set[str] = set()
+        batch: list | None = list(enumerate(items))
+
+        def feed(wait: bool) -> list | None:  # every item at once, then no more
+            nonlocal batch
+            got, batch = batch, None
+            return got
+
+        bar = tqdm(total=len(items), desc="generate", unit="req", disable=not use_tqdm)
+        start, tokens = time.perf_counter(), self.engine.stats.output_tokens
         try:
-            for item in items:
-                group, prompt = self._submit(item)
-                groups.append(group)
-                if prompt is not None:
-                    chat_prompts[group] = prompt
-            index = {g: i for i, g in enumerate(groups)}
-            for out in self._drain(groups, use_tqdm):
-                done.add(out.request_id)
-                if out.request_id in chat_prompts:
-                    parse_chat_output(out, chat_prompts[out.request_id])
-                yield index[out.request_id], out
-        except BaseException:
-            self.engine.cancel([g for g in groups if g not in done])
-            raise
+            for index, out in self.run_fed(feed):
+                bar.update(1)
+                elapsed = time.perf_counter() - start
+                if use_tqdm and elapsed > 0:
+                    rate = (self.engine.stats.output_tokens - tokens) / elapsed
+                    bar.set_postfix(tok_s=f"{rate:.1f}")
+                yield index, out
+        finally:
+            bar.close()
 
     def run_fed(self, feed: Callable[[bool], list[tuple[Any, dict]] | None]
                 ) -> Iterator[tuple[Any, RequestOutput]]:
@@ -187,6 +188,8 @@ class LLM:
                     if ended:
                         break
                     continue
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"engine idle with requests pending: {sorted(keys)[:5]}")
                 for group in self.engine.step():
                     if group in keys:
                         yield keys.pop(group), self._take(group, chat_prompts)
@@ -231,34 +234,6 @@ class LLM:
         if "prompt_token_ids" in item:
             return add(None, params, prompt_token_ids=item["prompt_token_ids"]), None
         return add(item.get("prompt"), params), None
-
-    def _drain(self, groups: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
-        pending = set(groups)
-        for g in groups:  # requests rejected at add time are already complete
-            if self._complete(g):
-                pending.discard(g)
-                yield self._take(g)
-        bar = tqdm(total=len(groups), desc="generate", unit="req", disable=not use_tqdm,
-                   initial=len(groups) - len(pending))
-        start, tokens = time.perf_counter(), self.engine.stats.output_tokens
-        try:
-            while pending:
-                if not self.engine.has_unfinished():
-                    raise RuntimeError("engine idle with requests pending: "
-                                       f"{sorted(pending)[:5]}")
-                for g in self.engine.step():
-                    if g in pending:
-                        pending.discard(g)
-                        bar.update(1)
-                        yield self._take(g)
-                elapsed = time.perf_counter() - start
-                if use_tqdm and elapsed > 0:
-                    rate = (self.engine.stats.output_tokens - tokens) / elapsed
-                    bar.set_postfix(tok_s=f"{rate:.1f}")
-            # async scheduling: the step launched last only holds rows of finished requests
-            self.engine.flush()
-        finally:
-            bar.close()
 
     def _complete(self, group: str) -> bool:
         return all(self.engine.requests[r].finished for r in self.engine.groups[group])
