@@ -177,6 +177,9 @@ def _mxfp4(spec: TensorSpec, key: int, device: torch.device | str,
            chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = spec.logical_shape
     b = spec.block[1] if spec.block else 32
+    if b == 32 and torch.device(device).type == "cuda":  # one fused kernel, same bits
+        from shoal.checkpoint.mxfp4_kernel import generate_mxfp4
+        return generate_mxfp4(n, k, key, 1.0 / math.sqrt(k), (_GAMMA, _MIX1, _MIX2), device)
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((n, k // b), dtype=torch.uint8, device=device)
     rows = _chunk_rows(k, 1, chunk_elems)
