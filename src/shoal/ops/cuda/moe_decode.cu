@@ -33,10 +33,10 @@ typedef long long int64_t;
 #define CHUNK_K 128
 #define LUT_ROWS 32
 #ifndef MOE_DEPTH
-#define MOE_DEPTH 4  // 128-K chunks of loads in flight per lane
+#define MOE_DEPTH 1  // 128-K chunks of loads in flight per lane
 #endif
 #ifndef MOE_ACT_AHEAD
-#define MOE_ACT_AHEAD 1  // activations loaded with their chunk's weights (see Stage)
+#define MOE_ACT_AHEAD 0  // 1: activations loaded with their chunk's weights (see Stage)
 #endif
 
 struct Tile {

@@ -29,7 +29,7 @@ from shoal.ops.triton.moe_route import route
 TILE_M, THREADS, CHUNK_K, LUT_ROWS = 16, 128, 128, 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
-DEPTH = 4
+DEPTH = 1  # chunks in flight per lane: 1 to 4 measured within 8% (docs/perf/moe.md)
 
 
 class DecodeMoEState:
@@ -38,7 +38,7 @@ class DecodeMoEState:
     chunks of loads in flight per lane; act_ahead: activations loaded with them (the kernel's
     MOE_DEPTH and MOE_ACT_AHEAD; benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH, act_ahead: bool = True) -> None:
+    def __init__(self, depth: int = DEPTH, act_ahead: bool = False) -> None:
         self.depth, self.act_ahead = depth, act_ahead
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
