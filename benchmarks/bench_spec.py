@@ -16,6 +16,7 @@ Run: PYTHONPATH=src python3 benchmarks/bench_spec.py [--model mini] [--batches 1
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -85,6 +86,7 @@ def main() -> None:
         run(plain, prompts[:b], SamplingParams(max_tokens=2))  # warm the shapes
         expected[b], plain_s[b] = run(plain, prompts[:b], params)
     del plain
+    gc.collect()
     longest = max(args.batches)
     oracle = Oracle({tuple(p): out for p, out in zip(prompts, expected[longest], strict=True)},
                     cfg.vocab_size)
@@ -92,12 +94,17 @@ def main() -> None:
     runs = [(rate, 0.0) for rate in args.rates]
     if args.confidence > 0:
         runs.append((args.rates[-1], args.confidence))
-    engines = {}
+    spec, spec_conf = None, None
     print("batch  rate  conf   tok/s  plain tok/s  speed-up  mean accepted  skipped  same",
           flush=True)
-    for rate, conf in runs:
-        spec = engines.get(conf) or engines.setdefault(
-            conf, LLM(args.model, speculative=True, spec_confidence=conf, **opts))
+    for rate, conf in runs:  # one engine at a time: each takes most of the free memory
+        if spec is None or conf != spec_conf:
+            del spec
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            spec, spec_conf = LLM(args.model, speculative=True, spec_confidence=conf,
+                                  **opts), conf
         for b in args.batches if conf == 0 else [max(args.batches)]:
             oracle.rate, oracle.rng = rate, random.Random(b)
             run(spec, prompts[:b], SamplingParams(max_tokens=2))

@@ -29,7 +29,7 @@ for spec in "$@"; do
         tests) per_test=""  # one hung test must not eat the stage (pytest-timeout, if present;
                # 300 s: a mini engine test starts two engines of about 80 s each)
                python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 300"
-               timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/kernels tests/cuda tests/ops} -q -rfEs \
+               timeout "$limit" python3 -m pytest ${TEST_ARGS:-tests/kernels tests/cuda tests/ops} -rfEs \
                    --tb=short -p no:cacheprovider --durations=25 $per_test > "$OUT/tests.log" 2>&1 ;;
         probe) for op in ${PROBE_OPS:-index_scores index_scores@decode index_scores@prefill \
                    index_scores@odd sparse_attn_sink topk_rows candidate_mask swa_write \
