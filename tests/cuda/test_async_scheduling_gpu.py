@@ -22,12 +22,17 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA sm_90")
 pytestmark = pytest.mark.gpu  # tests/cuda: the engine and model on a CUDA device
 
 
+# prompt lengths and context per model: mini's pass the 512 bound; tiny has 256 positions
+LENGTHS = {"tiny": (5, 200, 33, 1, 90), "mini": (5, 700, 33, 1, 260)}
+CONTEXT = {"tiny": 256, "mini": 1100}
+
+
 def _llm(model: str, graphs: bool, overlap: bool):
     from shoal import LLM
 
     return LLM(model, device="cuda", load_format="dummy", cuda_graphs=graphs,
                async_scheduling=overlap, kv_cache_memory_gb=2.0, max_num_seqs=6,
-               max_model_len=1100)
+               max_model_len=CONTEXT[model])
 
 
 def _workload(llm) -> list[tuple]:
@@ -36,7 +41,7 @@ def _workload(llm) -> list[tuple]:
 
     g = torch.Generator().manual_seed(7)
     cfg = llm.config.model_config
-    prompts = [random_prompt(cfg, n, g) for n in (5, 700, 33, 1, 260)]
+    prompts = [random_prompt(cfg, n, g) for n in LENGTHS[cfg.name]]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5),
               SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=9, ignore_eos=True,
                              logprobs=5),

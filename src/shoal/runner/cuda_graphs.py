@@ -178,32 +178,42 @@ class DecodeGraphs:
 
     # ---- warm-up ------------------------------------------------------------------------
     def capture(self) -> None:
-        """Run every (size, bound) once eagerly (Triton compiles and autotunes here), then
-        capture it (largest first, sharing one memory pool). Only the pad slot and pad block
-        are written."""
+        """Capture every (size, bound), largest first, sharing one memory pool. Each size runs
+        once eagerly before its first capture, at the largest bound: Triton compiles and
+        autotunes there (the autotuned GEMMs' keys depend on the rows, not on the bound). A
+        smaller bound may still compile a kernel variant inside its capture (a module load,
+        legal there; none on a warm start); the log counts them. Only the pad slot and pad
+        block are written."""
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        with torch.inference_mode():
+        warmed: set[int] = set()
+        in_capture = 0
+        with torch.inference_mode(), count_triton_compilations() as compiled:
             for bound in reversed(self.bounds):
                 for size in reversed(self.sizes):
                     self._fill(None, size)
                     static = self.static_batch(size, bound)
-                    side.wait_stream(torch.cuda.current_stream())  # after the upload
-                    with torch.cuda.stream(side):
-                        self.model.forward(static, self.caches)
-                    torch.cuda.current_stream().wait_stream(side)
+                    if size not in warmed:
+                        warmed.add(size)
+                        side.wait_stream(torch.cuda.current_stream())  # after the upload
+                        with torch.cuda.stream(side):
+                            self.model.forward(static, self.caches)
+                        torch.cuda.current_stream().wait_stream(side)
+                    before = len(compiled)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool):
                         self._logits[(size, bound)] = self.model.forward(static,
                                                                          self.caches).logits
+                    in_capture += len(compiled) - before
                     self._graphs[(size, bound)] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         logger.info("CUDA graphs: captured %d decode graphs (batch sizes %s x context bounds %s) "
-                    "in %.1f s", len(self._graphs), self.sizes, self.bounds, self.capture_seconds)
+                    "in %.1f s; %d kernel variants compiled inside the captures",
+                    len(self._graphs), self.sizes, self.bounds, self.capture_seconds, in_capture)
 
     @property
     def num_graphs(self) -> int:
@@ -239,10 +249,14 @@ def prefill_warmup_chunks(config: ModelConfig, *, max_tokens: int, max_context: 
 @contextlib.contextmanager
 def count_triton_compilations() -> Iterator[list[str]]:
     """Collect the name of every Triton kernel specialisation compiled (JIT, in this process)
-    inside the block; the previous `jit_post_compile_hook` is restored afterwards."""
-    from triton import knobs
-
+    inside the block; the previous `jit_post_compile_hook` is restored afterwards. Without
+    Triton: nothing to count."""
     names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield names
+        return
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(*, fn, **kwargs):  # type: ignore[no-untyped-def]

@@ -66,7 +66,9 @@ class ModelRunner:
         self.ep = ExpertParallel.from_process_group(
             self.device, config.runner.expert_placement) if config.runner.expert_parallel \
             else None
+        t0 = time.perf_counter()
         self.model = load_model(config, tokenizer, self.device, self.ep)
+        self.load_seconds = time.perf_counter() - t0  # start-up phases, for benchmarks
         if config.runner.record_expert_loads:
             self.model.expert_loads = {}
         self.ops = self.model.ops
