@@ -88,8 +88,8 @@ class RunnerConfig:
     min(1, p / q), else the token comes from the residual max(0, p - q): the output
     distribution is plain decoding's, and sampled requests accept more drafts).
     cuda_graphs: capture pure-decode
-    steps as CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU and with
-    speculative). On by default: replay equals eager bitwise, nothing compiles after warm-up,
+    steps (and, with speculative, verify steps padded to 1 + draft length rows per request) as
+    CUDA graphs at start-up and replay them (CUDA only, ignored on the CPU). On by default: replay equals eager bitwise, nothing compiles after warm-up,
     and decode is several times faster; start-up pays a prefill warm-up that compiles the
     prefill kernels up front (numbers: docs/perf/cuda_graphs.md).
     cuda_graph_batch_sizes: the padded batch sizes to capture (each step pads to the next one;

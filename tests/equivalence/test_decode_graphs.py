@@ -106,7 +106,7 @@ def test_static_padded_decode_equals_eager(model: DeepseekV41) -> None:
                              eager).logits
         batch = build_forward_batch(TINY, chunks, prefill_mode="full")
         sizes_seen.add(graphs.bucket(len(chunks), batch.max_position))
-        got = graphs.forward(batch)
+        got = graphs.forward(batch).logits
         assert got.shape == want.shape
         assert torch.equal(got, want), f"step {step}: static logits differ from eager"
         for i, token in zip(live, want.argmax(dim=-1).tolist(), strict=True):
@@ -158,3 +158,54 @@ def test_prefill_warmup_touches_only_pad_targets(model: DeepseekV41) -> None:
         keep[PAD_BLOCK * rpb:(PAD_BLOCK + 1) * rpb] = False
         assert torch.equal(plane[keep], old[keep]), f"paged plane of source {src}"
         assert not torch.equal(plane[~keep], old[~keep])
+
+
+def test_static_padded_verify_equals_eager(model: DeepseekV41) -> None:
+    """Verify steps (speculative decoding): each request computes its anchor and 0..K drafts,
+    padded to 1 + K rows (K = the draft length). Logits and DSpark captures must equal the eager
+    forward's bitwise over several steps, whatever number of drafts each step accepts (the
+    padding rows write like rejected drafts, ahead of what is computed)."""
+    seed = int(os.environ.get("SHOAL_TEST_SEED", random.randrange(1 << 30)))
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    k_max = TINY.dspark_draft_len
+    reqs = [(0, [2], rng.randint(3, 20)), (3, [5], rng.randint(55, 62)), (1, [0], 2),
+            (5, [7], rng.randint(20, 40)), (2, [4], rng.randint(9, 30))]
+    eager = _caches()
+    seqs = [[rng.randrange(TINY.vocab_size) for _ in range(n)] for *_, n in reqs]
+    prefill = [RequestChunk.from_sequence(ids, 0, n, slot, blocks, n)
+               for (slot, blocks, n), ids in zip(reqs, seqs, strict=True)]
+    first = model.forward(build_forward_batch(TINY, prefill, prefill_mode="full"), eager).logits
+    for ids, token in zip(seqs, first.argmax(dim=-1).tolist(), strict=True):
+        ids.append(token)
+    static = _clone(eager)
+    graphs = DecodeGraphs(model, static, max_batch=5, max_context=256, max_blocks=2,
+                          pad_slot=PAD_SLOT, pad_block=PAD_BLOCK, use_graphs=True,
+                          min_bound=64, verify_rows=1 + k_max, hidden=True)
+    assert graphs.widths == (1, 1 + k_max)
+    widths = set()
+    for step in range(7):
+        live = [i for i in range(len(reqs)) if (i + step) % 4]  # requests come and go
+        drafts = {i: [rng.randrange(TINY.vocab_size) for _ in range(
+            0 if step == 3 else rng.randint(0, k_max))] for i in live}  # step 3: pure decode
+        chunks = []
+        for i in live:
+            ids, (slot, blocks, n) = seqs[i] + drafts[i], reqs[i]
+            chunks.append(RequestChunk.from_sequence(
+                ids, len(seqs[i]) - 1, 1 + len(drafts[i]), slot, blocks, n,
+                logits="all" if drafts[i] else "last"))
+        widths.add(graphs.width(chunks))
+        want = model.forward(build_forward_batch(TINY, chunks, prefill_mode="full"), eager,
+                             capture=True)
+        got = graphs.forward(build_forward_batch(TINY, chunks, prefill_mode="full"))
+        assert torch.equal(got.logits, want.logits), f"step {step}: logits differ from eager"
+        assert torch.equal(got.captures, want.captures), f"step {step}: captures differ"
+        for i in live:  # accept some leading drafts, then a bonus token
+            seqs[i] += drafts[i][:rng.randint(0, len(drafts[i]))]
+            seqs[i].append(rng.randrange(TINY.vocab_size))
+    assert widths == {1, 1 + k_max}
+    decode = RequestChunk([5], 9, 0, [1], 3)
+    assert graphs.width([decode, RequestChunk([5, 6, 7], 9, 0, [1], 3, logits="all")]) == 4
+    assert graphs.width([RequestChunk([5] * 5, 9, 0, [1], 3, logits="all")]) == 0  # > K drafts
+    assert graphs.width([RequestChunk([5, 6], 2, 0, [1], 3, logits="all")]) == 0  # prompt rows
+    assert graphs.width([RequestChunk([5, 6], 9, 0, [1], 3, logits="last")]) == 0

@@ -1,15 +1,20 @@
-"""CUDA graphs for pure-decode steps: the model forward (embedding -> logits of every row) is
-captured once per (padded batch size, context bound) at warm-up; a step then copies its inputs
-into static buffers and replays the graph. Sampling stays eager, after the graph.
+"""CUDA graphs for decode and verify steps: the model forward (embedding -> logits of every row)
+is captured once per (padded batch size, context bound, rows per request) at warm-up; a step
+then copies its inputs into static buffers and replays the graph. Sampling stays eager, after
+the graph.
 
-Owns `DecodeGraphs`. A step fits (`DecodeGraphs.fits`) when every request computes one token
-and wants its logits, there are at most `max_batch` requests and every position is below the
-largest context bound. It is padded to the next captured batch size: padded rows compute
-position 0 of a reserved pad slot whose block table points only at a reserved pad block, so
-they read and write nothing a real request owns. The indexer width comes from the context
-bound (`ForwardBatch.max_position`), not from the step, so every shape in the graph is static;
-columns past a row's visible count score -inf and the top-k breaks ties by index, so the logits
-equal those of the plain eager path.
+Owns `DecodeGraphs`. A step fits (`DecodeGraphs.width`) when every request computes one token
+and wants its logits (pure decode), or, with speculative decoding, when every request computes
+its anchor and up to draft-length drafts past its prompt with their logits (a verify step,
+padded to 1 + draft length rows per request); there are at most `max_batch` requests and every
+position is below the largest context bound. It is padded to the next captured batch size:
+padded requests compute positions of a reserved pad slot whose block table points only at a
+reserved pad block, so they read and write nothing a real request owns; a verify step's padding
+rows inside a request continue its positions, like drafts that get rejected (whatever they
+write is recomputed before anything reads it). The indexer width comes from the context bound
+(`ForwardBatch.max_position`), not from the step, so every shape in the graph is static; columns
+past a row's visible count score -inf and the top-k breaks ties by index, so the logits equal
+those of the plain eager path.
 
 Invariant: `forward` runs exactly the computation that is captured; without CUDA (or with
 graphs off) it runs the same static padded batch eagerly, which is what the CPU tests compare
@@ -28,7 +33,7 @@ import torch
 
 from shoal.model.batch import ForwardBatch, RequestChunk
 from shoal.model.config import ModelConfig
-from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.state import KVCaches
 from shoal.runner.inflight import TokenPatch
 
@@ -66,85 +71,120 @@ def is_pure_decode(chunks: Sequence[RequestChunk]) -> bool:
 
 
 class DecodeGraphs:
-    """Static decode inputs, and (on CUDA with `use_graphs`) one graph per (size, bound).
+    """Static decode inputs, and (on CUDA with `use_graphs`) one graph per (size, bound,
+    rows per request).
 
     model / caches: the runner's; the caches must hold `pad_slot` and `pad_block`, which no
     request ever owns. max_blocks: block-table width of a request at max_context. sizes: the
     batch sizes to capture (`batch_sizes`; default powers of two up to max_batch).
+    verify_rows: with speculative decoding, 1 + the draft length: verify steps (each request
+    its anchor and up to that many drafts) are padded to it. hidden: also keep the forward's
+    DSpark captures (speculative decoding).
     """
 
     def __init__(self, model: DeepseekV41, caches: KVCaches, *, max_batch: int,
                  max_context: int, max_blocks: int, pad_slot: int, pad_block: int,
                  use_graphs: bool, min_bound: int = MIN_CONTEXT_BOUND,
-                 sizes: Sequence[int] = ()) -> None:
+                 sizes: Sequence[int] = (), verify_rows: int = 0, hidden: bool = False) -> None:
         if max_batch > caches.max_tokens:
             raise ValueError(f"max_batch: got {max_batch}, more than the caches' scratch rows "
                              f"({caches.max_tokens})")
-        self.model, self.caches = model, caches
+        self.model, self.caches, self.hidden = model, caches, hidden
         self.sizes = batch_sizes(max_batch, sizes)
+        # verify steps: the sizes whose padded rows fit the scratch rows
+        self.verify_sizes = [b for b in self.sizes if b * verify_rows <= caches.max_tokens]
+        self.widths = (1, verify_rows) if verify_rows > 1 and self.verify_sizes else (1,)
         self.bounds = context_bounds(max_context, min(min_bound, max_context))
         self.pad_slot, self.pad_block = pad_slot, pad_block
         device = model.params["embed.weight"].device
+        self.device = device
         self.use_graphs = use_graphs and device.type == "cuda"
         cfg = model.config
         self.n_hist = max(cfg.engram_max_ngram_size - 1, 0)
-        size = self.sizes[-1]
+        self._cap = self.sizes[-1] * self.widths[-1]  # rows of every static field
         pin = device.type == "cuda"
-        self._host64 = torch.zeros(size * (NUM_INT64_FIELDS + self.n_hist), dtype=torch.int64,
+        self._host64 = torch.zeros(self._cap * (NUM_INT64_FIELDS + self.n_hist),
+                                   dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(self.sizes[-1], max_blocks, dtype=torch.int32,
                                    pin_memory=pin)
-        self._host32 = torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)
         self._dev64 = torch.zeros_like(self._host64, device=device)
-        self._dev32 = torch.full((size, max_blocks), pad_block, dtype=torch.int32, device=device)
-        self._rows = torch.arange(size, device=device)
+        self._dev32 = torch.full((self.sizes[-1], max_blocks), pad_block, dtype=torch.int32,
+                                 device=device)
+        self._req_index = {q: torch.arange(self._cap, device=device) // q for q in self.widths}
         self._uploaded: torch.cuda.Event | None = None
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int, int], ForwardOutput] = {}
         self._pool = None
         self.capture_seconds = 0.0
 
     # ---- static inputs ------------------------------------------------------------------
-    def static_batch(self, size: int, bound: int) -> ForwardBatch:
-        """The ForwardBatch over the static buffers for `size` rows and context `bound`."""
-        full = self.sizes[-1]
+    def static_batch(self, size: int, bound: int, q: int = 1) -> ForwardBatch:
+        """The ForwardBatch over the static buffers for `size` requests of `q` rows each and
+        context `bound`."""
+        cap, rows = self._cap, size * q
 
-        def field(i: int) -> torch.Tensor:
-            return self._dev64[i * full: i * full + size]
+        def field(i: int, n: int) -> torch.Tensor:
+            return self._dev64[i * cap: i * cap + n]
 
-        hist = self._dev64[NUM_INT64_FIELDS * full:].view(full, self.n_hist)[:size]
+        hist = self._dev64[NUM_INT64_FIELDS * cap:].view(cap, self.n_hist)[:rows]
         return ForwardBatch(
-            input_ids=field(0), positions=field(1), req_index=self._rows[:size],
-            slots=field(2), chunk_start=field(3), block_table=self._dev32[:size],
-            engram_history=hist, logits_rows=None, decoder_floor=field(4),
+            input_ids=field(0, rows), positions=field(1, rows),
+            req_index=self._req_index[q][:rows], slots=field(2, size),
+            chunk_start=field(3, size), block_table=self._dev32[:size],
+            engram_history=hist, logits_rows=None, decoder_floor=field(4, rows),
             layer_rows={}, max_position=bound - 1)
 
-    def fits(self, chunks: Sequence[RequestChunk]) -> bool:
-        return (is_pure_decode(chunks) and len(chunks) <= self.sizes[-1]
-                and max(ch.start for ch in chunks) < self.bounds[-1]
-                and max(len(ch.block_ids) for ch in chunks) <= self._host32.shape[1])
+    def width(self, chunks: Sequence[RequestChunk]) -> int:
+        """Rows per request of the graph that runs `chunks`; 0: none (eager). 1: pure decode;
+        the verify width: every request a decode row (or several) past its prompt with its
+        logits, no replay or ring snapshot."""
+        if not chunks or len(chunks) > self.sizes[-1] or \
+                max(len(ch.block_ids) for ch in chunks) > self._host32.shape[1]:
+            return 0
+        if is_pure_decode(chunks):
+            q = 1
+        elif self.widths[-1] > 1 and len(chunks) <= self.verify_sizes[-1] and all(
+                ch.replay is None and ch.restore_snapshot < 0 and not ch.save_snapshots
+                and ch.start >= ch.prefill_len and ch.num_new <= self.widths[-1]
+                and (ch.logits == "all" or (ch.logits == "last" and ch.num_new == 1))
+                for ch in chunks):
+            q = self.widths[-1]
+        else:
+            return 0
+        return q if max(ch.start for ch in chunks) + q - 1 < self.bounds[-1] else 0
 
-    def bucket(self, num_requests: int, max_position: int) -> tuple[int, int]:
-        size = next(b for b in self.sizes if b >= num_requests)
+    def fits(self, chunks: Sequence[RequestChunk]) -> bool:
+        return self.width(chunks) > 0
+
+    def bucket(self, num_requests: int, max_position: int, q: int = 1) -> tuple[int, int]:
+        size = next(b for b in (self.sizes if q == 1 else self.verify_sizes)
+                    if b >= num_requests)
         bound = next(c for c in self.bounds if c > max_position)
         return size, bound
 
-    def _fill(self, batch: ForwardBatch | None, size: int) -> None:
-        """Stage a host (CPU) decode batch, padded to `size` rows, and upload it."""
+    def _fill(self, batch: ForwardBatch | None, size: int, q: int = 1) -> torch.Tensor | None:
+        """Stage a host (CPU) batch, padded to `size` requests of `q` rows, and upload it.
+        Returns each real row's static row (None when q is 1: row r is request r)."""
         if self._uploaded is not None:  # the previous upload may still read the staging
             self._uploaded.synchronize()
-        full, n = self.sizes[-1], 0 if batch is None else batch.num_requests
+        cap, n = self._cap, 0 if batch is None else batch.num_requests
         h, h32 = self._host64.numpy(), self._host32.numpy()  # views: cheap host writes
-        pads = (0, 0, self.pad_slot, 0, 0)
-        values = (() if batch is None else
-                  (batch.input_ids, batch.positions, batch.slots, batch.chunk_start,
-                   batch.decoder_floor))
-        for i, pad in enumerate(pads):
-            if n:
-                h[i * full: i * full + n] = values[i].numpy()
-            h[i * full + n: i * full + size] = pad
-        hist = h[NUM_INT64_FIELDS * full:].reshape(full, self.n_hist)
-        if n and self.n_hist:
-            hist[:n] = batch.engram_history.numpy()
-        hist[n:size] = -1
+        hist = h[NUM_INT64_FIELDS * cap:].reshape(cap, self.n_hist)
+        dst = None
+        if q == 1:
+            pads = (0, 0, self.pad_slot, 0, 0)
+            values = (() if batch is None else
+                      (batch.input_ids, batch.positions, batch.slots, batch.chunk_start,
+                       batch.decoder_floor))
+            for i, pad in enumerate(pads):
+                if n:
+                    h[i * cap: i * cap + n] = values[i].numpy()
+                h[i * cap + n: i * cap + size] = pad
+            if n and self.n_hist:
+                hist[:n] = batch.engram_history.numpy()
+            hist[n:size] = -1
+        else:
+            dst = self._stage_verify(batch, size, q, h, hist)
         if n:
             width = batch.block_table.shape[1]
             h32[:n, :width] = batch.block_table.numpy()
@@ -155,31 +195,80 @@ class DecodeGraphs:
         if self._dev64.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
+        return dst
+
+    def _stage_verify(self, batch: ForwardBatch | None, size: int, q: int, h, hist
+                      ) -> torch.Tensor | None:
+        """The int64 fields of a verify batch: request r's rows go to static rows r*q.. and
+        its padding rows continue its positions (like drafts that will be rejected: what
+        they write is recomputed before it is read); pad requests compute positions 0.. of
+        the pad slot. Returns each real row's static row."""
+        cap, rows = self._cap, size * q
+        n = 0 if batch is None else batch.num_requests
+        req, offset = torch.arange(rows) // q, torch.arange(rows) % q
+        start, floor = torch.zeros(size, dtype=torch.int64), torch.zeros(size, dtype=torch.int64)
+        ids = torch.zeros(rows, dtype=torch.int64)
+        hist[:rows] = -1
+        dst = None
+        if n:
+            start[:n] = batch.chunk_start
+            dst = batch.req_index * q + batch.positions - batch.chunk_start[batch.req_index]
+            floor[batch.req_index] = batch.decoder_floor  # one floor per decode request
+        positions = torch.where(req < n, start[req] + offset, offset)
+        if n:
+            positions[dst] = batch.positions
+            ids[dst] = batch.input_ids
+            if self.n_hist:
+                hist[dst.numpy()] = batch.engram_history.numpy()
+        h[0: rows] = ids.numpy()
+        h[cap: cap + rows] = positions.numpy()
+        h[2 * cap: 2 * cap + size] = self.pad_slot
+        if n:
+            h[2 * cap: 2 * cap + n] = batch.slots.numpy()
+        h[3 * cap: 3 * cap + size] = start.numpy()
+        h[4 * cap: 4 * cap + rows] = floor[req].numpy()
+        return dst
 
     # ---- one step -----------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None) -> torch.Tensor:
-        """Logits [R, V] fp32 of a pure-decode ForwardBatch built on the host (CPU tensors, one
-        row per request, `layer_rows` empty), through the captured graph when there is one.
-        `patch` writes input ids still on the device (async scheduling) into the static ids
-        after the upload. The result is a view of the graph's output: consume it (in stream
-        order: work queued before the next step's replay) before the next step."""
-        if batch.layer_rows or batch.num_tokens != batch.num_requests:
-            raise ValueError("DecodeGraphs.forward: not a pure-decode batch")
-        n = batch.num_requests
-        size, bound = self.bucket(n, batch.max_position)
-        self._fill(batch, size)
+    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None) -> ForwardOutput:
+        """The forward of a decode or verify ForwardBatch built on the host (CPU tensors,
+        `layer_rows` empty; see `width`) through the captured graph when there is one: logits
+        for `batch.logits_rows` (every row when None) and, with `hidden`, the DSpark captures
+        of every row, as the eager forward returns them. `patch` writes input ids still on the
+        device (async scheduling, decode steps only) into the static ids after the upload. A
+        decode step's result is a view of the graph's output: consume it (in stream order:
+        work queued before the next step's replay) before the next step."""
+        if batch.layer_rows:
+            raise ValueError("DecodeGraphs.forward: a batch with tail-only layer rows")
+        n, t = batch.num_requests, batch.num_tokens
+        q = 1 if t == n else self.widths[-1]
+        if t > n * q or batch.req_index.device.type != "cpu":
+            raise ValueError("DecodeGraphs.forward: not a decode or verify batch on the host")
+        if patch is not None and q > 1:
+            raise ValueError("DecodeGraphs.forward: a token patch on a verify batch")
+        size, bound = self.bucket(n, int(batch.chunk_start.max()) + q - 1, q)
+        dst = self._fill(batch, size, q)
         if patch is not None:
             patch.apply(self._dev64[:n])  # field 0: the input ids
-        key = (size, bound)
+        key = (size, bound, q)
         if key in self._graphs:
             self._graphs[key].replay()
-            return self._logits[key][:n]
-        return self.model.forward(self.static_batch(size, bound), self.caches).logits[:n]
+            out = self._outputs[key]
+        else:
+            out = self.model.forward(self.static_batch(size, bound, q), self.caches,
+                                     capture=self.hidden)
+        if dst is None:  # decode: static row r is request r, each its logits row
+            return ForwardOutput(out.logits[:n],
+                                 None if out.captures is None else out.captures[:n])
+        dst = dst.to(self.device, non_blocking=True)
+        rows = dst if batch.logits_rows is None else dst[batch.logits_rows.to(self.device)]
+        return ForwardOutput(out.logits.index_select(0, rows),
+                             None if out.captures is None else out.captures.index_select(0, dst))
 
     # ---- warm-up ------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every (size, bound), largest first, sharing one memory pool. Each size runs
-        once eagerly before its first capture, at the largest bound: Triton compiles and
+        """Capture every (size, bound) of each width, largest first, sharing one memory pool.
+        Each size runs once eagerly before its first capture, at the largest bound: Triton compiles and
         autotunes there (the autotuned GEMMs' keys depend on the rows, not on the bound). A
         smaller bound may still compile a kernel variant inside its capture (a module load,
         legal there; none on a warm start); the log counts them. Only the pad slot and pad
@@ -189,31 +278,33 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        warmed: set[int] = set()
+        warmed: set[tuple[int, int]] = set()
         in_capture = 0
         with torch.inference_mode(), count_triton_compilations() as compiled:
-            for bound in reversed(self.bounds):
-                for size in reversed(self.sizes):
-                    self._fill(None, size)
-                    static = self.static_batch(size, bound)
-                    if size not in warmed:
-                        warmed.add(size)
-                        side.wait_stream(torch.cuda.current_stream())  # after the upload
-                        with torch.cuda.stream(side):
-                            self.model.forward(static, self.caches)
-                        torch.cuda.current_stream().wait_stream(side)
-                    before = len(compiled)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        self._logits[(size, bound)] = self.model.forward(static,
-                                                                         self.caches).logits
-                    in_capture += len(compiled) - before
-                    self._graphs[(size, bound)] = graph
+            for q in self.widths:
+                for bound in reversed(self.bounds):
+                    for size in reversed(self.sizes if q == 1 else self.verify_sizes):
+                        self._fill(None, size, q)
+                        static = self.static_batch(size, bound, q)
+                        if (size, q) not in warmed:
+                            warmed.add((size, q))
+                            side.wait_stream(torch.cuda.current_stream())  # after the upload
+                            with torch.cuda.stream(side):
+                                self.model.forward(static, self.caches, capture=self.hidden)
+                            torch.cuda.current_stream().wait_stream(side)
+                        before = len(compiled)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self._pool):
+                            self._outputs[(size, bound, q)] = self.model.forward(
+                                static, self.caches, capture=self.hidden)
+                        in_capture += len(compiled) - before
+                        self._graphs[(size, bound, q)] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("CUDA graphs: captured %d decode graphs (batch sizes %s x context bounds %s) "
-                    "in %.1f s; %d kernel variants compiled inside the captures",
-                    len(self._graphs), self.sizes, self.bounds, self.capture_seconds, in_capture)
+        logger.info("CUDA graphs: captured %d graphs (batch sizes %s x context bounds %s x rows "
+                    "per request %s) in %.1f s; %d kernel variants compiled inside the "
+                    "captures", len(self._graphs), self.sizes, self.bounds, self.widths,
+                    self.capture_seconds, in_capture)
 
     @property
     def num_graphs(self) -> int:

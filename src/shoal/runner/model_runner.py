@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from shoal.config import EngineConfig, ShoalError
-from shoal.model.deepseek_v41 import ForwardOutput
 from shoal.model.ring_snapshots import save as save_snapshots
 from shoal.model.state import KVCaches
 from shoal.parallel.expert_parallel import ExpertParallel
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
-from shoal.runner.inflight import upload
+from shoal.runner.inflight import batch_to_device, upload
 from shoal.runner.inputs import prepare_inputs
 from shoal.runner.kv_offload import KVOffload, host_slots
 from shoal.runner.loading import kv_budget_bytes, load_model, pick_device
@@ -152,9 +151,11 @@ class ModelRunner:
                          torch.cuda.Event(enable_timing=True))
             step.span[0].record()
         with torch.inference_mode():
-            if inputs.graphed:  # pure decode: static inputs, graph replay (speculative is eager)
+            if inputs.graphed:  # decode or verify: static inputs, graph replay
                 assert self.graphs is not None
-                result = ForwardOutput(self.graphs.forward(batch, inputs.patch))
+                result = self.graphs.forward(batch, inputs.patch)
+                if self.speculative:  # the drafts' context reads the batch on the device
+                    batch = batch_to_device(batch, self.device)
                 # a decode row's boundary is its chunk's end: its window is in the rings now
                 save_snapshots(self.caches, batch.snapshot_saves, committed=True)
             else:

@@ -23,12 +23,14 @@ def decode_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCaches,
                   memory: MemoryPlan, *, use_graphs: bool) -> DecodeGraphs:
     """The static padded decode path over `model` and `caches` (captured on CUDA when
     `use_graphs`; tests run it eagerly on the CPU)."""
-    sched = config.scheduler
+    sched, spec = config.scheduler, config.runner.speculative
     max_batch = min(sched.max_num_seqs, memory.num_slots, sched.max_num_batched_tokens, 256)
     return DecodeGraphs(model, caches, max_batch=max_batch, max_context=sched.max_model_len,
                         max_blocks=-(-sched.max_model_len // memory.block_size),
                         pad_slot=memory.num_slots, pad_block=memory.num_blocks,
-                        use_graphs=use_graphs, sizes=config.runner.cuda_graph_batch_sizes)
+                        use_graphs=use_graphs, sizes=config.runner.cuda_graph_batch_sizes,
+                        verify_rows=1 + config.model_config.dspark_draft_len if spec else 0,
+                        hidden=spec)
 
 
 def warm_up_prefill(config: EngineConfig, model: DeepseekV41, caches: KVCaches,
@@ -55,16 +57,13 @@ def warm_up_prefill(config: EngineConfig, model: DeepseekV41, caches: KVCaches,
 def start_decode_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCaches,
                         memory: MemoryPlan, device: torch.device
                         ) -> tuple[DecodeGraphs | None, float]:
-    """Warm up and capture the decode graphs when they apply (CUDA, `cuda_graphs`, not
-    speculative); returns them (None: every step runs eagerly) and the warm-up seconds."""
+    """Warm up and capture the decode (and, speculative, verify) graphs when they apply (CUDA,
+    `cuda_graphs`); returns them (None: every step runs eagerly) and the warm-up seconds."""
     if not config.runner.cuda_graphs:
         logger.info("CUDA graphs: off (cuda_graphs=False)")
         return None, 0.0
     if device.type != "cuda":
         logger.info("CUDA graphs: off (device %s)", device)
-        return None, 0.0
-    if config.runner.speculative:
-        logger.info("CUDA graphs: off (speculative decoding runs eagerly)")
         return None, 0.0
     if model.ep is not None:  # the all-to-all's sizes change per step: no fixed graph yet
         logger.info("CUDA graphs: off (expert parallelism runs eagerly)")
