@@ -171,7 +171,8 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
     for max(0, p - window + 1) .. p must have been written by `dspark_context`); slots [B]
     int64: request slots (rings). sample_fn(logits [B, V] fp32, positions [B]) -> ids [B]
     is called once per block index i with the positions p + 2 + i of the tokens it drafts.
-    Reads the draft rings; writes only the scratch rows of the draft planes.
+    Reads the draft rings; writes only the scratch rows of the draft planes. Reads nothing
+    back from the device (CUDA graphs capture it: runner/draft_graphs.py).
     """
     cfg, ops, p = model.config, model.ops, model.params
     if not cfg.num_draft_layers:
@@ -188,7 +189,8 @@ def dspark_draft(model, caches: KVCaches, anchor_ids: torch.Tensor, positions: t
     if n > caches.max_tokens:
         raise ValueError(f"dspark_draft: {b} requests x block {k} = {n} rows, more than the "
                          f"caches' scratch ({caches.max_tokens})")
-    if b and bool((positions < 0).any()):
+    # checked on the host only: on a device it would be a sync (and none inside a CUDA graph)
+    if b and positions.device.type == "cpu" and bool((positions < 0).any()):
         raise ValueError(f"dspark_draft: positions must be >= 0, got {positions.tolist()}")
     vocab, d, hc = cfg.vocab_size, cfg.hidden_size, cfg.hc_mult
     batch = _draft_batch(anchor_ids, positions, slots, k, cfg.dspark_noise_token_id,

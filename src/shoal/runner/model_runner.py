@@ -44,7 +44,7 @@ from shoal.runner.sampling_step import (
 )
 from shoal.runner.speculative import accept_drafts, propose_drafts
 from shoal.runner.step_io import LaunchedStep, RunnerOutput
-from shoal.runner.warmup import start_decode_graphs
+from shoal.runner.warmup import start_decode_graphs, start_draft_graphs
 from shoal.sampling import Sampler
 from shoal.scheduler.step_plan import StepPlan
 
@@ -87,6 +87,8 @@ class ModelRunner:
         # prefill warm-up before graph capture (CUDA graphs only)
         self.graphs, self.warmup_seconds = start_decode_graphs(
             config, self.model, self.caches, self.memory, self.device)
+        self.draft_graphs = start_draft_graphs(config, self.model, self.caches, self.memory,
+                                               self.graphs)
 
     def _plan_memory(self) -> MemoryPlan:
         sched = self.config.scheduler
@@ -200,7 +202,8 @@ class ModelRunner:
                 drafted = step.batch is not None and propose_drafts(
                     self.model, self.caches, step.batch, step.captures, step.plan,
                     self.requests, out, self.config.runner.spec_confidence,
-                    rejection=self.config.runner.spec_verify == "rejection")
+                    rejection=self.config.runner.spec_verify == "rejection",
+                    drafter=self.draft_graphs)
                 if not drafted and self.ep is not None:  # the others' drafts need its experts
                     self.model.serve_experts(draft=True)
         record_outputs(out, self.requests)

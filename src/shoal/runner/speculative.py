@@ -20,6 +20,7 @@ import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.model.dspark import dspark_context, dspark_draft, greedy
+from shoal.runner.draft_graphs import DraftGraphs
 from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.sampling.rng import STREAM_DRAFT, gumbel_noise, seed_to_int64
 from shoal.scheduler.step_plan import StepPlan
@@ -76,11 +77,12 @@ class DraftSampler:
 
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
                    plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0,
-                   rejection: bool = False) -> bool:
+                   rejection: bool = False, drafter: DraftGraphs | None = None) -> bool:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
     follow the drafts), keeping the drafts the confidence rule finds worth verifying.
-    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification.
+    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification; else
+    greedy drafts go through `drafter` (the draft block's CUDA graphs) when it fits.
     Returns whether a draft block ran (no request to draft for: False)."""
     cfg = model.config
     keep, at = [], 0
@@ -108,10 +110,13 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     if not ids:
         return False
     sampler = DraftSampler([states[r] for r in ids], device) if rejection else None
-    draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
-                         torch.tensor(positions, dtype=torch.int64, device=device),
-                         torch.tensor(slots, dtype=torch.int64, device=device),
-                         sample_fn=sampler or greedy)
+    if sampler is None and drafter is not None and drafter.fits(len(ids)):
+        draft = drafter.draft(anchors, positions, slots)
+    else:
+        draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
+                             torch.tensor(positions, dtype=torch.int64, device=device),
+                             torch.tensor(slots, dtype=torch.int64, device=device),
+                             sample_fn=sampler or greedy)
     k = cfg.dspark_draft_len
     keep_counts = drafts_worth_verifying(draft.confidence[:, :k], confidence_threshold)
     q = sampler.probs(draft.logits[:, :k]) if sampler is not None else None

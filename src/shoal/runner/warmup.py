@@ -1,6 +1,6 @@
 """Start-up on CUDA: prefill-shaped warm-up steps (their Triton kernels compile now rather than
-during a run) and the capture of the pure-decode CUDA graphs, both on the pad slot and block
-the scheduler never hands out."""
+during a run) and the capture of the decode / verify CUDA graphs and (speculative) the draft
+block's, all on the pad slot and block the scheduler never hands out."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.state import KVCaches
 from shoal.runner.cache_memory import MemoryPlan
 from shoal.runner.cuda_graphs import DecodeGraphs, prefill_warmup_chunks
+from shoal.runner.draft_graphs import DraftGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +81,20 @@ def start_decode_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCach
         torch.cuda.synchronize()
         return None, seconds
     return graphs, seconds
+
+
+def start_draft_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCaches,
+                       memory: MemoryPlan, graphs: DecodeGraphs | None) -> DraftGraphs | None:
+    """Capture the draft block's graphs at the decode graphs' batch sizes (speculative decoding
+    with the decode graphs on); None: drafts run eagerly."""
+    if graphs is None or not config.runner.speculative:
+        return None
+    drafts = DraftGraphs(model, caches, sizes=graphs.sizes, pad_slot=memory.num_slots,
+                         use_graphs=True)
+    try:
+        drafts.capture()
+    except RuntimeError:
+        logger.exception("CUDA graphs: draft capture failed, drafts run eagerly")
+        torch.cuda.synchronize()
+        return None
+    return drafts
