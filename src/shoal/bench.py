@@ -116,6 +116,8 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     # once its tokens are read, so the interval is the whole step.
     stats = llm.engine.stats
     steps0, overlapped0 = stats.steps, stats.overlapped_steps
+    tokens = []  # per timed step: output tokens per request (speculative: 1 + accepted)
+    spec0 = (stats.drafts_proposed, stats.drafts_accepted, stats.drafts_skipped)
     sync()
     last = time.perf_counter()
     while llm.engine.has_unfinished():
@@ -124,11 +126,13 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
             r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
         before = llm.engine.stats.prepare_time
         dev_before = llm.engine.stats.device_time  # (the step finished in this call)
+        out_before = stats.output_tokens
         llm.engine.step()
         now = time.perf_counter()
         dt, last = now - last, now
         if pure_decode:
             times.append(dt)
+            tokens.append((stats.output_tokens - out_before) / batch)
             prep.append(llm.engine.stats.prepare_time - before)
             dev.append(llm.engine.stats.device_time - dev_before)
     errors = [e for e in (llm.engine.output(g_id).error for g_id in groups) if e]
@@ -143,9 +147,20 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         return {"batch": batch, "error": f"{len(errors)} of {batch} requests failed; the "
                 f"first: {errors[0]}"}
     decode = times[1:] if len(times) > 2 else times  # first pure-decode step compiles
-    tpot = statistics.median(decode)
     floor = decode_floor(llm, batch, prompt_len + steps // 2)
-    return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3,
+    spec = {}
+    if llm.config.runner.speculative:  # a step emits 1 + accepted tokens per request
+        per = tokens[1:] if len(tokens) > 2 else tokens
+        tpot = statistics.median(dt / max(n, 1e-9) for dt, n in zip(decode, per, strict=True))
+        proposed, accepted, skipped = (stats.drafts_proposed - spec0[0],
+                                       stats.drafts_accepted - spec0[1],
+                                       stats.drafts_skipped - spec0[2])
+        spec = {"step_ms": statistics.median(decode) * 1e3,
+                "tokens_per_step": statistics.mean(per), "drafts_verified": proposed,
+                "drafts_accepted": accepted, "drafts_skipped": skipped}
+    else:
+        tpot = statistics.median(decode)
+    return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3, **spec,
             "fraction_of_floor": floor / tpot,
             "host_prepare_share": statistics.median(prep[1:] or prep) / tpot,
             # the share of the step with no device work queued (host: scheduling, input
@@ -237,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the Engram tables live (RunnerConfig.engram_placement)")
     ap.add_argument("--backends", default=None, type=lambda v: tuple(v.split(",")),
                     help="op backend priority, e.g. cuda,triton (RunnerConfig.backends)")
+    ap.add_argument("--speculative", action="store_true",
+                    help="DSpark drafts verified by exact match: the decode table adds the "
+                         "step time, tokens per request and step, and the drafts verified, "
+                         "accepted and skipped (random weights accept almost nothing: "
+                         "benchmarks/bench_spec.py sets the acceptance)")
+    ap.add_argument("--spec-confidence", type=float, default=0.0,
+                    help="RunnerConfig.spec_confidence with --speculative")
     args = ap.parse_args(argv)
     commit = git_commit()
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
@@ -244,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling,
               "engram_placement": args.engram_placement,
-              "batch_invariant": args.batch_invariant, "backends": args.backends}
+              "batch_invariant": args.batch_invariant, "backends": args.backends,
+              "speculative": args.speculative}
     t0 = time.perf_counter()
     budget = args.prefill_budget
     if budget < 2 * max(args.batches):  # decode_prefill_steps would grow to batch x prompt
@@ -259,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, device=args.device, load_format="dummy", cuda_graphs=args.cuda_graphs,
               async_scheduling=args.async_scheduling, engram_placement=args.engram_placement,
               batch_invariant=args.batch_invariant, backends=args.backends,
+              speculative=args.speculative, spec_confidence=args.spec_confidence,
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=budget,
@@ -294,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     result["op_table"] = dict(llm.engine.runner.ops.origin)
     decode = []
     print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s} "
-          f"{'GPU idle':>9s} {'overlap':>8s}")
+          f"{'GPU idle':>9s} {'overlap':>8s}"
+          + (f" {'step ms':>8s} {'tok/step':>8s} {'accepted':>15s} {'skipped':>7s}"
+             if args.speculative else ""))
     for b in args.batches:
         d = bench_decode(llm, b, args.prompt_len, args.steps)
         decode.append(d)
@@ -302,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{b:5d} {d['error']}", flush=True)
             continue
         idle = d["device_idle_share"]
+        extra = (f" {d['step_ms']:8.2f} {d['tokens_per_step']:8.2f} "
+                 f"{d['drafts_accepted']:>7d}/{d['drafts_verified']:<7d} "
+                 f"{d['drafts_skipped']:7d}" if args.speculative else "")
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
               f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s} "
-              f"{d['overlapped_share']:8.0%}", flush=True)
+              f"{d['overlapped_share']:8.0%}{extra}", flush=True)
     result["decode"] = decode
     declined = dict(llm.engine.runner.ops.declined)
     result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference

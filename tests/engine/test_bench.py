@@ -43,6 +43,23 @@ def test_bench_sizes_max_model_len_for_a_budgeted_decode_prefill(tmp_path, capsy
     assert "error" not in row and row["tpot_ms"] > 0
 
 
+def test_bench_speculative_reports_drafts(tmp_path, capsys):
+    """--speculative: each decode row carries its step time, tokens per request and step and
+    the drafts verified / accepted / skipped over the timed steps (on tiny's random weights
+    drafts are verified and almost never accepted)."""
+    rc = main(["--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--prompt-len", "16",
+               "--steps", "4", "--skip-prefill", "--prefill-budget", "64", "--speculative",
+               "--plot", str(tmp_path / "p.png")])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["speculative"] is True
+    for row in result["decode"]:
+        assert row["drafts_verified"] > 0 and 0 <= row["drafts_accepted"] <= row[
+            "drafts_verified"] and row["drafts_skipped"] == 0
+        assert row["tokens_per_step"] >= 1.0
+        assert row["tpot_ms"] == pytest.approx(row["step_ms"] / row["tokens_per_step"], rel=0.5)
+
+
 def test_bench_refuses_a_budget_the_decoding_requests_would_fill(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "tiny", "--device", "cpu", "--batches", "1", "8",
