@@ -9,7 +9,8 @@ decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_sw
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight,
-`cuda_dNa1`: the activations loaded with them, not when consumed). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+`cuda_dNa1`: the activations loaded with them, not when consumed; `cuda_f16[_dN]`: the fp16
+tiling). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
 syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
@@ -141,10 +142,11 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "w4a16":
         return {"w4a8": False}
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults);
-        # cuda_dN[a1]: MOE_DEPTH N, with a1 MOE_ACT_AHEAD 1
-        depth, _, ahead = name.removeprefix("cuda_d").partition("a")
-        knobs = (int(depth), ahead == "1") if name.startswith("cuda_d") else \
-            (cuda_moe.DEPTH, cuda_moe.DecodeMoEState().act_ahead)
+        # cuda_dN[a1]: MOE_DEPTH N, with a1 MOE_ACT_AHEAD 1; cuda_f16[_dN]: the fp16 tiling
+        f16 = name.startswith("cuda_f16")
+        rest = name.removeprefix("cuda_f16").removeprefix("cuda").removeprefix("_d")
+        depth, _, ahead = rest.partition("a")
+        knobs = (int(depth) if depth else cuda_moe.DEPTH, ahead == "1", f16)
         return {"cuda": knobs} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
 

@@ -1,7 +1,7 @@
-"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda") on the H200: within the op's
-tolerance of the reference at mini's expert shapes (the conformance suite runs the registry's
-cases too), a token's bits the same alone and in a batch, and the op captured in a CUDA graph
-replays the eager result."""
+"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda"; both tilings) on the H200:
+within the op's tolerance of the reference at mini's expert shapes (the conformance suite runs
+the registry's cases too), a token's bits the same alone and in a batch, and the op captured in
+a CUDA graph replays the eager result."""
 
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ def _inputs(t: int, e: int = 16, d: int = 5120, inter: int = 2304, k: int = 6, s
                 w2_scale=s2, limit=10.0)
 
 
-def test_matches_the_reference_and_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("f16", [False, True], ids=["fp8", "f16"])
+def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(f16: bool) -> None:
     from shoal.ops.cuda import moe_decode
     from shoal.ops.reference.moe import _moe_compare, moe_mxfp4
     from shoal.ops.registry import load_backends
 
     load_backends()
-    state = moe_decode.DecodeMoEState()
+    state = moe_decode.DecodeMoEState(f16=f16)
     kw = _inputs(64)
     assert moe_decode._supports(**kw)
     whole = moe_decode.moe_mxfp4(**kw, state=state)
@@ -42,10 +43,11 @@ def test_matches_the_reference_and_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(got.view(torch.int32), whole[rows].view(torch.int32)), rows
 
 
-def test_graph_replay_equals_eager() -> None:
+@pytest.mark.parametrize("f16", [False, True], ids=["fp8", "f16"])
+def test_graph_replay_equals_eager(f16: bool) -> None:
     from shoal.ops.cuda import moe_decode
 
-    state = moe_decode.DecodeMoEState()
+    state = moe_decode.DecodeMoEState(f16=f16)
     kw = _inputs(8, seed=3)
     want = moe_decode.moe_mxfp4(**kw, state=state)
     stream = torch.cuda.Stream()

@@ -1,5 +1,6 @@
 // Decode MoE grouped GEMM, W4A8 (FP4 e2m1 weights with UE8M0 block scales, folded FP8 e4m3
-// activations) on FP8 mma.sync m16n8k32 (sm_89+). See moe_decode.py for the contract.
+// activations) on mma.sync (sm_89+). See moe_decode.py for the contract. Two tilings, chosen
+// at compile time: FP8 m16n8k32 (below) and, with MOE_F16, fp16 m16n8k16 (see moe_tile_f16).
 //
 // One CTA = one 16-row tile of one expert's routed rows x 4 warps x 16 weight rows per warp.
 // Each warp runs two m16n8 tiles over the whole K: tile 0 and tile 1 are weight rows
@@ -24,12 +25,20 @@
 
 // No includes: NVRTC from PyPI ships no headers (bf16 rounding is written out below).
 typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned short bf16_t;  // bfloat16 bits
 typedef long long int64_t;
 
 #define WARPS 4
-#define TILE_M 16
+#ifndef MOE_F16
+#define MOE_F16 0  // 1: the fp16 tiling (moe_tile_f16)
+#endif
+#if MOE_F16
+#define TILE_M 8  // routed rows per tile: the MMA's n
+#else
+#define TILE_M 16  // routed rows per tile: the MMA's m
+#endif
 #define CHUNK_K 128
 #define LUT_ROWS 32
 #ifndef MOE_DEPTH
@@ -37,6 +46,9 @@ typedef long long int64_t;
 #endif
 #ifndef MOE_ACT_AHEAD
 #define MOE_ACT_AHEAD 0  // 1: activations loaded with their chunk's weights (see Stage)
+#endif
+#if MOE_F16 && MOE_ACT_AHEAD
+#error "MOE_F16 reads the activations when they are consumed"
 #endif
 
 struct Tile {
@@ -116,6 +128,23 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// four e4m3 bytes -> two f16x2 (bytes 0, 1 -> lo; bytes 2, 3 -> hi; the lower byte in the
+// lower half), exact
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+}
+
 // fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN)
 __device__ __forceinline__ bf16_t to_bf16(float x) {
     uint32_t u = __float_as_uint(x);
@@ -135,18 +164,24 @@ __device__ __forceinline__ float col_scale(int smax) {
     return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
 }
 
-// The 32 activation bytes of rows g and g + 8 for one 128-K chunk (zeros for rows past the
-// tile's end).
+// The 32 activation bytes of rows g and g + 8 (the lane's block) for one 128-K chunk. A row
+// past the tile's end reads activation row 0: an MMA row never mixes into the others, and its
+// results are not stored.
 struct Act {
-    uint4 lo0, lo1, hi0, hi1;
+    uint4 lo[2], hi[2];
 
-    __device__ __forceinline__ void load(const uint8_t* pa_lo, const uint8_t* pa_hi, bool v_lo,
-                                         bool v_hi, int k0) {
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        lo0 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0)) : zero;
-        lo1 = v_lo ? __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16)) : zero;
-        hi0 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0)) : zero;
-        hi1 = v_hi ? __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16)) : zero;
+    __device__ __forceinline__ void load(const uint8_t* pa_lo, const uint8_t* pa_hi, int k0) {
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+            lo[v] = __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16 * v));
+            hi[v] = __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16 * v));
+        }
+    }
+
+    // 32-bit word m (codes 4m .. 4m+3 of the block) of row g (high: row g + 8)
+    __device__ __forceinline__ uint32_t word(bool high, int m) const {
+        const uint4& q = high ? hi[m / 4] : lo[m / 4];
+        return m % 4 == 0 ? q.x : m % 4 == 1 ? q.y : m % 4 == 2 ? q.z : q.w;
     }
 };
 
@@ -162,14 +197,13 @@ struct Stage {
 
     __device__ __forceinline__ void load(const uint8_t* pw0, const uint8_t* pw1,
                                          const uint8_t* ps0, const uint8_t* ps1,
-                                         const uint8_t* pa_lo, const uint8_t* pa_hi, bool v_lo,
-                                         bool v_hi, int k0) {
+                                         const uint8_t* pa_lo, const uint8_t* pa_hi, int k0) {
         b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
         b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
         s0 = ps0[k0 / 32];
         s1 = ps1[k0 / 32];
 #if MOE_ACT_AHEAD
-        act.load(pa_lo, pa_hi, v_lo, v_hi, k0);
+        act.load(pa_lo, pa_hi, k0);
 #endif
     }
 
@@ -180,16 +214,13 @@ struct Stage {
         const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
         const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
         const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
-        const uint32_t lo_w[8] = {a.lo0.x, a.lo0.y, a.lo0.z, a.lo0.w,
-                                  a.lo1.x, a.lo1.y, a.lo1.z, a.lo1.w};
-        const uint32_t hi_w[8] = {a.hi0.x, a.hi0.y, a.hi0.z, a.hi0.w,
-                                  a.hi1.x, a.hi1.y, a.hi1.z, a.hi1.w};
         float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             // a: reg 0 row g slots 4t.., reg 1 row g+8 slots 4t.., reg 2 row g slots 16+4t..,
             // reg 3 row g+8 slots 16+4t..: codes 8i..8i+3 then 8i+4..8i+7 of the lane's block
-            const uint32_t af[4] = {lo_w[2 * i], hi_w[2 * i], lo_w[2 * i + 1], hi_w[2 * i + 1]};
+            const uint32_t af[4] = {a.word(false, 2 * i), a.word(true, 2 * i),
+                                    a.word(false, 2 * i + 1), a.word(true, 2 * i + 1)};
             mma_e4m3(p0, af, e2m1x4_to_e4m3(wb0[i], l0.x, l0.y),
                      e2m1x4_to_e4m3(wb0[i] >> 16, l0.x, l0.y));
             mma_e4m3(p1, af, e2m1x4_to_e4m3(wb1[i], l1.x, l1.y),
@@ -251,7 +282,7 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
     Stage st[MOE_DEPTH];
 #pragma unroll
     for (int s = 0; s < MOE_DEPTH; ++s)
-        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, v_lo, v_hi, s * CHUNK_K);
+        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, s * CHUNK_K);
     for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
 #pragma unroll
         for (int s = 0; s < MOE_DEPTH; ++s) {
@@ -261,11 +292,11 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
                 st[s].consume(acc0, acc1, lut, smax0, smax1, st[s].act);
 #else
                 Act a;
-                a.load(pa_lo, pa_hi, v_lo, v_hi, kc);
+                a.load(pa_lo, pa_hi, kc);
                 st[s].consume(acc0, acc1, lut, smax0, smax1, a);
 #endif
                 const int kn = kc + MOE_DEPTH * CHUNK_K;
-                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, v_lo, v_hi, kn);
+                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, kn);
             }
         }
     }
@@ -304,18 +335,135 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
     }
 }
 
+// The fp16 tiling (MOE_F16). sm_90 has no FP8 mma.sync (each m16n8k32 above becomes two
+// fp16 HMMAs with eight operand conversions and four adds), so: the weights' e4m3 bytes are
+// widened once (cvt e4m3x2 -> f16x2, exact), the activations arrive as fp16 (the folded e4m3
+// values, exact), and the roles swap: the MMA's A (m = 16) is the warp's two groups of 8
+// weight rows (the rows of tile 0 and tile 1 above), its B (n = 8) an 8-row tile of routed
+// rows. Lane (g, t) converts the same 16 weight bytes per row as above and loads the 64
+// activation bytes of routed row g (block t); MMA 2j + h of a chunk gives its k slots
+// {2t, 2t+1} codes 8j+4h, +1 and {2t+8, 2t+9} codes +2, +3 of its block on both operands.
+// fp16 MMAs accumulate in fp32, so the K chain runs straight through (no promotion); a routed
+// row's sums use only its own activations (same bits in any batch). acc[c]: weight row g
+// (c < 2) or g + 8, routed row 2t + (c & 1).
+template <bool SWIGLU>
+__device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __restrict__ a_scale,
+                             const int* __restrict__ arow, bf16_t* __restrict__ out,
+                             const int* __restrict__ orow, const float* __restrict__ rw,
+                             const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
+                             const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
+                             const int* __restrict__ counts, int N, int E, int K, float limit,
+                             bool gather) {
+    __shared__ uint2 lut[LUT_ROWS];
+    if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
+    Tile tile = find_tile(counts, E, blockIdx.y);
+    if (tile.expert < 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int NW = SWIGLU ? 2 * N : N;
+    const int n_base = (blockIdx.x * WARPS + warp) * (SWIGLU ? 8 : 16);
+    if (n_base >= N) return;
+    const int64_t e = tile.expert;
+    const int c0 = n_base + g, c1 = SWIGLU ? N + n_base + g : n_base + 8 + g;
+    const bool ok0 = (SWIGLU ? n_base + g : c0) < N, ok1 = (SWIGLU ? n_base + g : c1) < N;
+    const int64_t w0 = e * NW + (ok0 ? c0 : 0), w1 = e * NW + (ok1 ? c1 : 0);
+    const int KB = K / 32;
+    const int smax0 = wmax[w0], smax1 = wmax[w1];
+    const int r_act = tile.row0 + g;  // this lane's routed row (B column g)
+    const int64_t a_row = r_act < tile.row_end ? (gather ? arow[r_act] : r_act) : 0;
+    const uint4* pa = reinterpret_cast<const uint4*>(a + a_row * K + 32 * t);
+    const uint8_t* pw0 = w + w0 * (K / 2) + 16 * t;
+    const uint8_t* pw1 = w + w1 * (K / 2) + 16 * t;
+    const uint8_t* ps0 = ws + w0 * KB + t;
+    const uint8_t* ps1 = ws + w1 * KB + t;
+    // (the table in shared memory is visible: find_tile ends with a barrier)
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    Stage st[MOE_DEPTH];
+#pragma unroll
+    for (int s = 0; s < MOE_DEPTH; ++s)
+        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, nullptr, nullptr, s * CHUNK_K);
+    for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
+#pragma unroll
+        for (int s = 0; s < MOE_DEPTH; ++s) {
+            const int kc = k0 + s * CHUNK_K;
+            if (kc < K) {
+                uint32_t act[16];  // fp16 pairs: codes 2m, 2m+1 of the block in word m
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const uint4 q = __ldg(pa + kc / 8 + v);
+                    act[4 * v] = q.x, act[4 * v + 1] = q.y, act[4 * v + 2] = q.z;
+                    act[4 * v + 3] = q.w;
+                }
+                const Stage& cur = st[s];
+                const uint2 l0 = lut[min(smax0 - cur.s0, LUT_ROWS - 1)];
+                const uint2 l1 = lut[min(smax1 - cur.s1, LUT_ROWS - 1)];
+                const uint32_t wb0[4] = {cur.b0.x, cur.b0.y, cur.b0.z, cur.b0.w};
+                const uint32_t wb1[4] = {cur.b1.x, cur.b1.y, cur.b1.z, cur.b1.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        uint32_t af[4];  // rows g, g+8 x slots {2t, 2t+1}, then {2t+8, 2t+9}
+                        e4m3x4_to_f16(e2m1x4_to_e4m3(wb0[j] >> (16 * h), l0.x, l0.y), af[0],
+                                      af[2]);
+                        e4m3x4_to_f16(e2m1x4_to_e4m3(wb1[j] >> (16 * h), l1.x, l1.y), af[1],
+                                      af[3]);
+                        mma_f16(acc, af, act[4 * j + 2 * h], act[4 * j + 2 * h + 1]);
+                    }
+                }
+                const int kn = kc + MOE_DEPTH * CHUNK_K;
+                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, nullptr, nullptr, kn);
+            }
+        }
+    }
+
+    // epilogue: routed rows 2t and 2t + 1 of the tile
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int r = tile.row0 + 2 * t + q;
+        if (r >= tile.row_end) continue;
+        const float rs = a_scale[gather ? arow[r] : r];
+        if (SWIGLU) {
+            const int n = n_base + g;
+            if (n >= N) continue;
+            const float gg = fminf(bf16_round(acc[q] * rs * col_scale(wmax[e * NW + n])), limit);
+            const float uu = fminf(fmaxf(bf16_round(acc[2 + q] * rs *
+                                                    col_scale(wmax[e * NW + N + n])),
+                                         -limit), limit);
+            out[(int64_t)r * N + n] = to_bf16(rw[r] * (gg / (1.0f + expf(-gg)) * uu));
+        } else {
+            const int64_t o = orow[r];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int n = n_base + g + 8 * half;
+                if (n < N)
+                    out[o * N + n] = to_bf16(acc[2 * half + q] * rs * col_scale(wmax[e * NW + n]));
+            }
+        }
+    }
+}
+
+#if MOE_F16
+#define MOE_TILE moe_tile_f16
+typedef uint16_t act_t;  // fp16 bits
+#else
+#define MOE_TILE moe_tile
+typedef uint8_t act_t;  // e4m3
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w13_decode(const uint8_t* a, const float* a_scale, const int* arow, bf16_t* out,
+moe_w13_decode(const act_t* a, const float* a_scale, const int* arow, bf16_t* out,
                const float* rw, const uint8_t* w, const uint8_t* ws, const int* wmax,
                const uint2* lut, const int* counts, int N, int E, int K, float limit) {
-    moe_tile<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
+    MOE_TILE<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
                    true);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w2_decode(const uint8_t* a, const float* a_scale, bf16_t* out, const int* orow,
+moe_w2_decode(const act_t* a, const float* a_scale, bf16_t* out, const int* orow,
               const uint8_t* w, const uint8_t* ws, const int* wmax, const uint2* lut,
               const int* counts, int N, int E, int K) {
-    moe_tile<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
+    MOE_TILE<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
                     0.f, false);
 }

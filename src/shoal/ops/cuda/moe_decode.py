@@ -4,7 +4,9 @@
 
 Numerics: the Triton kernels' fold (activations and weights re-encoded relative to their row's
 largest block scale, one fp32 scale per row and weight row in the epilogue) with every 128-K
-product formed from zero and added in fp32, as the Triton FP8 tiles. The op is held to the
+product formed from zero and added in fp32, as the Triton FP8 tiles; the fp16 tiling
+(`DecodeMoEState(f16=True)`, written 2026-12-03, not yet run on a GPU) multiplies the same
+folded values exactly in fp16 MMAs and chains their fp32 sums over the whole K. The op is held to the
 reference's MoE tolerance (`_moe_compare`); whether its bits equal the 16-row Triton tiles' is
 not established (it is not in the batch-invariant table). A row's result does not depend on the
 batch (fixed K order, no split).
@@ -35,18 +37,22 @@ DEPTH = 1  # chunks in flight per lane: 1 to 4 measured within 8% (docs/perf/moe
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
     ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: 128-K
-    chunks of loads in flight per lane; act_ahead: activations loaded with them (the kernel's
-    MOE_DEPTH and MOE_ACT_AHEAD; benchmarks sweep them)."""
+    chunks of loads in flight per lane; act_ahead: activations loaded with them; f16: the fp16
+    tiling (the kernel's MOE_DEPTH, MOE_ACT_AHEAD and MOE_F16; benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH, act_ahead: bool = False) -> None:
-        self.depth, self.act_ahead = depth, act_ahead
+    def __init__(self, depth: int = DEPTH, act_ahead: bool = False, f16: bool = False) -> None:
+        if f16 and act_ahead:
+            raise ValueError("DecodeMoEState: the fp16 tiling reads activations when consumed")
+        self.depth, self.act_ahead, self.f16 = depth, act_ahead, f16
+        self.tile_rows = 8 if f16 else TILE_M
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_ACT_AHEAD={int(self.act_ahead)}")
+            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_ACT_AHEAD={int(self.act_ahead)}",
+                       f"-DMOE_F16={int(self.f16)}")
             cubin = compile_file("moe_decode.cu", options=options).cubin
             self._module = Module(cubin, device)
         return self._module
@@ -94,13 +100,17 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
     tok, orow, rw, counts = route(ids, weights, e)
     rows = t * k
-    m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
+    m_tiles = triton.cdiv(rows, state.tile_rows) + min(e, rows)
     xq, xs = _quant_folded(x)
+    if state.f16:  # the folded e4m3 values as fp16 (exact)
+        xq = xq.to(torch.float16)
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w13_decode")((triton.cdiv(inter, W13_COLUMNS), m_tiles), (THREADS,),
                                     xq, xs, tok, h, rw, w13, s13, state.row_max(s13), lut,
                                     counts, inter, e, d, float(limit))
     hq, hs = _quant_folded(h)
+    if state.f16:
+        hq = hq.to(torch.float16)
     y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w2_decode")((triton.cdiv(d, W2_COLUMNS), m_tiles), (THREADS,),
                                    hq, hs, y, orow, w2, s2, state.row_max(s2), lut, counts,
