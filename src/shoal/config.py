@@ -82,7 +82,9 @@ class RunnerConfig:
     plain decoding; fewer steps when drafts are accepted). spec_confidence: verify a draft only
     while the DSpark confidence head puts the chance that it and the drafts before it are all
     accepted at or above this (0: verify every draft); outputs stay identical, only the verify
-    rows change. spec_verify: 'exact' (greedy drafts, accepted while the target's own sample
+    rows change. spec_verify_budget: at most this many drafts verified per step across the
+    batch, those with the largest chance of acceptance (0: no cap); outputs stay identical.
+    spec_verify: 'exact' (greedy drafts, accepted while the target's own sample
     equals them: outputs identical to plain decoding) or 'rejection' (drafts sampled from the
     draft head's distribution q at the request's temperature, kept with probability
     min(1, p / q), else the token comes from the residual max(0, p - q): the output
@@ -123,6 +125,7 @@ class RunnerConfig:
     seed: int = 0
     speculative: bool = False
     spec_confidence: float = 0.0
+    spec_verify_budget: int = 0
     spec_verify: str = "exact"
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
@@ -151,6 +154,9 @@ class RunnerConfig:
                              "'rejection'")
         if not 0.0 <= self.spec_confidence <= 1.0:
             raise ShoalError(f"spec_confidence: got {self.spec_confidence}, expected in [0, 1]")
+        if self.spec_verify_budget < 0:
+            raise ShoalError(f"spec_verify_budget: got {self.spec_verify_budget}, expected >= 0 "
+                             "(0: no cap)")
         if self.replay_window < 1:
             raise ShoalError(f"replay_window: got {self.replay_window}, expected >= 1")
         sizes = self.cuda_graph_batch_sizes

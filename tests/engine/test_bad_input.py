@@ -96,6 +96,8 @@ def test_bad_model_and_options_raise_shoal_error() -> None:
         EngineConfig.create("tiny", device="cpu", cuda_graph_batch_sizes=(4, 0))
     with pytest.raises(ShoalError, match="prefill_mode"):
         LLM("tiny", device="cpu", prefill_mode="sideways")
+    with pytest.raises(ShoalError, match="spec_verify_budget"):
+        EngineConfig.create("tiny", device="cpu", spec_verify_budget=-1)
     with pytest.raises(ShoalError, match="max_num_seqs"):
         LLM("tiny", device="cpu", max_num_seqs=0)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -125,7 +127,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "enable_chunked_prefill": True, "long_prefill_token_threshold": 17, "num_history_tokens": 2,
     "device": "cpu", "backends": ("reference",), "prefill_mode": "staircase",
     "replay_window": 99, "load_format": "dummy", "seed": 7, "speculative": True,
-    "spec_confidence": 0.4, "spec_verify": "rejection",
+    "spec_confidence": 0.4, "spec_verify": "rejection", "spec_verify_budget": 12,
     "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8), "async_scheduling": False,
     "expert_parallel": True, "engram_placement": "host", "expert_placement": "/nonexistent.json",
     "record_expert_loads": True, "batch_invariant": True,

@@ -150,17 +150,27 @@ def test_confidence_rule_keeps_the_leading_drafts_worth_a_row():
     # chances 0.9, 0.81, 0.405, 0.401 and 0.2, 0.198, 0.196, 0.194: a prefix, never a gap
     assert drafts_worth_verifying(conf, 0.5) == [2, 0]
     assert drafts_worth_verifying(conf, 0.197) == [4, 2]
+    # a budget keeps the batch's largest chances (still prefixes), within the threshold
+    assert drafts_worth_verifying(conf, 0.0, budget=3) == [3, 0]
+    assert drafts_worth_verifying(conf, 0.0, budget=5) == [4, 1]
+    assert drafts_worth_verifying(conf, 0.0, budget=8) == [4, 4]
+    assert drafts_worth_verifying(conf, 0.5, budget=3) == [2, 0]
+    assert drafts_worth_verifying(conf, 0.197, budget=1) == [1, 0]
+    same = torch.tensor([[0.0, 0.0], [0.0, 0.0]])  # chances 0.5, 0.25 twice
+    assert drafts_worth_verifying(same, 0.0, budget=3) == [2, 1]  # ties: earlier draft first
+    assert drafts_worth_verifying(same, 0.0, budget=1) == [1, 0]  # then the earlier request
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0])
-def test_confidence_scheduled_verification_keeps_outputs_identical(plain, threshold):
+@pytest.mark.parametrize("threshold,budget", [(0.0, 0), (0.3, 0), (1.0, 0), (0.0, 2)])
+def test_confidence_scheduled_verification_keeps_outputs_identical(plain, threshold, budget):
     seed = random.randrange(1 << 30)
     prompts = _prompts(seed)
     params = PARAMS[1]
     expected, _ = _run(plain, prompts, params)
     steps_plain = LLM("tiny", **OPTS)
     _run(steps_plain, prompts, params)
-    spec = LLM("tiny", speculative=True, spec_confidence=threshold, **OPTS)
+    spec = LLM("tiny", speculative=True, spec_confidence=threshold, spec_verify_budget=budget,
+               **OPTS)
     got, _ = _run(spec, prompts, params)
     assert got == expected, f"seed {seed}"
     s = spec.engine.stats
@@ -168,8 +178,10 @@ def test_confidence_scheduled_verification_keeps_outputs_identical(plain, thresh
     assert s.drafts_proposed + s.drafts_skipped > 0
     assert sum(s.drafts_proposed_at) == s.drafts_proposed
     assert all(a <= p for a, p in zip(s.drafts_accepted_at, s.drafts_proposed_at, strict=True))
-    if threshold == 0.0:
+    if threshold == 0.0 and not budget:
         assert s.drafts_skipped == 0 and len(s.drafts_proposed_at) <= k
+    if budget:  # at most `budget` drafts a step, the rest counted as skipped
+        assert s.drafts_proposed <= budget * s.steps and s.drafts_skipped > 0
     if threshold == 1.0:  # no chance reaches 1: nothing is verified, one token per step
         assert s.drafts_proposed == 0 and s.drafts_skipped > 0
         assert s.steps == steps_plain.engine.stats.steps

@@ -203,7 +203,8 @@ class ModelRunner:
                     self.model, self.caches, step.batch, step.captures, step.plan,
                     self.requests, out, self.config.runner.spec_confidence,
                     rejection=self.config.runner.spec_verify == "rejection",
-                    drafter=self.draft_graphs)
+                    drafter=self.draft_graphs,
+                    verify_budget=self.config.runner.spec_verify_budget)
                 if not drafted and self.ep is not None:  # the others' drafts need its experts
                     self.model.serve_experts(draft=True)
         record_outputs(out, self.requests)

@@ -42,14 +42,27 @@ def accept_drafts(plan: StepPlan, out) -> None:
             out.logprobs[item.request_id] = out.logprobs[item.request_id][:accepted + 1]
 
 
-def drafts_worth_verifying(confidence: torch.Tensor, threshold: float) -> list[int]:
-    """Per request, how many leading drafts to verify: draft i is kept while the chance that
-    d_1..d_i are all accepted (the product of sigmoid(confidence)) is at least `threshold`, i.e.
-    while its verify row's expected gain pays for the row. 0 verifies every draft."""
-    if threshold <= 0.0:
-        return [confidence.shape[1]] * confidence.shape[0]
+def drafts_worth_verifying(confidence: torch.Tensor, threshold: float,
+                           budget: int = 0) -> list[int]:
+    """Per request, how many leading drafts to verify. A draft's expected gain is the chance
+    that it and the drafts before it are all accepted (the product of sigmoid(confidence));
+    draft i is kept while that is at least `threshold` (0 keeps every draft), and with a
+    `budget` (> 0) only the `budget` drafts of the batch with the largest gains are (ties: the
+    earlier draft, then the earlier request). A request's chances only fall along its block,
+    so what is kept is always a prefix."""
+    b, k = confidence.shape
+    if threshold <= 0.0 and (budget <= 0 or budget >= b * k):
+        return [k] * b
     chance = torch.sigmoid(confidence.float()).cumprod(dim=1)
-    return (chance >= threshold).int().cumprod(dim=1).sum(dim=1).tolist()
+    keep = (chance >= threshold).int().cumprod(dim=1).bool()  # the threshold's prefixes
+    if 0 < budget < int(keep.sum()):
+        gain = torch.where(keep, chance, torch.full_like(chance, -1.0))
+        order = torch.argsort(-gain.t().flatten(), stable=True)[:budget]  # draft-major ties
+        chosen = torch.zeros(k * b, dtype=torch.bool, device=confidence.device)
+        chosen[order] = True
+        keep = chosen.view(k, b).t() & keep
+        keep = keep.int().cumprod(dim=1).bool()
+    return keep.sum(dim=1).tolist()
 
 
 class DraftSampler:
@@ -77,10 +90,12 @@ class DraftSampler:
 
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
                    plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0,
-                   rejection: bool = False, drafter: DraftGraphs | None = None) -> bool:
+                   rejection: bool = False, drafter: DraftGraphs | None = None,
+                   verify_budget: int = 0) -> bool:
     """Write the draft context of this step's valid rows, then draft the next block for every
     request that sampled (structured-output requests excluded: their matcher would have to
-    follow the drafts), keeping the drafts the confidence rule finds worth verifying.
+    follow the drafts), keeping the drafts the confidence rule finds worth verifying (at most
+    `verify_budget` in all when > 0).
     `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification; else
     greedy drafts go through `drafter` (the draft block's CUDA graphs) when it fits.
     Returns whether a draft block ran (no request to draft for: False)."""
@@ -118,7 +133,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
                              torch.tensor(slots, dtype=torch.int64, device=device),
                              sample_fn=sampler or greedy)
     k = cfg.dspark_draft_len
-    keep_counts = drafts_worth_verifying(draft.confidence[:, :k], confidence_threshold)
+    keep_counts = drafts_worth_verifying(draft.confidence[:, :k], confidence_threshold,
+                                         verify_budget)
     q = sampler.probs(draft.logits[:, :k]) if sampler is not None else None
     for b, (rid, drafted, n) in enumerate(zip(ids, draft.draft_ids.tolist(), keep_counts,
                                               strict=True)):
