@@ -6,11 +6,12 @@ draft block running as usual (its cost, its confidence head and the confidence r
 included) but replace each kept draft token by the recorded plain token at that position,
 corrupted with probability 1 - `rate` (a per-position acceptance of about `rate`). For each
 batch size and rate: output tokens/s against plain decoding in the same process, mean accepted
-length, and with `--confidence T` the verify rows the confidence rule skipped. Every
+length, and with `--confidence T` (or `--verify-budget N`) the verify rows the confidence rule
+(or the batch's verify budget) skipped. Every
 speculative run's tokens must equal the plain run's (exact verification): checked and printed.
 
 Run: PYTHONPATH=src python3 benchmarks/bench_spec.py [--model mini] [--batches 1 16 64]
-     [--rates 0 0.3 0.6 0.9] [--confidence 0.5] [--max-tokens 128]
+     [--rates 0 0.3 0.6 0.9] [--confidence 0.5] [--verify-budget 64] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.3, 0.6, 0.9])
     ap.add_argument("--confidence", type=float, default=0.5,
                     help="spec_confidence of the extra run at the largest batch (0: none)")
+    ap.add_argument("--verify-budget", type=int, default=0,
+                    help="spec_verify_budget of another run at the largest batch (0: none)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
@@ -91,21 +94,23 @@ def main() -> None:
     oracle = Oracle({tuple(p): out for p, out in zip(prompts, expected[longest], strict=True)},
                     cfg.vocab_size)
     model_runner.propose_drafts = oracle
-    runs = [(rate, 0.0) for rate in args.rates]
+    runs = [(rate, 0.0, 0) for rate in args.rates]
     if args.confidence > 0:
-        runs.append((args.rates[-1], args.confidence))
-    spec, spec_conf = None, None
-    print("batch  rate  conf   tok/s  plain tok/s  speed-up  mean accepted  skipped  same",
+        runs.append((args.rates[-1], args.confidence, 0))
+    if args.verify_budget > 0:
+        runs.append((args.rates[-1], 0.0, args.verify_budget))
+    spec, spec_rule = None, None
+    print("batch  rate  conf  budget   tok/s  plain tok/s  speed-up  mean accepted  skipped  same",
           flush=True)
-    for rate, conf in runs:  # one engine at a time: each takes most of the free memory
-        if spec is None or conf != spec_conf:
+    for rate, conf, budget in runs:  # one engine at a time: each takes most of the free memory
+        if spec is None or (conf, budget) != spec_rule:
             del spec
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            spec, spec_conf = LLM(args.model, speculative=True, spec_confidence=conf,
-                                  **opts), conf
-        for b in args.batches if conf == 0 else [max(args.batches)]:
+            spec, spec_rule = LLM(args.model, speculative=True, spec_confidence=conf,
+                                  spec_verify_budget=budget, **opts), (conf, budget)
+        for b in args.batches if (conf, budget) == (0, 0) else [max(args.batches)]:
             oracle.rate, oracle.rng = rate, random.Random(b)
             run(spec, prompts[:b], SamplingParams(max_tokens=2))
             before = dict(vars(spec.engine.stats))
@@ -115,12 +120,13 @@ def main() -> None:
             verify = s.verify_rows - before["verify_rows"]
             skipped = s.drafts_skipped - before["drafts_skipped"]
             tokens = b * args.max_tokens
-            row = {"batch": b, "rate": rate, "confidence": conf, "tok_s": tokens / secs,
+            row = {"batch": b, "rate": rate, "confidence": conf, "verify_budget": budget,
+                   "tok_s": tokens / secs,
                    "plain_tok_s": tokens / plain_s[b], "speedup": plain_s[b] / secs,
                    "mean_accepted": 1 + accepted / verify if verify else 0.0,
                    "skipped": skipped, "same_tokens": got == expected[b]}
             rows.append(row)
-            print(f"{b:5d}  {rate:4.2f}  {conf:4.2f}  {row['tok_s']:6.1f}  "
+            print(f"{b:5d}  {rate:4.2f}  {conf:4.2f}  {budget:6d}  {row['tok_s']:6.1f}  "
                   f"{row['plain_tok_s']:11.1f}  {row['speedup']:8.2f}  "
                   f"{row['mean_accepted']:13.2f}  {skipped:7d}  {row['same_tokens']}",
                   flush=True)
