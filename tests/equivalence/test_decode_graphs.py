@@ -25,7 +25,7 @@ from shoal.model.params import ModelParams
 from shoal.model.presets import TINY
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
-from shoal.model.dspark import dspark_context, dspark_draft
+from shoal.model.dspark import dspark_context, dspark_draft, greedy
 from shoal.runner.cuda_graphs import (
     DecodeGraphs,
     batch_sizes,
@@ -34,6 +34,7 @@ from shoal.runner.cuda_graphs import (
     prefill_warmup_chunks,
 )
 from shoal.runner.draft_graphs import DraftGraphs
+from shoal.runner.speculative import DraftSampler
 
 NUM_SLOTS, NUM_BLOCKS, BLOCK = 7, 12, 128  # the last slot / block are the pad targets
 PAD_SLOT, PAD_BLOCK = NUM_SLOTS - 1, NUM_BLOCKS - 1
@@ -215,7 +216,8 @@ def test_static_padded_verify_equals_eager(model: DeepseekV41) -> None:
 
 def test_static_padded_draft_equals_eager(model: DeepseekV41) -> None:
     """The draft block through `DraftGraphs` (padded to the next size, pad requests on the pad
-    slot) against `dspark_draft` on the real requests alone: the same drafts, logits and
+    slot), greedy and sampled (`DraftSampler`: per-request greedy flags, temperatures and
+    seeds), against `dspark_draft` on the real requests alone: the same drafts, logits and
     confidences (to the draft tests' 1e-5: the draft's CPU sums follow the batch), for sizes
     that pad and for one that does not fit (eager fallback is the caller's)."""
     rng = random.Random(11)
@@ -227,17 +229,26 @@ def test_static_padded_draft_equals_eager(model: DeepseekV41) -> None:
     batch = build_forward_batch(TINY, chunks, prefill_mode="full")
     out = model.forward(batch, caches, capture=True)
     dspark_context(model, batch, caches, out.captures, None)
-    drafter = DraftGraphs(model, caches, sizes=[1, 2, 4], pad_slot=PAD_SLOT, use_graphs=True)
+    drafter = DraftGraphs(model, caches, sizes=[1, 2, 4], pad_slot=PAD_SLOT, use_graphs=True,
+                          sampled=True)
     assert not drafter.use_graphs and drafter.fits(4) and not drafter.fits(5)
     anchors = out.logits.argmax(dim=-1).tolist()
     for live in ([1], [0, 4, 2], [3, 1], [4, 3, 2, 0]):
         a = [anchors[i] for i in live]
         p = [reqs[i][2] - 1 for i in live]
         s = [reqs[i][0] for i in live]
-        got = drafter.draft(a, p, s)
-        want = dspark_draft(model, caches, torch.tensor(a), torch.tensor(p), torch.tensor(s))
-        assert torch.equal(got.draft_ids, want.draft_ids), live
-        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=0)
+        sampling = ([rng.random() < 0.3 for _ in live], [rng.uniform(0.5, 1.5) for _ in live],
+                    [rng.randrange(1 << 40) for _ in live])
+        for mode in (None, sampling):
+            got = drafter.draft(a, p, s, sampling=mode)
+            fn = greedy if mode is None else DraftSampler(
+                torch.tensor(mode[0]), torch.tensor(mode[1]), torch.tensor(mode[2]))
+            want = dspark_draft(model, caches, torch.tensor(a), torch.tensor(p),
+                                torch.tensor(s), sample_fn=fn)
+            assert torch.equal(got.draft_ids, want.draft_ids), (live, mode)
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="DraftGraphs.draft"):
         drafter.draft([1] * 5, [3] * 5, [0, 1, 2, 3, 5])
+    assert not DraftGraphs(model, caches, sizes=[1], pad_slot=PAD_SLOT,
+                           use_graphs=False).fits(1, sampled=True)

@@ -1,11 +1,13 @@
-"""CUDA graphs for the DSpark draft block: `dspark_draft` with greedy drafts (exact
-verification) captured once per padded batch size at warm-up; a step copies its anchors,
-positions and slots into static buffers and replays the graph.
+"""CUDA graphs for the DSpark draft block: `dspark_draft` captured once per padded batch size at
+warm-up, with greedy drafts (exact verification) and, for rejection-sampled verification, with
+drafts sampled by `DraftSampler` over static per-request temperatures and seeds; a step copies
+its anchors, positions, slots (and sampling parameters) into static buffers and replays.
 
-Owns `DraftGraphs`. Padded requests draft from position 0 of the reserved pad slot, whose draft
-rings no request owns; the draft only reads the rings and writes scratch rows, and every row's
-result depends on its own request only, so the real rows equal the eager draft's. Without CUDA
-(or with graphs off) `draft` runs the same static padded call eagerly (the CPU tests).
+Owns `DraftGraphs`. Padded requests draft greedily from position 0 of the reserved pad slot,
+whose draft rings no request owns; the draft only reads the rings and writes scratch rows, and
+every row's result depends on its own request only, so the real rows equal the eager draft's.
+Without CUDA (or with graphs off) `draft` runs the same static padded call eagerly (the CPU
+tests).
 """
 
 from __future__ import annotations
@@ -19,85 +21,104 @@ import torch
 from shoal.model.deepseek_v41 import DeepseekV41
 from shoal.model.dspark import DraftOutput, dspark_draft, greedy
 from shoal.model.state import KVCaches
+from shoal.runner.speculative import DraftSampler
 
 logger = logging.getLogger(__name__)
 
 
 class DraftGraphs:
     """Static draft inputs over `sizes` (padded batch sizes; a larger batch drafts eagerly)
-    and, on CUDA with `use_graphs`, one graph per size."""
+    and, on CUDA with `use_graphs`, one graph per size and mode (greedy; with `sampled`, also
+    sampled drafts)."""
 
     def __init__(self, model: DeepseekV41, caches: KVCaches, *, sizes: Sequence[int],
-                 pad_slot: int, use_graphs: bool) -> None:
+                 pad_slot: int, use_graphs: bool, sampled: bool = False) -> None:
         k = model.config.dspark_draft_len
         self.sizes = [b for b in sizes if b * k <= caches.max_tokens]
         self.model, self.caches, self.pad_slot = model, caches, pad_slot
+        self.modes = (False, True) if sampled else (False,)
         device = model.params["embed.weight"].device
         self.use_graphs = use_graphs and device.type == "cuda"
         full = self.sizes[-1] if self.sizes else 0
-        self._host = torch.zeros(3, full, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._dev = torch.zeros(3, full, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        # rows: anchor, position, slot, greedy (0 / 1), seed; and the temperatures
+        self._host = torch.zeros(5, full, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.zeros(5, full, dtype=torch.int64, device=device)
+        self._host_t = torch.ones(full, dtype=torch.float32, pin_memory=pin)
+        self._dev_t = torch.ones(full, dtype=torch.float32, device=device)
         self._uploaded: torch.cuda.Event | None = None
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, DraftOutput] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], DraftOutput] = {}
         self.capture_seconds = 0.0
 
-    def fits(self, num_requests: int) -> bool:
-        return bool(self.sizes) and 0 < num_requests <= self.sizes[-1]
+    def fits(self, num_requests: int, sampled: bool = False) -> bool:
+        return (bool(self.sizes) and 0 < num_requests <= self.sizes[-1]
+                and sampled in self.modes)
 
     def _fill(self, anchors: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              size: int) -> None:
+              size: int, sampling: tuple[Sequence, Sequence, Sequence] | None) -> None:
         if self._uploaded is not None:  # the previous upload may still read the staging
             self._uploaded.synchronize()
-        n, h = len(anchors), self._host.numpy()
+        n, h, ht = len(anchors), self._host.numpy(), self._host_t.numpy()
         h[0, :n], h[1, :n], h[2, :n] = anchors, positions, slots
         h[0, n:size], h[1, n:size], h[2, n:size] = 0, 0, self.pad_slot
+        h[3, :size], h[4, :size], ht[:size] = 1, 0, 1.0  # pad (and greedy) rows: argmax
+        if sampling is not None and n:
+            greedy, temps, seeds = sampling
+            h[3, :n], h[4, :n], ht[:n] = greedy, seeds, temps
         self._dev.copy_(self._host, non_blocking=True)
+        self._dev_t.copy_(self._host_t, non_blocking=True)
         if self._dev.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
 
-    def _call(self, size: int) -> DraftOutput:
+    def _call(self, size: int, sampled: bool) -> DraftOutput:
         d = self._dev[:, :size]
-        return dspark_draft(self.model, self.caches, d[0], d[1], d[2], sample_fn=greedy)
+        sample = DraftSampler(d[3].bool(), self._dev_t[:size], d[4]) if sampled else greedy
+        return dspark_draft(self.model, self.caches, d[0], d[1], d[2], sample_fn=sample)
 
-    def draft(self, anchors: Sequence[int], positions: Sequence[int],
-              slots: Sequence[int]) -> DraftOutput:
-        """Greedy drafts of len(anchors) requests (see `dspark_draft`; positions >= 0), through
-        the captured graph of the next size up. The result views the graph's outputs: consume
-        it before the next draft."""
+    def draft(self, anchors: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+              sampling: tuple[Sequence, Sequence, Sequence] | None = None) -> DraftOutput:
+        """The drafts of len(anchors) requests (see `dspark_draft`; positions >= 0): greedy,
+        or with `sampling` (per request: greedy flag, temperature, seed; `draft_sampling`)
+        drawn as `DraftSampler` draws them, through the captured graph of the next size up.
+        The result views the graph's outputs: consume it before the next draft."""
         n = len(anchors)
-        if not self.fits(n) or min(positions) < 0:
-            raise ValueError(f"DraftGraphs.draft: {n} requests (sizes {self.sizes}) at "
-                             f"positions >= {min(positions, default=0)}")
+        if not self.fits(n, sampling is not None) or min(positions) < 0:
+            raise ValueError(f"DraftGraphs.draft: {n} requests (sizes {self.sizes}, sampled "
+                             f"{sampling is not None}) at positions >= "
+                             f"{min(positions, default=0)}")
         size = next(b for b in self.sizes if b >= n)
-        self._fill(anchors, positions, slots, size)
-        if size in self._graphs:
-            self._graphs[size].replay()
-            out = self._outputs[size]
+        key = (size, sampling is not None)
+        self._fill(anchors, positions, slots, size, sampling)
+        if key in self._graphs:
+            self._graphs[key].replay()
+            out = self._outputs[key]
         else:
-            out = self._call(size)
+            out = self._call(*key)
         return DraftOutput(out.draft_ids[:n], out.logits[:n], out.confidence[:n])
 
     def capture(self) -> None:
-        """One eager call, then the capture, per size (largest first, one memory pool)."""
+        """One eager call, then the capture, per size and mode (largest first, one pool)."""
         if not self.use_graphs or not self.sizes:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         with torch.inference_mode():
-            for size in reversed(self.sizes):
-                self._fill((), (), (), size)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._call(size)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[size] = self._call(size)
-                self._graphs[size] = graph
+            for sampled in self.modes:
+                for size in reversed(self.sizes):
+                    self._fill((), (), (), size, None)
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        self._call(size, sampled)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._outputs[(size, sampled)] = self._call(size, sampled)
+                    self._graphs[(size, sampled)] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("CUDA graphs: captured %d draft graphs (batch sizes %s) in %.1f s",
-                    len(self._graphs), self.sizes, self.capture_seconds)
+        logger.info("CUDA graphs: captured %d draft graphs (batch sizes %s, sampled %s) in "
+                    "%.1f s", len(self._graphs), self.sizes, self.modes[-1],
+                    self.capture_seconds)

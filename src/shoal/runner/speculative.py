@@ -15,15 +15,18 @@ rings and pages); the scheduler counts only anchor + accepted drafts as computed
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.model.dspark import dspark_context, dspark_draft, greedy
-from shoal.runner.draft_graphs import DraftGraphs
 from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.sampling.rng import STREAM_DRAFT, gumbel_noise, seed_to_int64
 from shoal.scheduler.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from shoal.runner.draft_graphs import DraftGraphs
 
 
 def accept_drafts(plan: StepPlan, out) -> None:
@@ -65,18 +68,29 @@ def drafts_worth_verifying(confidence: torch.Tensor, threshold: float,
     return keep.sum(dim=1).tolist()
 
 
+def draft_sampling(states: list) -> tuple[list[bool], list[float], list[int]]:
+    """Per request: whether it drafts greedily, its draft temperature and its RNG seed."""
+    temps = [s.params.temperature for s in states]
+    return ([t < GREEDY_TEMPERATURE for t in temps], [max(t, GREEDY_TEMPERATURE) for t in temps],
+            [seed_to_int64(s.seed) for s in states])
+
+
 class DraftSampler:
     """Drafts drawn from q = softmax(draft logits / T) with each request's temperature and the
     counter RNG (STREAM_DRAFT, at the drafted token's position); greedy requests draft the
-    argmax. For rejection-sampled verification, which needs q."""
+    argmax. For rejection-sampled verification, which needs q. greedy [B] bool, temperature
+    [B] fp32, seeds [B] int64 (the draft graphs pass static buffers)."""
 
-    def __init__(self, states: list, device: torch.device) -> None:
-        temps = [s.params.temperature for s in states]
-        self.greedy = torch.tensor([t < GREEDY_TEMPERATURE for t in temps], device=device)
-        self.temperature = torch.tensor([max(t, GREEDY_TEMPERATURE) for t in temps],
-                                        dtype=torch.float32, device=device)
-        self.seeds = torch.tensor([seed_to_int64(s.seed) for s in states], dtype=torch.int64,
-                                  device=device)
+    def __init__(self, greedy: torch.Tensor, temperature: torch.Tensor,
+                 seeds: torch.Tensor) -> None:
+        self.greedy, self.temperature, self.seeds = greedy, temperature, seeds
+
+    @classmethod
+    def of_states(cls, states: list, device: torch.device) -> DraftSampler:
+        greedy, temps, seeds = draft_sampling(states)
+        return cls(torch.tensor(greedy, device=device),
+                   torch.tensor(temps, dtype=torch.float32, device=device),
+                   torch.tensor(seeds, dtype=torch.int64, device=device))
 
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         z = logits.float() / self.temperature.unsqueeze(1)
@@ -96,8 +110,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     request that sampled (structured-output requests excluded: their matcher would have to
     follow the drafts), keeping the drafts the confidence rule finds worth verifying (at most
     `verify_budget` in all when > 0).
-    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification; else
-    greedy drafts go through `drafter` (the draft block's CUDA graphs) when it fits.
+    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification. The
+    draft block goes through `drafter` (its CUDA graphs) when it fits.
     Returns whether a draft block ran (no request to draft for: False)."""
     cfg = model.config
     keep, at = [], 0
@@ -124,9 +138,10 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
                        torch.tensor(keep, dtype=torch.int64, device=device))
     if not ids:
         return False
-    sampler = DraftSampler([states[r] for r in ids], device) if rejection else None
-    if sampler is None and drafter is not None and drafter.fits(len(ids)):
-        draft = drafter.draft(anchors, positions, slots)
+    sampler = DraftSampler.of_states([states[r] for r in ids], device) if rejection else None
+    if drafter is not None and drafter.fits(len(ids), sampled=rejection):
+        draft = drafter.draft(anchors, positions, slots, sampling=draft_sampling(
+            [states[r] for r in ids]) if rejection else None)
     else:
         draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
                              torch.tensor(positions, dtype=torch.int64, device=device),

@@ -90,7 +90,7 @@ def start_draft_graphs(config: EngineConfig, model: DeepseekV41, caches: KVCache
     if graphs is None or not config.runner.speculative:
         return None
     drafts = DraftGraphs(model, caches, sizes=graphs.sizes, pad_slot=memory.num_slots,
-                         use_graphs=True)
+                         use_graphs=True, sampled=config.runner.spec_verify == "rejection")
     try:
         drafts.capture()
     except RuntimeError:
