@@ -42,11 +42,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="exact: outputs identical to plain decoding; rejection: lossless "
                    "speculative sampling (same distribution, more drafts accepted)")
     p.add_argument("--spec-confidence", dest="spec_confidence", type=float, default=None,
-                   help="verify a draft only while the confidence head gives it and the "
-                   "drafts before it at least this chance of acceptance (default 0: all)")
+                   help="verify drafts while their chance of acceptance is >= this (0: all)")
     p.add_argument("--spec-verify-budget", dest="spec_verify_budget", type=int, default=None,
-                   help="verify at most this many drafts per step across the batch, those "
-                   "most likely accepted (default 0: no cap)")
+                   help="at most this many drafts verified per step, the likeliest (0: all)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
     p.add_argument("--backends", dest="backends", default=None,
                    type=lambda v: tuple(v.split(",")),
@@ -70,10 +68,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
                 "spec_confidence", "spec_verify_budget", "spec_verify", "async_scheduling",
-                "enable_prefix_caching",
-                "num_prefix_snapshots", "kv_host_memory_gb", "kv_store_path", "kv_store_ttl_days",
-                "block_size", "prefix_resume", "expert_parallel", "expert_placement",
-                "batch_invariant", "backends")
+                "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
+                "kv_store_path", "kv_store_ttl_days", "block_size", "prefix_resume",
+                "expert_parallel", "expert_placement", "batch_invariant", "backends")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
