@@ -4,6 +4,7 @@ prompt (which compiles the prefill kernels), one prompt is timed unprofiled and 
 torch.profiler, whose top kernels by device time are printed with their share of the chunk.
 
     PYTHONPATH=src python3 benchmarks/profile_prefill.py [--len 8192] [--mode full] [--out DIR]
+        [--batch-invariant]
 
 The Triton kernels run with programmatic dependent launch (ops/triton/pdl.py): each may start
 before the kernel ahead of it has finished and waits inside, so torch.profiler's per-kernel
@@ -35,10 +36,12 @@ def main() -> None:
     ap.add_argument("--mode", default="full", choices=["full", "staircase", "bounded"])
     ap.add_argument("--rows", type=int, default=40, help="kernels listed")
     ap.add_argument("--out", default="")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the batch-invariant op table (which kernels its prefill cost is in)")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", max_num_seqs=4, prefill_mode=args.mode,
               max_num_batched_tokens=args.length, max_model_len=args.length + 64,
-              cuda_graphs=False)
+              cuda_graphs=False, batch_invariant=args.batch_invariant)
     g = torch.Generator().manual_seed(0)
     prompts = [random_prompt(llm.config.model_config, args.length, g) for _ in range(3)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -58,7 +61,8 @@ def main() -> None:
     kernels = [e for e in ka if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in kernels) / 1e3
     kernels.sort(key=lambda e: -e.self_device_time_total)
-    lines = [f"==== {args.model} prefill of {args.length} tokens ({args.mode}): warm-up "
+    table = ", batch-invariant" if args.batch_invariant else ""
+    lines = [f"==== {args.model} prefill of {args.length} tokens ({args.mode}{table}): warm-up "
              f"{warm:.2f} s, wall {wall * 1e3:.1f} ms unprofiled "
              f"({args.length / wall:.0f} tok/s), kernels {total:.1f} ms ===="]
     lines.append(f"{'kernel':70s} {'ms':>9s} {'share':>6s} {'calls':>6s} {'us/call':>9s}")
@@ -70,8 +74,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
-        with open(os.path.join(args.out, f"profile_prefill_{args.mode}_{args.length}.txt"),
-                  "w") as f:
+        name = f"profile_prefill_{args.mode}_{args.length}{'_inv' if table else ''}.txt"
+        with open(os.path.join(args.out, name), "w") as f:
             f.write(text + "\n")
 
 
