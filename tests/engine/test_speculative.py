@@ -204,3 +204,90 @@ def test_rejection_verification_is_reproducible_and_exact_for_greedy(plain):
                     sampled)
     assert first == again and all(len(t) == 12 for t in first)
     assert spec.engine.stats.drafts_proposed > 0
+
+
+def _static_paths(llm: LLM) -> dict[str, int]:
+    """Put the static padded paths that CUDA graphs replay (run eagerly here, on the CPU) in the
+    runner, as start-up does on CUDA: decode / verify steps through DecodeGraphs, draft blocks
+    through DraftGraphs. Returns call counts by width / mode, filled as they run."""
+    from shoal.runner.draft_graphs import DraftGraphs
+    from shoal.runner.warmup import decode_graphs
+
+    runner = llm.engine.runner
+    graphs = decode_graphs(llm.config, runner.model, runner.caches, runner.memory,
+                           use_graphs=False)
+    drafts = DraftGraphs(runner.model, runner.caches, sizes=graphs.sizes,
+                         pad_slot=runner.memory.num_slots, use_graphs=False,
+                         sampled=llm.config.runner.spec_verify == "rejection")
+    calls = {"decode": 0, "verify": 0, "draft": 0}
+    forward, draft = graphs.forward, drafts.draft
+
+    def counted_forward(batch, patch=None):
+        calls["decode" if batch.num_tokens == batch.num_requests else "verify"] += 1
+        return forward(batch, patch)
+
+    def counted_draft(*args, **kwargs):
+        calls["draft"] += 1
+        return draft(*args, **kwargs)
+
+    graphs.forward, drafts.draft = counted_forward, counted_draft
+    runner.graphs, runner.draft_graphs = graphs, drafts
+    return calls
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+def test_static_verify_and_draft_paths_keep_outputs_identical(plain, params):
+    """What the CUDA graphs of verify steps and draft blocks compute (padded to the verify
+    width and the next batch size) gives plain decoding's tokens and logprobs."""
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    expected, ref_outs = _run(plain, prompts, params)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    calls = _static_paths(spec)
+    got, outs = _run(spec, prompts, params)
+    assert got == expected, f"seed {seed}"
+    assert calls["verify"] > 0 and calls["draft"] > 0, calls
+    if params.logprobs:
+        for a, b in zip(outs, ref_outs, strict=True):
+            assert [list(d) for d in a.outputs[0].logprobs] == \
+                [list(d) for d in b.outputs[0].logprobs]
+
+
+def test_static_verify_path_with_accepted_drafts(plain, monkeypatch):
+    """Oracle drafts (plain decoding's own tokens) through the static verify path: accepted,
+    fewer steps, the same tokens."""
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    params = PARAMS[0]
+    expected, _ = _run(plain, prompts, params)
+    k = TINY.dspark_draft_len
+
+    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
+        for item in plan.scheduled:
+            tokens = out.sampled_token_ids.get(item.request_id)
+            if item.sample and tokens:
+                done = list(rows[item.request_id].output_token_ids) + tokens
+                future = expected[int(item.request_id)][len(done): len(done) + k]
+                if future:
+                    out.spec_token_ids[item.request_id] = future
+
+    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    spec = LLM("tiny", speculative=True, **OPTS)
+    calls = _static_paths(spec)
+    got, _ = _run(spec, prompts, params)
+    assert got == expected, f"seed {seed}"
+    assert calls["verify"] > 0 and spec.engine.stats.drafts_accepted > 0, calls
+
+
+def test_static_sampled_drafts_are_reproducible(plain):
+    """spec_verify='rejection' with the sampled draft graphs' static path: greedy requests keep
+    plain decoding's tokens, sampled ones are the same run to run."""
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    expected, _ = _run(plain, prompts, PARAMS[0])
+    spec = LLM("tiny", speculative=True, spec_verify="rejection", **OPTS)
+    calls = _static_paths(spec)
+    assert _run(spec, prompts, PARAMS[0])[0] == expected, f"seed {seed}"
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    assert _run(spec, prompts, sampled)[0] == _run(spec, prompts, sampled)[0]
+    assert calls["draft"] > 0, calls
