@@ -35,7 +35,7 @@ from shoal.model.batch import ForwardBatch, RequestChunk
 from shoal.model.config import ModelConfig
 from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.state import KVCaches
-from shoal.runner.inflight import TokenPatch
+from shoal.runner.inflight import TokenPatch, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +260,8 @@ class DecodeGraphs:
         if dst is None:  # decode: static row r is request r, each its logits row
             return ForwardOutput(out.logits[:n],
                                  None if out.captures is None else out.captures[:n])
-        dst = dst.to(self.device, non_blocking=True)
-        rows = dst if batch.logits_rows is None else dst[batch.logits_rows.to(self.device)]
+        rows = dst if batch.logits_rows is None else dst[batch.logits_rows]  # (host tensors)
+        rows, dst = (to_device(r, self.device) for r in (rows, dst))
         return ForwardOutput(out.logits.index_select(0, rows),
                              None if out.captures is None else out.captures.index_select(0, dst))
 
