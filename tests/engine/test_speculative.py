@@ -32,6 +32,26 @@ def _run(llm: LLM, prompts, params):
     return [o.outputs[0].token_ids for o in outs], outs
 
 
+def _oracle(futures, wrong_at: int | None = None):
+    """A `propose_drafts` stand-in: a sampling request with n tokens so far drafts
+    futures[request][n: n + k] (k the draft length), made wrong at index `wrong_at`."""
+    k = TINY.dspark_draft_len
+
+    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
+        for item in plan.scheduled:
+            tokens = out.sampled_token_ids.get(item.request_id)
+            if not item.sample or not tokens:
+                continue
+            done = len(rows[item.request_id].output_token_ids) + len(tokens)
+            future = list(futures[int(item.request_id)][done: done + k])
+            if wrong_at is not None and len(future) > wrong_at:
+                future[wrong_at] = (future[wrong_at] + 1) % TINY.vocab_size
+            if future:
+                out.spec_token_ids[item.request_id] = future
+
+    return oracle
+
+
 @pytest.fixture(scope="module")
 def plain() -> LLM:
     return LLM("tiny", **OPTS)
@@ -57,23 +77,9 @@ def test_oracle_drafts_are_accepted_and_save_steps(plain, params, wrong_at, monk
     seed = random.randrange(1 << 30)
     prompts = _prompts(seed)
     expected, _ = _run(plain, prompts, params)
-    k = TINY.dspark_draft_len
     plain_steps = LLM("tiny", **OPTS)
     _run(plain_steps, prompts, params)
-
-    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
-        for item in plan.scheduled:
-            tokens = out.sampled_token_ids.get(item.request_id)
-            if not item.sample or not tokens:
-                continue
-            done = list(rows[item.request_id].output_token_ids) + tokens
-            future = expected[int(item.request_id)][len(done): len(done) + k]
-            if wrong_at is not None and len(future) > wrong_at:
-                future[wrong_at] = (future[wrong_at] + 1) % TINY.vocab_size
-            if future:
-                out.spec_token_ids[item.request_id] = future
-
-    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    monkeypatch.setattr(runner_mod, "propose_drafts", _oracle(expected, wrong_at))
     spec = LLM("tiny", speculative=True, **OPTS)
     got, _ = _run(spec, prompts, params)
     assert got == expected, f"seed {seed}"
@@ -120,18 +126,7 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
         params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
                                  stop_token_ids=[seq[3]]) for seq in long]
     expected, _ = _run(plain, prompts, params)
-    k = TINY.dspark_draft_len
-
-    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
-        for item in plan.scheduled:
-            tokens = out.sampled_token_ids.get(item.request_id)
-            if item.sample and tokens:
-                done = len(rows[item.request_id].output_token_ids) + len(tokens)
-                future = long[int(item.request_id)][done: done + k]
-                if future:
-                    out.spec_token_ids[item.request_id] = future
-
-    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    monkeypatch.setattr(runner_mod, "propose_drafts", _oracle(long))
     spec = LLM("tiny", speculative=True, **OPTS)
     got, outs = _run(spec, prompts, params)
     assert got == expected
@@ -260,18 +255,7 @@ def test_static_verify_path_with_accepted_drafts(plain, monkeypatch):
     prompts = _prompts(seed)
     params = PARAMS[0]
     expected, _ = _run(plain, prompts, params)
-    k = TINY.dspark_draft_len
-
-    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
-        for item in plan.scheduled:
-            tokens = out.sampled_token_ids.get(item.request_id)
-            if item.sample and tokens:
-                done = list(rows[item.request_id].output_token_ids) + tokens
-                future = expected[int(item.request_id)][len(done): len(done) + k]
-                if future:
-                    out.spec_token_ids[item.request_id] = future
-
-    monkeypatch.setattr(runner_mod, "propose_drafts", oracle)
+    monkeypatch.setattr(runner_mod, "propose_drafts", _oracle(expected))
     spec = LLM("tiny", speculative=True, **OPTS)
     calls = _static_paths(spec)
     got, _ = _run(spec, prompts, params)

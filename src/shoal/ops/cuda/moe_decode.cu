@@ -234,6 +234,43 @@ struct Stage {
     }
 };
 
+// A lane's share of its CTA, the same in both tilings: the tile (expert, routed rows), the
+// lane's coordinates, the first output column of its warp, and its two weight rows (tile 0 and
+// tile 1 below; row 0 stands in past N) with their largest block scales and their bytes and
+// scales of block t.
+struct Lane {
+    Tile tile;
+    int g, t, n_base, NW, smax0, smax1;
+    int64_t e;
+    const uint8_t *pw0, *pw1, *ps0, *ps1;
+};
+
+// Stages the LUT in shared memory and finds the tile (find_tile's barrier: every thread comes
+// here); false when the CTA has no tile or the warp's columns are past N.
+template <bool SWIGLU>
+__device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
+                                        const int* counts, const uint8_t* w, const uint8_t* ws,
+                                        const int* wmax, int N, int E, int K) {
+    if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
+    L.tile = find_tile(counts, E, blockIdx.y);
+    if (L.tile.expert < 0) return false;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    L.g = g, L.t = lane % 4;
+    L.NW = SWIGLU ? 2 * N : N;
+    const int nb = (blockIdx.x * WARPS + warp) * (SWIGLU ? 8 : 16);
+    L.n_base = nb;
+    if (nb >= N) return false;
+    L.e = L.tile.expert;
+    const int c0 = nb + g, c1 = SWIGLU ? N + nb + g : nb + 8 + g;
+    const bool ok0 = (SWIGLU ? nb + g : c0) < N, ok1 = (SWIGLU ? nb + g : c1) < N;
+    const int64_t w0 = L.e * L.NW + (ok0 ? c0 : 0), w1 = L.e * L.NW + (ok1 ? c1 : 0);
+    L.smax0 = wmax[w0], L.smax1 = wmax[w1];
+    L.pw0 = w + w0 * (K / 2) + 16 * L.t, L.pw1 = w + w1 * (K / 2) + 16 * L.t;
+    L.ps0 = ws + w0 * (K / 32) + L.t, L.ps1 = ws + w1 * (K / 32) + L.t;
+    return true;
+}
+
 // a [*, K] e4m3 (folded) with row scales a_scale [*]; rows of the tile read a row arow[r]
 // (GATHER: the token of routed row r) else r. w [E, NW, K/2] packed e2m1 (low nibble = even
 // k), ws [E, NW, K/32] UE8M0, wmax [E, NW] int32 (each row's largest block scale).
@@ -248,21 +285,11 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
                          const int* __restrict__ counts, int N, int E, int K, float limit,
                          bool gather) {
     __shared__ uint2 lut[LUT_ROWS];
-    if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
-    Tile tile = find_tile(counts, E, blockIdx.y);
-    if (tile.expert < 0) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int NW = SWIGLU ? 2 * N : N;
-    const int n_base = (blockIdx.x * WARPS + warp) * (SWIGLU ? 8 : 16);
-    if (n_base >= N) return;
-    // weight rows of the lane's two B columns (tile 0 and tile 1)
-    const int64_t e = tile.expert;
-    int c0 = n_base + g, c1 = SWIGLU ? N + n_base + g : n_base + 8 + g;
-    const bool ok0 = (SWIGLU ? n_base + g : c0) < N, ok1 = (SWIGLU ? n_base + g : c1) < N;
-    const int64_t w0 = e * NW + (ok0 ? c0 : 0), w1 = e * NW + (ok1 ? c1 : 0);
-    const int KB = K / 32;
-    const int smax0 = wmax[w0], smax1 = wmax[w1];
+    Lane L;
+    if (!lane_of<SWIGLU>(L, lut, lut_g, counts, w, ws, wmax, N, E, K)) return;
+    const Tile& tile = L.tile;
+    const int g = L.g, t = L.t, n_base = L.n_base, NW = L.NW, smax0 = L.smax0, smax1 = L.smax1;
+    const int64_t e = L.e;
     // activation rows g and g + 8 of the tile
     const int r_lo = tile.row0 + g, r_hi = tile.row0 + g + 8;
     const bool v_lo = r_lo < tile.row_end, v_hi = r_hi < tile.row_end;
@@ -270,10 +297,7 @@ __device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict_
     const int64_t a_hi = v_hi ? (gather ? arow[r_hi] : r_hi) : 0;
     const uint8_t* pa_lo = a + a_lo * K + 32 * t;
     const uint8_t* pa_hi = a + a_hi * K + 32 * t;
-    const uint8_t* pw0 = w + w0 * (K / 2) + 16 * t;
-    const uint8_t* pw1 = w + w1 * (K / 2) + 16 * t;
-    const uint8_t* ps0 = ws + w0 * KB + t;
-    const uint8_t* ps1 = ws + w1 * KB + t;
+    const uint8_t *pw0 = L.pw0, *pw1 = L.pw1, *ps0 = L.ps0, *ps1 = L.ps1;
     // (the table in shared memory is visible: find_tile ends with a barrier)
 
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -355,27 +379,15 @@ __device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __rest
                              const int* __restrict__ counts, int N, int E, int K, float limit,
                              bool gather) {
     __shared__ uint2 lut[LUT_ROWS];
-    if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
-    Tile tile = find_tile(counts, E, blockIdx.y);
-    if (tile.expert < 0) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int NW = SWIGLU ? 2 * N : N;
-    const int n_base = (blockIdx.x * WARPS + warp) * (SWIGLU ? 8 : 16);
-    if (n_base >= N) return;
-    const int64_t e = tile.expert;
-    const int c0 = n_base + g, c1 = SWIGLU ? N + n_base + g : n_base + 8 + g;
-    const bool ok0 = (SWIGLU ? n_base + g : c0) < N, ok1 = (SWIGLU ? n_base + g : c1) < N;
-    const int64_t w0 = e * NW + (ok0 ? c0 : 0), w1 = e * NW + (ok1 ? c1 : 0);
-    const int KB = K / 32;
-    const int smax0 = wmax[w0], smax1 = wmax[w1];
+    Lane L;
+    if (!lane_of<SWIGLU>(L, lut, lut_g, counts, w, ws, wmax, N, E, K)) return;
+    const Tile& tile = L.tile;
+    const int g = L.g, t = L.t, n_base = L.n_base, NW = L.NW, smax0 = L.smax0, smax1 = L.smax1;
+    const int64_t e = L.e;
     const int r_act = tile.row0 + g;  // this lane's routed row (B column g)
     const int64_t a_row = r_act < tile.row_end ? (gather ? arow[r_act] : r_act) : 0;
     const uint4* pa = reinterpret_cast<const uint4*>(a + a_row * K + 32 * t);
-    const uint8_t* pw0 = w + w0 * (K / 2) + 16 * t;
-    const uint8_t* pw1 = w + w1 * (K / 2) + 16 * t;
-    const uint8_t* ps0 = ws + w0 * KB + t;
-    const uint8_t* ps1 = ws + w1 * KB + t;
+    const uint8_t *pw0 = L.pw0, *pw1 = L.pw1, *ps0 = L.ps0, *ps1 = L.ps1;
     // (the table in shared memory is visible: find_tile ends with a barrier)
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -438,7 +450,8 @@ __device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __rest
             for (int half = 0; half < 2; ++half) {
                 const int n = n_base + g + 8 * half;
                 if (n < N)
-                    out[o * N + n] = to_bf16(acc[2 * half + q] * rs * col_scale(wmax[e * NW + n]));
+                    out[o * N + n] = to_bf16(acc[2 * half + q] * rs *
+                                             col_scale(wmax[e * NW + n]));
             }
         }
     }
