@@ -81,7 +81,9 @@ def test_mixed_batch_equals_sync() -> None:
     assert greedy_tokens(engines[1], prompts[1], 8) == (tokens, text)  # stay in step)
     # a stop id that first occurs as token k: with max_tokens=k, stop must beat length
     k = next(j for j in range(2, 8) if tokens[j - 1] not in tokens[:j - 1])
-    stop_str = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+    # a 2-character stop string, from the text's second half if it has one (else its first)
+    starts = [*range(len(text) // 2, len(text) - 1), *range(1, len(text) // 2)]
+    stop_str = next(text[i:i + 2] for i in starts
                     if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
     long_prompt = random_prompt(rng, OPTS["max_model_len"] - 5)
     plain = GREEDY.replace(ignore_eos=True)  # (eos cannot cut these short)
