@@ -7,7 +7,9 @@
 # 10-minute call; TEST_ARGS replaces the paths, e.g. "tests/kernels -k moe"), probe (every Triton op at real shapes, one fresh process
 # each), ops (benchmarks/bench_ops.py), moe (benchmarks/bench_moe.py --quick), profile
 # (benchmarks/profile_decode.py at batch 1 and 64; PROFILE_ARGS adds arguments), e2e (shoal bench; E2E_ARGS adds arguments),
-# invariance (scripts/probe_row_invariance.py: which fast ops change a row's bits with the batch).
+# invariance (scripts/probe_row_invariance.py: which fast ops change a row's bits with the batch),
+# spec (benchmarks/bench_spec.py; SPEC_ARGS adds arguments), startup (benchmarks/bench_startup.py:
+# a cold then a warm LLM("mini")).
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
@@ -47,6 +49,9 @@ for spec in "$@"; do
                      --out "$OUT" > /dev/null 2> "$OUT/profile_err.log" ;;
         e2e) timeout "$limit" python3 -m shoal.cli bench --plot "$OUT/bench_e2e_tpot.png" \
                  ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1 ;;
+        spec) timeout "$limit" python3 benchmarks/bench_spec.py ${SPEC_ARGS:-} \
+                  > "$OUT/spec.txt" 2>&1 ;;
+        startup) timeout "$limit" python3 benchmarks/bench_startup.py > "$OUT/startup.txt" 2>&1 ;;
         *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
     echo "$stage rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/stages.txt"
