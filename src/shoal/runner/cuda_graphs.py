@@ -209,22 +209,19 @@ class DecodeGraphs:
         start, floor = torch.zeros(size, dtype=torch.int64), torch.zeros(size, dtype=torch.int64)
         ids = torch.zeros(rows, dtype=torch.int64)
         hist[:rows] = -1
+        h[2 * cap: 2 * cap + size] = self.pad_slot
         dst = None
-        if n:
+        if n:  # (a real row's position is its request's start + its offset already)
             start[:n] = batch.chunk_start
             dst = batch.req_index * q + batch.positions - batch.chunk_start[batch.req_index]
             floor[batch.req_index] = batch.decoder_floor  # one floor per decode request
-        positions = torch.where(req < n, start[req] + offset, offset)
-        if n:
-            positions[dst] = batch.positions
             ids[dst] = batch.input_ids
             if self.n_hist:
                 hist[dst.numpy()] = batch.engram_history.numpy()
+            h[2 * cap: 2 * cap + n] = batch.slots.numpy()
+        positions = torch.where(req < n, start[req] + offset, offset)
         h[0: rows] = ids.numpy()
         h[cap: cap + rows] = positions.numpy()
-        h[2 * cap: 2 * cap + size] = self.pad_slot
-        if n:
-            h[2 * cap: 2 * cap + n] = batch.slots.numpy()
         h[3 * cap: 3 * cap + size] = start.numpy()
         h[4 * cap: 4 * cap + rows] = floor[req].numpy()
         return dst
@@ -270,8 +267,8 @@ class DecodeGraphs:
         """Capture every (size, bound) of each width, largest first, sharing one memory pool.
         Each size runs once eagerly before its first capture, at the largest bound: Triton compiles and
         autotunes there (the autotuned GEMMs' keys depend on the rows, not on the bound). A
-        smaller bound may still compile a kernel variant inside its capture (a module load,
-        legal there; none on a warm start); the log counts them. Only the pad slot and pad
+        smaller bound may still compile (or load from the disk cache) a kernel variant inside
+        its capture, which is legal there; the log counts them. Only the pad slot and pad
         block are written."""
         if not self.use_graphs:
             return

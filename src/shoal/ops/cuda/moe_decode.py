@@ -5,8 +5,8 @@
 Numerics: the Triton kernels' fold (activations and weights re-encoded relative to their row's
 largest block scale, one fp32 scale per row and weight row in the epilogue) with every 128-K
 product formed from zero and added in fp32, as the Triton FP8 tiles; the fp16 tiling
-(`DecodeMoEState(f16=True)`, written 2026-12-03, not yet run on a GPU) multiplies the same
-folded values exactly in fp16 MMAs and chains their fp32 sums over the whole K. The op is held to the
+(`DecodeMoEState(f16=True)`; its status: docs/perf/moe.md) multiplies the same folded values
+exactly in fp16 MMAs and chains their fp32 sums over the whole K. The op is held to the
 reference's MoE tolerance (`_moe_compare`); whether its bits equal the 16-row Triton tiles' is
 not established (it is not in the batch-invariant table). A row's result does not depend on the
 batch (fixed K order, no split).
