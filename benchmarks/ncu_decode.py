@@ -44,11 +44,11 @@ def workloads(only: set[str]) -> list[tuple[str, object]]:
         for t in (1, 64):
             r = bench_moe.routing(t, bench_moe.E, 10, dev)
             out.append((f"moe realistic T={t}", lambda r=r: tmoe.moe_experts(**r, **wr)))
-    if "moe_cuda" in only:  # the CUDA C++ decode kernels (MOE_DEPTH 4 and 2, activations late)
+    if "moe_cuda" in only:  # the CUDA C++ decode kernels (MOE_DEPTH 4 and 2)
         from shoal.ops.cuda import moe_decode as cmoe
         wr = bench_moe.realistic_weights(bench_moe.E, dev)
         for depth in (4, 2):
-            state = cmoe.DecodeMoEState(depth, act_ahead=False)
+            state = cmoe.DecodeMoEState(depth)
             for t in (8, 64):
                 r = bench_moe.routing(t, bench_moe.E, 10, dev)
                 out.append((f"moe cuda d{depth} T={t}",

@@ -1,4 +1,4 @@
-"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda"; both tilings) on the H200:
+"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda"; loads in flight 1 and 2) on the H200:
 within the op's tolerance of the reference at mini's expert shapes (the conformance suite runs
 the registry's cases too), a token's bits the same alone and in a batch, and the op captured in
 a CUDA graph replays the eager result."""
@@ -25,14 +25,14 @@ def _inputs(t: int, e: int = 16, d: int = 5120, inter: int = 2304, k: int = 6, s
                 w2_scale=s2, limit=10.0)
 
 
-@pytest.mark.parametrize("f16", [False, True], ids=["fp8", "f16"])
-def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(f16: bool) -> None:
+@pytest.mark.parametrize("depth", [1, 2])
+def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(depth: int) -> None:
     from shoal.ops.cuda import moe_decode
     from shoal.ops.reference.moe import _moe_compare, moe_mxfp4
     from shoal.ops.registry import load_backends
 
     load_backends()
-    state = moe_decode.DecodeMoEState(f16=f16)
+    state = moe_decode.DecodeMoEState(depth)
     kw = _inputs(64)
     assert moe_decode._supports(**kw)
     whole = moe_decode.moe_mxfp4(**kw, state=state)
@@ -43,11 +43,10 @@ def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(f16: bool) ->
         assert torch.equal(got.view(torch.int32), whole[rows].view(torch.int32)), rows
 
 
-@pytest.mark.parametrize("f16", [False, True], ids=["fp8", "f16"])
-def test_graph_replay_equals_eager(f16: bool) -> None:
+def test_graph_replay_equals_eager() -> None:
     from shoal.ops.cuda import moe_decode
 
-    state = moe_decode.DecodeMoEState(f16=f16)
+    state = moe_decode.DecodeMoEState()
     kw = _inputs(8, seed=3)
     want = moe_decode.moe_mxfp4(**kw, state=state)
     stream = torch.cuda.Stream()

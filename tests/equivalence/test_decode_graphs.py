@@ -20,12 +20,12 @@ import torch
 from shoal.checkpoint.writer import generate_weights
 from shoal.model.batch import RequestChunk, build_forward_batch
 from shoal.model.deepseek_v41 import DeepseekV41
+from shoal.model.dspark import dspark_context, dspark_draft, greedy
 from shoal.model.engram_hash import token_map_for
 from shoal.model.params import ModelParams
 from shoal.model.presets import TINY
 from shoal.model.state import KVCaches
 from shoal.ops.registry import resolve_ops
-from shoal.model.dspark import dspark_context, dspark_draft, greedy
 from shoal.runner.cuda_graphs import (
     DecodeGraphs,
     batch_sizes,

@@ -133,14 +133,17 @@ def _encode_blocks(g: Tensor, s: Tensor) -> Tensor:
     return pack_fp4(e2m1_encode(v).flatten(-2))
 
 
-# e2m1 value pair of each packed byte (low nibble first), from e2m1_decode itself: one lookup
-# instead of the elementwise decode, same bits.
+# e2m1 value pair of each packed byte (low nibble first), from e2m1_decode itself: on the CPU one
+# lookup instead of the elementwise decode, same bits.
 _BYTE_PAIRS = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
 
 
 def _decode_blocks(packed: Tensor, s: Tensor, block: int, dtype: torch.dtype) -> Tensor:
     """packed [..., K // 2] and fp32 scales [..., K // block] -> values [..., K] of ``dtype``."""
-    values = _BYTE_PAIRS.to(packed.device)[packed.long()].flatten(-2)
+    if packed.is_cpu:
+        values = _BYTE_PAIRS[packed.long()].flatten(-2)
+    else:  # a host table would be a copy, which a CUDA graph capture refuses
+        values = e2m1_decode(unpack_fp4(packed))
     return (blocked(values, block) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 

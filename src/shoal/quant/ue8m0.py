@@ -93,16 +93,19 @@ def ue8m0_decode(e: Tensor) -> Tensor:
     """
     if e.dtype != torch.uint8:
         raise ValueError(f"ue8m0_decode: e.dtype must be torch.uint8, got {e.dtype}")
-    return _UE8M0_VALUES.to(e.device)[e.long()]
+    if e.is_cpu:
+        return _UE8M0_VALUES[e.long()]
+    # elsewhere from the bits: a host table would be a copy, which a CUDA graph capture refuses
+    return _decode_by_bits(e)
 
 
 def _decode_by_bits(e: Tensor) -> Tensor:
-    """ue8m0_decode from the bit layout: builds the lookup table that ue8m0_decode indexes."""
+    """ue8m0_decode from the bit layout (the CPU lookup table is built from it)."""
     field = e.to(torch.int32)
     bits = torch.where(field == 0, torch.full_like(field, 1 << 22), field << 23)
     out = bits.view(torch.float32)
     return torch.where(field == UE8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
-# fp32 value of every UE8M0 byte: one lookup instead of four elementwise ops (same bits)
+# fp32 value of every UE8M0 byte: on the CPU one lookup instead of four elementwise ops (same bits)
 _UE8M0_VALUES = _decode_by_bits(torch.arange(256, dtype=torch.uint8))

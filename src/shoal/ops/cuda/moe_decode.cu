@@ -1,27 +1,30 @@
 // Decode MoE grouped GEMM, W4A8 (FP4 e2m1 weights with UE8M0 block scales, folded FP8 e4m3
-// activations) on mma.sync (sm_89+). See moe_decode.py for the contract. Two tilings, chosen
-// at compile time: FP8 m16n8k32 (below) and, with MOE_F16, fp16 m16n8k16 (see moe_tile_f16).
+// activations) on fp16 mma.sync m16n8k16 (sm_89+). See moe_decode.py for the contract.
 //
-// One CTA = one 16-row tile of one expert's routed rows x 4 warps x 16 weight rows per warp.
-// Each warp runs two m16n8 tiles over the whole K: tile 0 and tile 1 are weight rows
-// [w0, w0 + 8) and [w1, w1 + 8) (w13 with SWIGLU: gate row n and up row N + n of the same
-// output columns; w2: columns n and n + 8).
+// sm_90 has no FP8 mma.sync (an m16n8k32 e4m3 MMA is lowered to two fp16 HMMAs with eight
+// operand conversions and four adds), so the MMAs are fp16, with the roles swapped: A (m = 16)
+// is a warp's 16 weight rows, B (n = 8) an 8-row tile of one expert's routed rows.
 //
-// K layout. Per 128-K chunk, lane (g = lane / 4, t = lane % 4) loads 16 bytes of weight row
-// (w + g): the 32 codes of 32-block t of the chunk, and 32 activation bytes of rows g and g + 8
-// (the same block). MMA i (i = 0..3) of the chunk gives the lane's k slots {4t..4t+3} the codes
-// 8i..8i+3 of its block and slots {16+4t..16+4t+3} the codes 8i+4..8i+7, on both operands, so
-// each MMA sums products of matching k; one MMA mixes the four blocks (fine: both operands are
-// folded, see below).
+// One CTA = one 8-row tile x 4 warps x 16 weight rows per warp. A warp's weight rows are two
+// groups of 8, [w0, w0 + 8) and [w1, w1 + 8) (w13 with SWIGLU: gate row n and up row N + n of
+// the same output columns; w2: columns n and n + 8).
 //
-// Folding (as the Triton kernels): activations arrive as e4m3(q * 2^(e_b - E_row)) with one
-// fp32 row scale 2^(E_row - 127); each weight code becomes e4m3(v * 2^(s_b - S_n)) through an
-// 8-byte table per shift d = S_n - s_b (prmt), S_n the row's largest block scale, applied as
-// 2^(S_n - 127) in the epilogue (NaN for S_n = 255, 0 for S_n = 0).
+// K layout. Per 128-K chunk, lane (g = lane / 4, t = lane % 4) loads 16 bytes of each of its
+// weight rows (w + g of both groups: the 32 codes of 32-block t of the chunk) and the 64
+// activation bytes (32 fp16) of routed row g, same block. MMA 2j + h of the chunk gives its k
+// slots {2t, 2t+1} the codes 8j+4h, +1 and slots {2t+8, 2t+9} the codes +2, +3 of its block on
+// both operands, so each MMA sums products of matching k; one MMA mixes the four blocks (fine:
+// both operands are folded, see below).
 //
-// Sums: each chunk's four MMAs chain from zero and the chunk's sum is added in fp32 (promotion
-// every 128 K, as the Triton FP8 kernels), in ascending K: a row's result does not depend on
-// the other rows of its tile or the batch.
+// Folding (as the Triton kernels): activations arrive as fp16 holding e4m3(q * 2^(e_b - E_row))
+// exactly, with one fp32 row scale 2^(E_row - 127); each weight code becomes
+// e4m3(v * 2^(s_b - S_n)) through an 8-byte table per shift d = S_n - s_b (prmt), then fp16
+// (cvt, exact); S_n is the row's largest block scale, applied as 2^(S_n - 127) in the epilogue
+// (NaN for S_n = 255, 0 for S_n = 0).
+//
+// Sums: fp16 MMAs accumulate in fp32, so the K chain runs straight through in ascending K; a
+// routed row's sums use only its own activations: its result does not depend on the other rows
+// of its tile or the batch.
 
 // No includes: NVRTC from PyPI ships no headers (bf16 rounding is written out below).
 typedef unsigned char uint8_t;
@@ -31,24 +34,11 @@ typedef unsigned short bf16_t;  // bfloat16 bits
 typedef long long int64_t;
 
 #define WARPS 4
-#ifndef MOE_F16
-#define MOE_F16 0  // 1: the fp16 tiling (moe_tile_f16)
-#endif
-#if MOE_F16
 #define TILE_M 8  // routed rows per tile: the MMA's n
-#else
-#define TILE_M 16  // routed rows per tile: the MMA's m
-#endif
 #define CHUNK_K 128
 #define LUT_ROWS 32
 #ifndef MOE_DEPTH
-#define MOE_DEPTH 1  // 128-K chunks of loads in flight per lane
-#endif
-#ifndef MOE_ACT_AHEAD
-#define MOE_ACT_AHEAD 0  // 1: activations loaded with their chunk's weights (see Stage)
-#endif
-#if MOE_F16 && MOE_ACT_AHEAD
-#error "MOE_F16 reads the activations when they are consumed"
+#define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane
 #endif
 
 struct Tile {
@@ -58,7 +48,7 @@ struct Tile {
 };
 
 // The (expert, first row, end row) of live tile `j` over the expert-sorted rows: experts in
-// order, ceil(count / 16) tiles each. Warp 0 scans the counts (each lane a contiguous range of
+// order, ceil(count / TILE_M) tiles each. Warp 0 scans the counts (each lane a contiguous range of
 // experts, then a warp prefix sum); expert -1 when j is past the last tile.
 __device__ Tile find_tile(const int* __restrict__ counts, int num_experts, int j) {
     __shared__ Tile found;
@@ -119,15 +109,6 @@ __device__ __forceinline__ uint32_t e2m1x4_to_e4m3(uint32_t codes, uint32_t lo, 
     return mag | sign;
 }
 
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
     asm volatile(
@@ -164,80 +145,25 @@ __device__ __forceinline__ float col_scale(int smax) {
     return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
 }
 
-// The 32 activation bytes of rows g and g + 8 (the lane's block) for one 128-K chunk. A row
-// past the tile's end reads activation row 0: an MMA row never mixes into the others, and its
-// results are not stored.
-struct Act {
-    uint4 lo[2], hi[2];
-
-    __device__ __forceinline__ void load(const uint8_t* pa_lo, const uint8_t* pa_hi, int k0) {
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-            lo[v] = __ldg(reinterpret_cast<const uint4*>(pa_lo + k0 + 16 * v));
-            hi[v] = __ldg(reinterpret_cast<const uint4*>(pa_hi + k0 + 16 * v));
-        }
-    }
-
-    // 32-bit word m (codes 4m .. 4m+3 of the block) of row g (high: row g + 8)
-    __device__ __forceinline__ uint32_t word(bool high, int m) const {
-        const uint4& q = high ? hi[m / 4] : lo[m / 4];
-        return m % 4 == 0 ? q.x : m % 4 == 1 ? q.y : m % 4 == 2 ? q.z : q.w;
-    }
-};
-
-// One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each tile's row) and
-// their block scales; with MOE_ACT_AHEAD its activations too (else they are read, mostly from
-// L1, when the chunk is consumed: fewer registers per chunk in flight).
+// One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each group's row)
+// and their block scales. The activations are read when the chunk is consumed (mostly from L1:
+// fewer registers per chunk in flight).
 struct Stage {
     uint4 b0, b1;
     int s0, s1;
-#if MOE_ACT_AHEAD
-    Act act;
-#endif
 
     __device__ __forceinline__ void load(const uint8_t* pw0, const uint8_t* pw1,
-                                         const uint8_t* ps0, const uint8_t* ps1,
-                                         const uint8_t* pa_lo, const uint8_t* pa_hi, int k0) {
+                                         const uint8_t* ps0, const uint8_t* ps1, int k0) {
         b0 = __ldg(reinterpret_cast<const uint4*>(pw0 + k0 / 2));
         b1 = __ldg(reinterpret_cast<const uint4*>(pw1 + k0 / 2));
         s0 = ps0[k0 / 32];
         s1 = ps1[k0 / 32];
-#if MOE_ACT_AHEAD
-        act.load(pa_lo, pa_hi, k0);
-#endif
-    }
-
-    // acc += this chunk's four MMAs, chained from zero (promotion every 128 K)
-    __device__ __forceinline__ void consume(float (&acc0)[4], float (&acc1)[4],
-                                            const uint2* lut, int smax0, int smax1,
-                                            const Act& a) const {
-        const uint2 l0 = lut[min(smax0 - s0, LUT_ROWS - 1)];
-        const uint2 l1 = lut[min(smax1 - s1, LUT_ROWS - 1)];
-        const uint32_t wb0[4] = {b0.x, b0.y, b0.z, b0.w}, wb1[4] = {b1.x, b1.y, b1.z, b1.w};
-        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            // a: reg 0 row g slots 4t.., reg 1 row g+8 slots 4t.., reg 2 row g slots 16+4t..,
-            // reg 3 row g+8 slots 16+4t..: codes 8i..8i+3 then 8i+4..8i+7 of the lane's block
-            const uint32_t af[4] = {a.word(false, 2 * i), a.word(true, 2 * i),
-                                    a.word(false, 2 * i + 1), a.word(true, 2 * i + 1)};
-            mma_e4m3(p0, af, e2m1x4_to_e4m3(wb0[i], l0.x, l0.y),
-                     e2m1x4_to_e4m3(wb0[i] >> 16, l0.x, l0.y));
-            mma_e4m3(p1, af, e2m1x4_to_e4m3(wb1[i], l1.x, l1.y),
-                     e2m1x4_to_e4m3(wb1[i] >> 16, l1.x, l1.y));
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            acc0[j] += p0[j];
-            acc1[j] += p1[j];
-        }
     }
 };
 
-// A lane's share of its CTA, the same in both tilings: the tile (expert, routed rows), the
-// lane's coordinates, the first output column of its warp, and its two weight rows (tile 0 and
-// tile 1 below; row 0 stands in past N) with their largest block scales and their bytes and
-// scales of block t.
+// A lane's share of its CTA: the tile (expert, routed rows), the lane's coordinates, the first
+// output column of its warp, and its two weight rows (one per group; row 0 stands in past N)
+// with their largest block scales and their bytes and scales of block t.
 struct Lane {
     Tile tile;
     int g, t, n_base, NW, smax0, smax1;
@@ -271,113 +197,21 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
     return true;
 }
 
-// a [*, K] e4m3 (folded) with row scales a_scale [*]; rows of the tile read a row arow[r]
-// (GATHER: the token of routed row r) else r. w [E, NW, K/2] packed e2m1 (low nibble = even
-// k), ws [E, NW, K/32] UE8M0, wmax [E, NW] int32 (each row's largest block scale).
-// SWIGLU: NW = 2N, out[r, n] = bf16(rw[r] * silu(min(g, L)) * clamp(u, -L, L)), g and u the
-// bf16-rounded sums of rows n and N + n; else NW = N, out[orow[r], n] = bf16(sum).
+// a [*, K] fp16 (folded e4m3 values) with row scales a_scale [*]; rows of the tile read a row
+// arow[r] (GATHER: the token of routed row r) else r; a row past the tile's end reads row 0 (an
+// MMA column never mixes into the others, and its results are not stored). w [E, NW, K/2]
+// packed e2m1 (low nibble = even k), ws [E, NW, K/32] UE8M0, wmax [E, NW] int32 (each row's
+// largest block scale). SWIGLU: NW = 2N, out[r, n] = bf16(rw[r] * silu(min(g, L)) *
+// clamp(u, -L, L)), g and u the bf16-rounded sums of rows n and N + n; else NW = N,
+// out[orow[r], n] = bf16(sum). acc[c]: weight row g (c < 2) or g + 8, routed row 2t + (c & 1).
 template <bool SWIGLU>
-__device__ void moe_tile(const uint8_t* __restrict__ a, const float* __restrict__ a_scale,
+__device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict__ a_scale,
                          const int* __restrict__ arow, bf16_t* __restrict__ out,
                          const int* __restrict__ orow, const float* __restrict__ rw,
                          const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
                          const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
                          const int* __restrict__ counts, int N, int E, int K, float limit,
                          bool gather) {
-    __shared__ uint2 lut[LUT_ROWS];
-    Lane L;
-    if (!lane_of<SWIGLU>(L, lut, lut_g, counts, w, ws, wmax, N, E, K)) return;
-    const Tile& tile = L.tile;
-    const int g = L.g, t = L.t, n_base = L.n_base, NW = L.NW, smax0 = L.smax0, smax1 = L.smax1;
-    const int64_t e = L.e;
-    // activation rows g and g + 8 of the tile
-    const int r_lo = tile.row0 + g, r_hi = tile.row0 + g + 8;
-    const bool v_lo = r_lo < tile.row_end, v_hi = r_hi < tile.row_end;
-    const int64_t a_lo = v_lo ? (gather ? arow[r_lo] : r_lo) : 0;
-    const int64_t a_hi = v_hi ? (gather ? arow[r_hi] : r_hi) : 0;
-    const uint8_t* pa_lo = a + a_lo * K + 32 * t;
-    const uint8_t* pa_hi = a + a_hi * K + 32 * t;
-    const uint8_t *pw0 = L.pw0, *pw1 = L.pw1, *ps0 = L.ps0, *ps1 = L.ps1;
-    // (the table in shared memory is visible: find_tile ends with a barrier)
-
-    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-    // MOE_DEPTH chunks in flight: a stage is reloaded with chunk c + MOE_DEPTH right after
-    // chunk c is consumed (the sums still run in ascending K)
-    Stage st[MOE_DEPTH];
-#pragma unroll
-    for (int s = 0; s < MOE_DEPTH; ++s)
-        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, s * CHUNK_K);
-    for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
-#pragma unroll
-        for (int s = 0; s < MOE_DEPTH; ++s) {
-            const int kc = k0 + s * CHUNK_K;
-            if (kc < K) {
-#if MOE_ACT_AHEAD
-                st[s].consume(acc0, acc1, lut, smax0, smax1, st[s].act);
-#else
-                Act a;
-                a.load(pa_lo, pa_hi, kc);
-                st[s].consume(acc0, acc1, lut, smax0, smax1, a);
-#endif
-                const int kn = kc + MOE_DEPTH * CHUNK_K;
-                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, pa_lo, pa_hi, kn);
-            }
-        }
-    }
-
-    // epilogue: acc[j] is row g (j < 2) or g + 8, column 2t + (j & 1) of the tile
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half ? r_hi : r_lo;
-        if (!(half ? v_hi : v_lo)) continue;
-        const float rs = a_scale[half ? a_hi : a_lo];
-        const int n = n_base + 2 * t;
-        if (SWIGLU) {
-            if (n >= N) continue;
-            float h[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float cg = col_scale(wmax[e * NW + n + q]);
-                const float cu = col_scale(wmax[e * NW + N + n + q]);
-                float gg = fminf(bf16_round(acc0[2 * half + q] * rs * cg), limit);
-                float uu = fminf(fmaxf(bf16_round(acc1[2 * half + q] * rs * cu), -limit), limit);
-                h[q] = rw[r] * (gg / (1.0f + expf(-gg)) * uu);
-            }
-            store_bf16x2(out + (int64_t)r * N + n, h[0], h[1]);
-        } else {
-            const int64_t o = orow[r];
-#pragma unroll
-            for (int tl = 0; tl < 2; ++tl) {
-                const int nn = n + 8 * tl;
-                if (nn >= N) continue;
-                const float* acc = tl ? acc1 : acc0;
-                const float y0 = acc[2 * half] * rs * col_scale(wmax[e * NW + nn]);
-                const float y1 = acc[2 * half + 1] * rs * col_scale(wmax[e * NW + nn + 1]);
-                store_bf16x2(out + o * N + nn, y0, y1);
-            }
-        }
-    }
-}
-
-// The fp16 tiling (MOE_F16). sm_90 has no FP8 mma.sync (each m16n8k32 above becomes two
-// fp16 HMMAs with eight operand conversions and four adds), so: the weights' e4m3 bytes are
-// widened once (cvt e4m3x2 -> f16x2, exact), the activations arrive as fp16 (the folded e4m3
-// values, exact), and the roles swap: the MMA's A (m = 16) is the warp's two groups of 8
-// weight rows (the rows of tile 0 and tile 1 above), its B (n = 8) an 8-row tile of routed
-// rows. Lane (g, t) converts the same 16 weight bytes per row as above and loads the 64
-// activation bytes of routed row g (block t); MMA 2j + h of a chunk gives its k slots
-// {2t, 2t+1} codes 8j+4h, +1 and {2t+8, 2t+9} codes +2, +3 of its block on both operands.
-// fp16 MMAs accumulate in fp32, so the K chain runs straight through (no promotion); a routed
-// row's sums use only its own activations (same bits in any batch). acc[c]: weight row g
-// (c < 2) or g + 8, routed row 2t + (c & 1).
-template <bool SWIGLU>
-__device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __restrict__ a_scale,
-                             const int* __restrict__ arow, bf16_t* __restrict__ out,
-                             const int* __restrict__ orow, const float* __restrict__ rw,
-                             const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-                             const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
-                             const int* __restrict__ counts, int N, int E, int K, float limit,
-                             bool gather) {
     __shared__ uint2 lut[LUT_ROWS];
     Lane L;
     if (!lane_of<SWIGLU>(L, lut, lut_g, counts, w, ws, wmax, N, E, K)) return;
@@ -394,7 +228,7 @@ __device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __rest
     Stage st[MOE_DEPTH];
 #pragma unroll
     for (int s = 0; s < MOE_DEPTH; ++s)
-        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, nullptr, nullptr, s * CHUNK_K);
+        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, s * CHUNK_K);
     for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
 #pragma unroll
         for (int s = 0; s < MOE_DEPTH; ++s) {
@@ -425,7 +259,7 @@ __device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __rest
                     }
                 }
                 const int kn = kc + MOE_DEPTH * CHUNK_K;
-                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, nullptr, nullptr, kn);
+                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, kn);
             }
         }
     }
@@ -457,26 +291,18 @@ __device__ void moe_tile_f16(const uint16_t* __restrict__ a, const float* __rest
     }
 }
 
-#if MOE_F16
-#define MOE_TILE moe_tile_f16
-typedef uint16_t act_t;  // fp16 bits
-#else
-#define MOE_TILE moe_tile
-typedef uint8_t act_t;  // e4m3
-#endif
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w13_decode(const act_t* a, const float* a_scale, const int* arow, bf16_t* out,
+moe_w13_decode(const uint16_t* a, const float* a_scale, const int* arow, bf16_t* out,
                const float* rw, const uint8_t* w, const uint8_t* ws, const int* wmax,
                const uint2* lut, const int* counts, int N, int E, int K, float limit) {
-    MOE_TILE<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
+    moe_tile<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
                    true);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w2_decode(const act_t* a, const float* a_scale, bf16_t* out, const int* orow,
+moe_w2_decode(const uint16_t* a, const float* a_scale, bf16_t* out, const int* orow,
               const uint8_t* w, const uint8_t* ws, const int* wmax, const uint2* lut,
               const int* counts, int N, int E, int K) {
-    MOE_TILE<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
+    moe_tile<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
                     0.f, false);
 }

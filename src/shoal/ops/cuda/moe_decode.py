@@ -1,17 +1,17 @@
 """CUDA decode MoE: `moe_mxfp4` (backend "cuda") with its two grouped GEMMs in CUDA C++
-(moe_decode.cu, FP8 mma.sync m16n8k32, compiled by NVRTC) and the rest of the Triton pipeline
-(routing, the folded activation quantiser, the combine: ops/triton/moe.py).
+(moe_decode.cu, fp16 mma.sync m16n8k16 over 8-row tiles of routed rows, compiled by NVRTC) and
+the rest of the Triton pipeline (routing, the folded activation quantiser, the combine:
+ops/triton/moe.py).
 
 Numerics: the Triton kernels' fold (activations and weights re-encoded relative to their row's
-largest block scale, one fp32 scale per row and weight row in the epilogue) with every 128-K
-product formed from zero and added in fp32, as the Triton FP8 tiles; the fp16 tiling
-(`DecodeMoEState(f16=True)`; its status: docs/perf/moe.md) multiplies the same folded values
-exactly in fp16 MMAs and chains their fp32 sums over the whole K. The op is held to the
-reference's MoE tolerance (`_moe_compare`); whether its bits equal the 16-row Triton tiles' is
-not established (it is not in the batch-invariant table). A row's result does not depend on the
-batch (fixed K order, no split).
+largest block scale, one fp32 scale per row and weight row in the epilogue); the folded e4m3
+values are multiplied exactly in fp16 MMAs and their fp32 sums chain over the whole K. The op
+is held to the reference's MoE tolerance (`_moe_compare`); its bits are not the 16-row Triton
+tiles' (it is not in the batch-invariant table). A row's result does not depend on the batch
+(fixed K order, no split).
 
-Layouts and the lane mapping: the comment at the top of moe_decode.cu.
+Layouts and the lane mapping: the comment at the top of moe_decode.cu; measurements:
+docs/perf/moe.md.
 """
 
 from __future__ import annotations
@@ -28,32 +28,26 @@ from shoal.ops.triton.fp4_tiles import lut_table
 from shoal.ops.triton.moe import _combine, _quant_folded, empty_result
 from shoal.ops.triton.moe_route import route
 
-TILE_M, THREADS, CHUNK_K, LUT_ROWS = 16, 128, 128, 32
+TILE_M, THREADS, CHUNK_K, LUT_ROWS = 8, 128, 128, 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
-DEPTH = 1  # chunks in flight per lane: 1 to 4 measured within 8% (docs/perf/moe.md)
+DEPTH = 2  # 128-K chunks of weight loads in flight per lane (docs/perf/moe.md)
 
 
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
-    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: 128-K
-    chunks of loads in flight per lane; act_ahead: activations loaded with them; f16: the fp16
-    tiling (the kernel's MOE_DEPTH, MOE_ACT_AHEAD and MOE_F16; benchmarks sweep them)."""
+    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: the kernel's
+    MOE_DEPTH (benchmarks sweep it)."""
 
-    def __init__(self, depth: int = DEPTH, act_ahead: bool = False, f16: bool = False) -> None:
-        if f16 and act_ahead:
-            raise ValueError("DecodeMoEState: the fp16 tiling reads activations when consumed")
-        self.depth, self.act_ahead, self.f16 = depth, act_ahead, f16
-        self.tile_rows = 8 if f16 else TILE_M
+    def __init__(self, depth: int = DEPTH) -> None:
+        self.depth = depth
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_ACT_AHEAD={int(self.act_ahead)}",
-                       f"-DMOE_F16={int(self.f16)}")
-            cubin = compile_file("moe_decode.cu", options=options).cubin
+            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",)).cubin
             self._module = Module(cubin, device)
         return self._module
 
@@ -100,17 +94,15 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
     tok, orow, rw, counts = route(ids, weights, e)
     rows = t * k
-    m_tiles = triton.cdiv(rows, state.tile_rows) + min(e, rows)
+    m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
     xq, xs = _quant_folded(x)
-    if state.f16:  # the folded e4m3 values as fp16 (exact)
-        xq = xq.to(torch.float16)
+    xq = xq.to(torch.float16)  # the folded e4m3 values as fp16 (exact)
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w13_decode")((triton.cdiv(inter, W13_COLUMNS), m_tiles), (THREADS,),
                                     xq, xs, tok, h, rw, w13, s13, state.row_max(s13), lut,
                                     counts, inter, e, d, float(limit))
     hq, hs = _quant_folded(h)
-    if state.f16:
-        hq = hq.to(torch.float16)
+    hq = hq.to(torch.float16)
     y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w2_decode")((triton.cdiv(d, W2_COLUMNS), m_tiles), (THREADS,),
                                    hq, hs, y, orow, w2, s2, state.row_max(s2), lut, counts,
