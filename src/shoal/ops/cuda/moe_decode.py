@@ -16,14 +16,13 @@ docs/perf/moe.md.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 
 from shoal.ops.cuda.driver import Module
 from shoal.ops.cuda.nvrtc import available, compile_file
 from shoal.ops.registry import REGISTRY
+from shoal.ops.tensor_memo import TensorMemo
 from shoal.ops.triton.fp4_tiles import lut_table
 from shoal.ops.triton.moe import _combine, _quant_folded, empty_result
 from shoal.ops.triton.moe_route import route
@@ -43,7 +42,7 @@ class DecodeMoEState:
         self.depth = depth
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
-        self._wmax: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._wmax = TensorMemo()
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
@@ -57,14 +56,8 @@ class DecodeMoEState:
         return self._lut
 
     def row_max(self, scale: torch.Tensor) -> torch.Tensor:
-        key = id(scale)
-        hit = self._wmax.get(key)
-        if hit is not None and hit[0]() is scale and hit[1] == scale._version:
-            return hit[2]
-        wmax = scale.amax(dim=-1).to(torch.int32).contiguous()
-        self._wmax[key] = (weakref.ref(scale), scale._version, wmax)
-        weakref.finalize(scale, self._wmax.pop, key, None)
-        return wmax
+        return self._wmax.get((scale,), "row_max",
+                              lambda: scale.amax(dim=-1).to(torch.int32).contiguous())
 
 
 def _supports(*, x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -20,7 +20,6 @@ resolution.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
+from shoal.ops.tensor_memo import TensorMemo
 from shoal.ops.triton.act_quant import act_quant
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.gemm_nt import gemm_nt, supports_nt
@@ -47,12 +47,11 @@ class PreparedFP8Weight:
     """Load-time re-encoding of a 32x32-block FP8 weight.
 
     codes [N, K] float8_e4m3fn (each block shifted to its 32-row block's largest exponent);
-    col_scale [N] fp32 = 2^(E[n // 32] - 127). `source_version` guards against in-place reloads.
+    col_scale [N] fp32 = 2^(E[n // 32] - 127).
     """
 
     codes: torch.Tensor
     col_scale: torch.Tensor
-    source_version: int
 
 
 def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -69,7 +68,7 @@ def prepare_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
     codes = (weight.float() * factor[:n, :k]).to(torch.float8_e4m3fn).contiguous()
     col = torch.exp2((top.squeeze(1) - 127).float()).repeat_interleave(block)[:n]
     col = torch.where(top.squeeze(1).repeat_interleave(block)[:n] == 255, torch.nan, col)
-    return PreparedFP8Weight(codes, col.contiguous(), weight._version)
+    return PreparedFP8Weight(codes, col.contiguous())
 
 
 # --------------------------------------------------------------------------- FP8 GEMM
@@ -80,25 +79,18 @@ DEFAULT_PROMOTE = PROMOTED
 
 
 class PreparedCache:
-    """Folded weights prepared on first use, keyed by the weight tensor's identity; an entry dies
-    with its weight (weakref finalizer) or with the cache. Not a WeakKeyDictionary: its key
-    comparison calls Tensor.__eq__, which is elementwise. Each resolved op table owns one (the
-    registry's per-table `state`), so nothing is shared between engines; the folded copies
-    take about the size of the FP8 dense weights."""
+    """Folded weights prepared on first use (`TensorMemo`: an entry lives while its weight and
+    scale are the same unchanged tensors). Each resolved op table owns one (the registry's
+    per-table `state`), so nothing is shared between engines; the folded copies take about the
+    size of the FP8 dense weights."""
 
     def __init__(self) -> None:
-        self._map: dict[int, tuple[weakref.ref, torch.Tensor, PreparedFP8Weight]] = {}
+        self._memo = TensorMemo()
 
     def get(self, weight: torch.Tensor, scale: torch.Tensor, block: int) -> PreparedFP8Weight:
-        key = id(weight)
-        hit = self._map.get(key)
-        if (hit is not None and hit[0]() is weight and hit[1] is scale
-                and hit[2].source_version == weight._version):
-            return hit[2]
-        prepared = prepare_fp8_weight(weight, scale, block)
-        self._map[key] = (weakref.ref(weight), scale, prepared)
-        weakref.finalize(weight, self._map.pop, key, None)
-        return prepared
+        return self._memo.get((weight, scale), block,
+                              lambda: prepare_fp8_weight(weight, scale, block))
+
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Promoted modes hold a second [BM, BN] fp32 tile
 # (the step's product) next to the accumulator, so their tiles keep <= 64 accumulator registers
