@@ -6,6 +6,7 @@ interrupt leaves the replicas usable; speculative decoding; uneven splits fail c
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -94,13 +95,16 @@ def test_an_interrupt_leaves_the_ranks_usable(expected) -> None:
         llm.close()
 
 
-def _exchange_rank(rank: int, world: int, port: int, rows: list[int], errors) -> None:
+def _exchange_rank(rank: int, world: int, port: int, rows: list[int], fixed: bool,
+                   errors) -> None:
+    """Case t >= 0: every rank its own t rows; t < 0: -t rows on rank 0, the others serve."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
         ops = resolve_ops("cpu", ["reference"])
-        for case, t in enumerate(rows):  # every rank makes every case; uses its own rows
-            kw = _moe_case(max(rows), 64, 32, 8, 3, shared=True).make(
+        for case, n in enumerate(rows):  # every rank makes every case; uses its own rows
+            t = abs(n)
+            kw = _moe_case(max(map(abs, rows)) * world, 64, 32, 8, 3, shared=True).make(
                 torch.Generator().manual_seed(100 + case), torch.device("cpu"))
             lo = rank * t
             args = {k: kw[k][lo:lo + t] for k in ("x", "ids", "weights", "shared")}
@@ -110,27 +114,31 @@ def _exchange_rank(rank: int, world: int, port: int, rows: list[int], errors) ->
             local = ep.local_experts(8)
             experts = {k: kw[k][local.start:local.stop]
                        for k in ("w13", "w13_scale", "w2", "w2_scale")}
-            if t or rank == 0:
-                got = ep.moe(ops, args["x"], args["ids"], args["weights"], args["shared"],
-                             experts, kw["limit"])
-                if not torch.equal(got, want):
-                    errors.put(f"rank {rank} case {case}: max diff "
-                               f"{(got.float() - want.float()).abs().max()}")
-            else:  # no tokens here: serve the others
-                ep.serve(ops, experts, kw["limit"], torch.device("cpu"))
+            with ep.fixed_exchange(t) if fixed else contextlib.nullcontext():
+                if n >= 0 or rank == 0:
+                    got = ep.moe(ops, args["x"], args["ids"], args["weights"], args["shared"],
+                                 experts, kw["limit"])
+                    if not torch.equal(got, want):
+                        errors.put(f"rank {rank} case {case}: max diff "
+                                   f"{(got.float() - want.float()).abs().max()}")
+                else:  # no tokens here: serve the others
+                    ep.serve(ops, experts, kw["limit"], torch.device("cpu"), 3)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()
 
 
-def test_the_exchange_equals_the_reference_op() -> None:
-    """Random tokens and routes on 2 ranks, each with its own rows (rank 1 with none in the
-    last case): bitwise the reference moe_mxfp4 over all 8 experts."""
+@pytest.mark.parametrize("fixed", [False, True], ids=["by-counts", "fixed"])
+def test_the_exchange_equals_the_reference_op(fixed: bool) -> None:
+    """Random tokens and routes on 2 ranks, each with its own rows (then rank 1 with none):
+    bitwise the reference moe_mxfp4 over all 8 experts, exchanging by counts or fixed sizes
+    (every rank the same number of rows, as in a CUDA graph step)."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_exchange_rank, args=(r, 2, port, [5, 1, 37, 0], errors))
+    rows = [5, 1, 37, -9] if fixed else [5, 1, 37, 0, -4]
+    procs = [ctx.Process(target=_exchange_rank, args=(r, 2, port, rows, fixed, errors))
              for r in range(2)]
     for p in procs:
         p.start()

@@ -154,6 +154,22 @@ def test_route_kernel_equals_stable_argsort(rows_k: tuple[int, int]) -> None:
     assert int(got[3].sum()) == t * k
 
 
+def test_route_puts_rows_of_no_expert_last_and_counts_them_nowhere() -> None:
+    """id E (expert parallelism's padding rows): both sorts agree, the real rows come first in
+    the same order as without the padding, and the counts are the real rows'."""
+    e, g = 16, torch.Generator().manual_seed(5)
+    real = torch.randint(0, e, (37, 1), generator=g)
+    ids = torch.cat([real, torch.full((20, 1), e)])[torch.randperm(57, generator=g)]
+    w = torch.rand(57, 1, generator=g)
+    got = troute.route(ids.to(DEV), w.to(DEV), e)
+    want = troute.route(ids.to(DEV), w.to(DEV), e, max_kernel_rows=0)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    tok, counts = got[0].cpu(), got[3].cpu()
+    assert torch.equal(counts, torch.bincount(real.flatten(), minlength=e).int())
+    assert torch.equal(tok[:37], torch.argsort(ids.flatten(), stable=True)[:37].int())
+
+
 @pytest.mark.skipif(not ON_GPU, reason="prmt inline asm needs the device")
 @pytest.mark.parametrize("variant", [None, 1, 2, 3])
 @pytest.mark.parametrize("name,configs", [("default", None), ("swap", SWAP), ("plain", PLAIN),

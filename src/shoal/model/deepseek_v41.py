@@ -130,6 +130,8 @@ class DeepseekV41:
         device = self.params["embed.weight"].device
         prefixes = [f"mtp.{s}." for s in range(self.config.num_draft_layers)] if draft else [
             f"layers.{spec.layer_id}." for spec in self.config.backbone]
+        top_k = self.config.dspark_num_experts_per_tok if draft else \
+            self.config.num_experts_per_tok
         for prefix in prefixes:
             self.ep.serve(self.ops, self.params.experts(prefix), self.config.swiglu_limit,
-                          device)
+                          device, top_k)

@@ -16,16 +16,26 @@ call routes locally, then:
    fp32, then the shared expert's output, and rounds once: the reference op's sum, so with the
    reference ops world N equals world 1 bitwise.
 
+Fixed exchange (`fixed_exchange(rows)`: CUDA graph steps, where sizes cannot come from the
+host): every rank's call has the same `rows` tokens (the agreed padded batch), and each rank sends
+every other exactly rows * k pair rows, its pairs for that rank first, then padding rows of
+local id E_local (no expert: the MoE op skips them); no counts are exchanged and nothing is read
+on the host. The owner's experts see the same rows as with the exchange by counts, so the
+outputs are the same bits; the cost is the padding's bytes (world x the pairs).
+
 Lockstep: every rank runs each engine step's forward, or, with nothing scheduled, serves the
 other ranks' rows through every MoE layer (`serve`). `join`, one all-reduce on a CPU group per
 engine step, tells each rank whether any rank still has work (then all step) and whether a
-cancel was asked (then all stop the call at the same step).
+cancel was asked (then all stop the call at the same step). With decode graphs, `agree` then
+tells each rank whether the step runs as graphs on every rank, and at which padded size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -52,6 +62,7 @@ class ExpertParallel:
         self.control = control
         self.placement = placement
         self._routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix -> copies
+        self._fixed_rows: int | None = None  # inside `fixed_exchange`
 
     @classmethod
     def from_process_group(cls, device: torch.device, placement: str | None = None
@@ -105,6 +116,24 @@ class ExpertParallel:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flags[0]), bool(flags[1])
 
+    def agree(self, rows: int) -> int:
+        """Every rank, once per step with decode graphs: `rows` its graph's padded batch size
+        (0: nothing to run, -1: an eager step). Returns -1 when any rank runs eagerly (then all
+        do, exchanging by counts), else the largest size (0: no rank runs a forward)."""
+        flags = torch.tensor([int(rows < 0), max(rows, 0)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        return -1 if flags[0] else int(flags[1])
+
+    @contextlib.contextmanager
+    def fixed_exchange(self, rows: int) -> Iterator[None]:
+        """MoE calls inside the block have `rows` tokens on every rank and exchange fixed sizes
+        (see the module docstring)."""
+        self._fixed_rows = rows
+        try:
+            yield
+        finally:
+            self._fixed_rows = None
+
     # ---- one MoE layer ----------------------------------------------------------------------
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
                   ) -> torch.Tensor:
@@ -146,12 +175,19 @@ class ExpertParallel:
         flat = self._slots(prefix, ids)
         owner = torch.div(flat, per, rounding_mode="floor")
         order = torch.sort(owner, stable=True).indices  # pairs grouped by owner rank
-        send_counts = torch.bincount(owner, minlength=self.world).to(torch.int64).cpu()
         rows = torch.div(order, k, rounding_mode="floor")
         codes, scales = ops.act_quant_fp8(x=x[rows], block=32)
-        y = self._serve(ops, experts, limit, codes.view(torch.uint8), scales,
-                        (flat[order] - owner[order] * per).to(torch.int32),
-                        weights.reshape(-1)[order].float(), send_counts)
+        packed = self._pack(codes.view(torch.uint8), scales,
+                            (flat[order] - owner[order] * per).to(torch.int32),
+                            weights.reshape(-1)[order].float())
+        if self._fixed_rows is None:
+            send_counts = torch.bincount(owner, minlength=self.world).to(torch.int64).cpu()
+            y = self._serve(ops, experts, limit, packed, send_counts)
+        else:
+            if t != self._fixed_rows:
+                raise RuntimeError(f"fixed exchange of {self._fixed_rows} rows: a MoE call "
+                                   f"has {t}")
+            y = self._serve_fixed(ops, experts, limit, packed, owner[order], t * k)
         # back in (token, slot) order; each token's slots added in ascending expert order
         slots = torch.empty_like(y)
         slots[order] = y
@@ -163,31 +199,66 @@ class ExpertParallel:
             acc = acc + slots[:, j]
         return (acc + shared.float()).to(torch.bfloat16)
 
-    def serve(self, ops, experts: dict[str, torch.Tensor], limit: float, device) -> None:
+    def serve(self, ops, experts: dict[str, torch.Tensor], limit: float, device,
+              top_k: int) -> None:
         """Take part in one MoE layer with no tokens of its own: run this rank's experts on the
-        other ranks' rows."""
+        other ranks' rows (`top_k`: the layer's experts per token)."""
         d = experts["w2"].shape[1]
-        empty = torch.empty(0, d, dtype=torch.uint8, device=device)
-        self._serve(ops, experts, limit, empty, torch.empty(0, d // 32, dtype=torch.uint8,
-                                                             device=device),
-                    torch.empty(0, dtype=torch.int32, device=device),
-                    torch.empty(0, dtype=torch.float32, device=device),
-                    torch.zeros(self.world, dtype=torch.int64))
+        packed = self._pack(torch.empty(0, d, dtype=torch.uint8, device=device),
+                            torch.empty(0, d // 32, dtype=torch.uint8, device=device),
+                            torch.empty(0, dtype=torch.int32, device=device),
+                            torch.empty(0, dtype=torch.float32, device=device))
+        if self._fixed_rows is None:
+            self._serve(ops, experts, limit, packed, torch.zeros(self.world, dtype=torch.int64))
+        else:  # every row sent is padding
+            self._serve_fixed(ops, experts, limit, packed,
+                              torch.empty(0, dtype=torch.int64, device=device),
+                              self._fixed_rows * top_k)
 
-    def _serve(self, ops, experts, limit, codes, scales, local_ids, weights, send_counts
-               ) -> torch.Tensor:
-        """Send the pairs (grouped by owner, `send_counts` per rank) as one packed byte row
-        each (codes, scales, local expert id, weight: one exchange), run the local experts on
-        what arrives, send the outputs back: [sum(send_counts), D] bf16 in the sent order."""
+    @staticmethod
+    def _pack(codes, scales, local_ids, weights) -> torch.Tensor:
+        """One byte row per pair: FP8 codes, UE8M0 scales, local expert id, routing weight."""
+        return torch.cat([codes, scales, local_ids.view(torch.uint8).view(-1, 4),
+                          weights.view(torch.uint8).view(-1, 4)], dim=1)
+
+    def _serve(self, ops, experts, limit, packed, send_counts) -> torch.Tensor:
+        """Send the packed pairs (grouped by owner, `send_counts` per rank), run the local
+        experts on what arrives, send the outputs back: [sum(send_counts), D] bf16 in the sent
+        order."""
         sent = send_counts.tolist()
-        got = self._counts(send_counts.to(codes.device) if codes.is_cuda else send_counts)
-        d, nb = codes.shape[1], scales.shape[1]
-        packed = torch.cat([codes, scales, local_ids.view(torch.uint8).view(-1, 4),
-                            weights.view(torch.uint8).view(-1, 4)], dim=1)
+        got = self._counts(send_counts.to(packed.device) if packed.is_cuda else send_counts)
         r = self._exchange(packed, sent, got)
+        return self._exchange(self._run(ops, experts, limit, r), got, sent)
+
+    def _serve_fixed(self, ops, experts, limit, packed, owner, capacity: int) -> torch.Tensor:
+        """`_serve` with `capacity` rows to and from every rank (pairs sorted by `owner`, then
+        padding rows of no expert); no host synchronisation."""
+        n, width = packed.shape  # width: D + D / 32 + 8 bytes
+        per = experts["w13"].shape[0]
+        dev = packed.device
+        total = self.world * capacity
+        send = torch.cat([torch.zeros(total, width - 8, dtype=torch.uint8, device=dev),
+                          torch.full((total, 1), per, dtype=torch.int32,
+                                     device=dev).view(torch.uint8),
+                          torch.zeros(total, 4, dtype=torch.uint8, device=dev)], dim=1)
+        first = torch.searchsorted(owner, owner)  # each owner's first pair
+        dest = owner * capacity + torch.arange(n, device=dev) - first
+        send[dest] = packed
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        out = self._run(ops, experts, limit, recv)
+        back = torch.empty_like(out)
+        dist.all_to_all_single(back, out)
+        return back[dest]
+
+    @staticmethod
+    def _run(ops, experts, limit, r: torch.Tensor) -> torch.Tensor:
+        """The local experts on received byte rows (one slot each) -> [rows, D] bf16."""
+        d = experts["w2"].shape[1]
+        nb = d // 32
         x = dequant_fp8_act(r[:, :d], r[:, d:d + nb].contiguous(), 32, dtype=torch.bfloat16)
         r_ids = r[:, d + nb:d + nb + 4].flatten().clone().view(torch.int32)  # fresh: aligned
         r_weights = r[:, d + nb + 4:].flatten().clone().view(torch.float32)
         out = ops.moe_mxfp4(x=x, ids=r_ids.to(torch.int64).unsqueeze(1),
                             weights=r_weights.unsqueeze(1), limit=limit, **experts)
-        return self._exchange(out.to(torch.bfloat16), got, sent)
+        return out.to(torch.bfloat16)

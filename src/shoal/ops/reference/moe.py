@@ -142,7 +142,8 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     `shared` [T, D] bf16 (the shared expert's output) added in fp32 and the sum rounded once:
     the block's FFN output [T, D] bf16.
 
-    x [T, D] bf16; ids [T, k] int64; weights [T, k] fp32; w13 [E, 2I, D/2] uint8 MXFP4 (rows
+    x [T, D] bf16; ids [T, k] int64 (with k = 1, id E marks an empty row, whose output is
+    unspecified: expert parallelism's padding); weights [T, k] fp32; w13 [E, 2I, D/2] uint8 MXFP4 (rows
     0..I-1 = w1, I..2I-1 = w3; low nibble = even K element) with w13_scale [E, 2I, D/32] uint8;
     w2 [E, D, I/2] uint8 with w2_scale [E, D, I/32]. Per expert: g, u = bf16 outputs of the
     FP8-activation x FP4-weight GEMMs, read as fp32; h = swiglu_clamp(g, u, w); out = w2 . h
@@ -165,6 +166,8 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
 
     xq = qdq_fp8_act(x, 32).float()
     for e in torch.unique(ids).tolist():
+        if e == w13.shape[0]:  # an empty row
+            continue
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         gu = blockwise_matmul_blocks(xq[tok], blocks(w13, w13_scale, e)).to(
             torch.bfloat16).float()

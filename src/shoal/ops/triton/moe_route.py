@@ -74,7 +74,8 @@ ROUTE_KERNEL_MAX_ROWS = 4096  # the one-launch sort is O(R^2); above this torch.
 def route(ids: torch.Tensor, weights: torch.Tensor, e: int,
           max_kernel_rows: int = ROUTE_KERNEL_MAX_ROWS):
     """Expert-sorted rows: (token of each row int32, slot-major output row int32, routing weight
-    fp32, per-expert counts int32). Up to `max_kernel_rows` rows one Triton launch
+    fp32, per-expert counts int32); rows of id `e` (no expert) sort last and count nowhere.
+    Up to `max_kernel_rows` rows one Triton launch
     (`_route_kernel`, the decode case: fewer graph nodes), else torch's stable argsort; both give
     the identical permutation. No host synchronisation."""
     k = ids.shape[1]
@@ -92,8 +93,9 @@ def route(ids: torch.Tensor, weights: torch.Tensor, e: int,
                             counts, rows, e, KTOP=k, BI=bi, BJ=bj, num_warps=4, **PDL_LAUNCH)
         return tok, orow, rw, counts
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(e, dtype=torch.int32, device=ids.device)
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=ids.device)  # + id e: no expert
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = counts[:e]
     tok = torch.div(order, k, rounding_mode="floor").to(torch.int32)
     rw = weights.reshape(-1).float()[order].contiguous()
     return tok, order.to(torch.int32), rw, counts
