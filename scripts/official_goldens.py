@@ -6,6 +6,7 @@ the prompt, the reference's top-5 log-probs at every prompt position and over 16
 steps, and the greedy tokens, as one small JSON file (tests/data/official_goldens.json).
 
     python scripts/official_goldens.py --official DIR [--out tests/data/official_goldens.json]
+    python scripts/official_goldens.py --official DIR --perturb   # the reference against itself
 
 DIR is a local copy of the reference (model.py, kernel_cpu.py, engram.py; a public copy is
 tenstorrent/tt-metal models/demos/deepseek_v3_d_p/reference/deepseek_v41/). Fetch it yourself:
@@ -177,7 +178,10 @@ def load_weights(model: torch.nn.Module, ckpt: Path, block: int) -> None:
         raise ValueError(f"parameters missing from the checkpoint: {missing[:10]}")
 
 
-def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int]) -> dict:
+def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int], top_n: int = TOP,
+                  perturb: bool = False) -> dict:
+    """The reference's top-`top_n` log-probs and greedy tokens. `perturb`: add one bf16 ulp to
+    the first element of every prompt position's embedding (the self-sensitivity check)."""
     args = model_args(model_mod, config, len(prompt) + DECODE_STEPS + 8)
     if config.engram_layer_ids and config.engram_token_map == "modulo":
         table = modulo_token_map(config.vocab_size, config.engram_compressed_vocab_size)
@@ -196,6 +200,17 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int]) 
         model.eval()
         head = model.head
         head.forward = lambda x, full_logits=False: type(head).forward(head, x, True)
+        if perturb:
+            embed = model.embed
+
+            def bumped(x, first=[True]):  # noqa: B006 (once: the prefill)
+                y = type(embed).forward(embed, x)
+                if first[0]:
+                    first[0] = False
+                    y.view(torch.int16)[..., 0] += 1
+                return y
+
+            embed.forward = bumped
         ids = torch.tensor([prompt])
         _, logits, _ = model(ids, 0)
         rows = [logits[0, i] for i in range(len(prompt))]
@@ -212,7 +227,7 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int]) 
 
     def top(row: torch.Tensor) -> list[list[float]]:
         lp = torch.log_softmax(row.double(), dim=-1)
-        v, i = lp.topk(TOP)
+        v, i = lp.topk(top_n)
         return [[int(a), round(float(b), 6)] for a, b in zip(i, v, strict=True)]
 
     n = len(prompt)
@@ -220,11 +235,30 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int]) 
             "decode_top": [top(r) for r in rows[n - 1:]], "decode_tokens": tokens}
 
 
+def drift(base: dict, other: dict) -> tuple[float, int, int]:
+    """(largest |log-prob change| over base's top tokens, missing from other's rows: 99; the
+    first row over 0.01 or -1; greedy steps that agree before the first difference)."""
+    worst, first = 0.0, -1
+    for i, (b, o) in enumerate(zip(base["prompt_top"] + base["decode_top"],
+                                   other["prompt_top"] + other["decode_top"], strict=True)):
+        row = dict((t, v) for t, v in o)
+        w = max(abs(row[t] - v) if t in row else 99.0 for t, v in b)
+        worst = max(worst, w)
+        if w > 0.01 and first < 0:
+            first = i
+    pairs = zip(base["decode_tokens"], other["decode_tokens"], strict=True)
+    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), DECODE_STEPS)
+    return worst, first, agree
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--official", type=Path, required=True,
                     help="directory of the reference's model.py, kernel_cpu.py, engram.py")
     ap.add_argument("--out", type=Path, default=ROOT / "tests/data/official_goldens.json")
+    ap.add_argument("--perturb", action="store_true",
+                    help="write nothing: rerun each case with one bf16 ulp added to one element of "
+                         "each prompt position's embedding and print how far the reference moves against itself")
     args = ap.parse_args()
     model_mod, engram_mod = import_reference(args.official.resolve())
     out = {"source": "official DeepSeek-V4.1 reference (inference/model.py, CPU kernel port), "
@@ -244,6 +278,15 @@ def main() -> None:
             ckpt = write_checkpoint(config, Path(tmp) / case["name"], seed=case["seed"])
             prompt = case_prompt(case, config.vocab_size)
             result = run_reference(model_mod, engram_mod, config, ckpt, prompt)
+            if args.perturb:
+                moved = run_reference(model_mod, engram_mod, config, ckpt, prompt, top_n=20,
+                                      perturb=True)
+                worst, first, agree = drift(result, moved)
+                print(f"{case['name']}: one bf16 ulp per prompt embedding moves the "
+                      f"reference's top-{TOP} log-probs by up to {worst:.4f} (99: a top token leaves the top 20; first "
+                      f"row over 0.01: {first}); greedy tokens agree for {agree} of "
+                      f"{DECODE_STEPS} steps")
+                continue
         entry = {"name": case["name"], "seed": case["seed"],
                  "overrides": {k: list(v) if isinstance(v, tuple) else v
                                for k, v in overrides.items()},
@@ -251,6 +294,8 @@ def main() -> None:
         out["cases"].append(entry)
         print(f"{case['name']}: {len(prompt)} prompt tokens, greedy {result['decode_tokens']} "
               f"({time.perf_counter() - start:.1f} s)")
+    if args.perturb:
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {args.out}")

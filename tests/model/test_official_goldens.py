@@ -40,12 +40,20 @@ def _worst(ours: dict | None, golden: list[list[float]]) -> float:
     return worst
 
 
-# Not yet within the tolerance (issue 26). With the reference's fp32 expressions everywhere
-# (its BLAS products and vectorised exp / sigmoid too) every layer's stream equals the
-# reference's bit for bit on these prompts except tiny-wide-window and tiny-tokenizer-map
-# (one selection at a ratio-1 candidate source differs, cause not found); but those fp32 forms
-# depend on the batch, so the references keep exact products and correctly rounded
-# transcendentals, and the ulp differences grow into 0.01-0.5 logprob on random tiny weights.
+# Not yet within the tolerance (issue 26), and on these checkpoints not reachable by any
+# implementation that is not bit-identical to the reference: the reference is chaotic against
+# itself. `official_goldens.py --perturb` (one bf16 ulp added to one element of each prompt
+# embedding) moves its own top-5 log-probs by 0.08-0.4 and drops top tokens out of its top 20 from
+# position 0-1 on, greedy tokens differing from step 0, in all four cases (2026-12, 2 CPU
+# cores; thread count 1 vs 2 changes nothing). Cause: FP8 / FP4 re-quantisation turns an ulp into
+# a whole e4m3 / e2m1 step, and sublayer outputs as large as the stream carry it on (tiny-wide-
+# window: shoal equals the reference bit for bit at position 0 up to layer 9, where a 1 fp32 ulp
+# difference of the mHC coefficients flips one bf16 rounding of the stream; 1e-4 relative there,
+# 1.1e-2 two layers later, 0.0145 log-prob at the head). Shrinking the sublayer outputs (exact
+# 2^-k rescaling of wo_b / w2 / Engram wkv, router x8) brings shoal within 0.03 at 2^-6 and
+# 0.008 at 2^-8, but the reference's own reaction to knocking out a layer's attention, the
+# compressed rows, the sink, Engram, the candidate filter or the routing bias shrinks with it (to
+# 0.005-0.035 at 2^-8), so such checkpoints no longer test semantics at 0.01.
 KNOWN_DIVERGENT = {"tiny-wide-window", "tiny-tokenizer-map", "tiny-modulo-map", "tiny-plain"}
 CASES = [pytest.param(c, id=c["name"], marks=pytest.mark.xfail(
     strict=False, reason="diverges from the reference (see KNOWN_DIVERGENT and issue 26)"))
