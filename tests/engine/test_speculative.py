@@ -217,9 +217,9 @@ def _static_paths(llm: LLM) -> dict[str, int]:
     calls = {"decode": 0, "verify": 0, "draft": 0}
     forward, draft = graphs.forward, drafts.draft
 
-    def counted_forward(batch, patch=None):
+    def counted_forward(batch, patch=None, **kwargs):
         calls["decode" if batch.num_tokens == batch.num_requests else "verify"] += 1
-        return forward(batch, patch)
+        return forward(batch, patch, **kwargs)
 
     def counted_draft(*args, **kwargs):
         calls["draft"] += 1

@@ -1,5 +1,6 @@
 """Data parallelism under torchrun (two CPU processes, gloo; one launch): every rank's `generate`
-returns one engine's outputs in input order, across calls and with expert parallelism; then
+returns one engine's outputs in input order, across calls and with expert parallelism, also
+with decode steps on the static path of CUDA graphs (agreed padded sizes, fixed exchanges); then
 `shoal generate` in the same processes writes the output file once (rank 0), equal to a single
 engine's."""
 
@@ -27,8 +28,18 @@ import json, sys
 from shoal import LLM
 from shoal.cli import main
 from tests.engine.test_torchrun import CALLS, CLI, OPTS, view
+from shoal.runner.warmup import decode_graphs
 llm = LLM("tiny", expert_parallel=True, **OPTS)
 got = [view(llm.generate(items, params, use_tqdm=False)) for items, params in CALLS]
+# then decode steps through the static padded path that CUDA graphs replay (run eagerly on the
+# CPU): the ranks agree on a padded size and the MoE exchanges fixed sizes
+runner = llm.engine.runner
+runner.graphs = decode_graphs(llm.config, runner.model, runner.caches, runner.memory,
+                              use_graphs=False)
+agree, agreed = runner.ep.agree, []
+runner.ep.agree = lambda rows: agreed.append(agree(rows)) or agreed[-1]
+got += [view(llm.generate(items, params, use_tqdm=False)) for items, params in CALLS]
+assert max(agreed) > 0 and min(agreed) < 0, agreed  # static steps, and eager ones
 with open(f"{sys.argv[1]}/rank{llm.torchrun.rank}.json", "w") as f:
     json.dump(got, f)
 sys.exit(main([*CLI, "--input", "in.jsonl", "--output", "dp.jsonl"]))
@@ -57,7 +68,8 @@ def test_every_rank_returns_one_engines_outputs_and_the_cli_writes_once(tmp_path
                                                  for i in range(5)) + "\n", encoding="utf-8")
     _torchrun(tmp_path, "spmd.py", str(tmp_path))
     alone = LLM("tiny", **OPTS)
-    expected = [view(alone.generate(items, params, use_tqdm=False)) for items, params in CALLS]
+    expected = [view(alone.generate(items, params, use_tqdm=False))  # eager steps, then the
+                for _ in range(2) for items, params in CALLS]  # static path
     expected = json.loads(json.dumps(expected))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

@@ -16,6 +16,10 @@ write is recomputed before anything reads it). The indexer width comes from the 
 past a row's visible count score -inf and the top-k breaks ties by index, so the logits equal
 those of the plain eager path.
 
+Under expert parallelism every rank captures the same graphs in the same order, and a step
+replays the size the ranks agreed on (`ExpertParallel.agree`), with the MoE exchanging fixed
+sizes.
+
 Invariant: `forward` runs exactly the computation that is captured; without CUDA (or with
 graphs off) it runs the same static padded batch eagerly, which is what the CPU tests compare
 with the plain eager path. The inputs reach the device in two non-blocking copies from pinned
@@ -227,14 +231,21 @@ class DecodeGraphs:
         return dst
 
     # ---- one step -----------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None) -> ForwardOutput:
+    def padded_size(self, chunks: Sequence[RequestChunk]) -> int:
+        """The batch size whose graph runs `chunks` (they must fit)."""
+        q = self.width(chunks)
+        return next(b for b in (self.sizes if q == 1 else self.verify_sizes) if b >= len(chunks))
+
+    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None,
+                min_size: int = 0) -> ForwardOutput:
         """The forward of a decode or verify ForwardBatch built on the host (CPU tensors,
         `layer_rows` empty; see `width`) through the captured graph when there is one: logits
         for `batch.logits_rows` (every row when None) and, with `hidden`, the DSpark captures
         of every row, as the eager forward returns them. `patch` writes input ids still on the
         device (async scheduling, decode steps only) into the static ids after the upload. A
         decode step's result is a view of the graph's output: consume it (in stream order:
-        work queued before the next step's replay) before the next step."""
+        work queued before the next step's replay) before the next step. `min_size`: pad to at
+        least this captured size (expert parallelism: the size every rank agreed on)."""
         if batch.layer_rows:
             raise ValueError("DecodeGraphs.forward: a batch with tail-only layer rows")
         n, t = batch.num_requests, batch.num_tokens
@@ -243,7 +254,7 @@ class DecodeGraphs:
             raise ValueError("DecodeGraphs.forward: not a decode or verify batch on the host")
         if patch is not None and q > 1:
             raise ValueError("DecodeGraphs.forward: a token patch on a verify batch")
-        size, bound = self.bucket(n, int(batch.chunk_start.max()) + q - 1, q)
+        size, bound = self.bucket(max(n, min_size), int(batch.chunk_start.max()) + q - 1, q)
         dst = self._fill(batch, size, q)
         if patch is not None:
             patch.apply(self._dev64[:n])  # field 0: the input ids
@@ -252,8 +263,9 @@ class DecodeGraphs:
             self._graphs[key].replay()
             out = self._outputs[key]
         else:
-            out = self.model.forward(self.static_batch(size, bound, q), self.caches,
-                                     capture=self.hidden)
+            with self._exchange(size * q):
+                out = self.model.forward(self.static_batch(size, bound, q), self.caches,
+                                         capture=self.hidden)
         if dst is None:  # decode: static row r is request r, each its logits row
             return ForwardOutput(out.logits[:n],
                                  None if out.captures is None else out.captures[:n])
@@ -286,12 +298,13 @@ class DecodeGraphs:
                         if (size, q) not in warmed:
                             warmed.add((size, q))
                             side.wait_stream(torch.cuda.current_stream())  # after the upload
-                            with torch.cuda.stream(side):
+                            with torch.cuda.stream(side), self._exchange(size * q):
                                 self.model.forward(static, self.caches, capture=self.hidden)
                             torch.cuda.current_stream().wait_stream(side)
                         before = len(compiled)
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self._pool):
+                        with torch.cuda.graph(graph, pool=self._pool), \
+                                self._exchange(size * q):
                             self._outputs[(size, bound, q)] = self.model.forward(
                                 static, self.caches, capture=self.hidden)
                         in_capture += len(compiled) - before
@@ -302,6 +315,11 @@ class DecodeGraphs:
                     "per request %s) in %.1f s; %d kernel variants compiled inside the "
                     "captures", len(self._graphs), self.sizes, self.bounds, self.widths,
                     self.capture_seconds, in_capture)
+
+    def _exchange(self, rows: int) -> contextlib.AbstractContextManager:
+        """Expert parallelism: the MoE exchanges fixed sizes (the same graphs on every rank)."""
+        ep = self.model.ep
+        return contextlib.nullcontext() if ep is None else ep.fixed_exchange(rows)
 
     @property
     def num_graphs(self) -> int:

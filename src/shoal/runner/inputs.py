@@ -26,7 +26,8 @@ from shoal.scheduler.step_plan import UNRESOLVED, StepPlan
 @dataclass
 class StepInputs:
     batch: ForwardBatch
-    graphed: bool  # a pure-decode step that replays a CUDA graph
+    graphed: bool  # a decode or verify step that replays a CUDA graph
+    graph_size: int  # its padded batch size (0: eager)
     patch: TokenPatch | None
     offsets: list[int]  # per chunk: its first row in the logits
     prompt_chunks: list[int]  # chunks whose prompt logprobs are wanted
@@ -76,8 +77,8 @@ def prepare_inputs(config: EngineConfig, plan: StepPlan, states: Mapping[str, Re
                   for r in batch.layer_rows.values())
     if cuda and not graphed:  # built on the host: pinned, non-blocking uploads (no sync)
         batch = batch_to_device(batch, device)
-    return StepInputs(batch, graphed, patch, offsets, prompt_chunks, draws, sample_rows,
-                      skipped)
+    return StepInputs(batch, graphed, graphs.padded_size(chunks) if graphed else 0, patch,
+                      offsets, prompt_chunks, draws, sample_rows, skipped)
 
 
 def token_patch(unresolved: list[tuple[int, str]],

@@ -18,6 +18,7 @@ plan lists it in `finished_ids`; slots and blocks come with every plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -139,12 +140,20 @@ class ModelRunner:
             self.offload.apply(self.caches, plan.transfers)
         if not plan.scheduled:
             if self.ep is not None:  # the other ranks' tokens still need this rank's experts
-                with torch.inference_mode():
+                rows = self.ep.agree(0) if self.graphs is not None else -1
+                with torch.inference_mode(), self.ep.fixed_exchange(rows) if rows > 0 else \
+                        contextlib.nullcontext():
                     self.model.serve_experts()
             return step
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.config, plan, self.requests, self._last,
                                 device=self.device, graphs=self.graphs)
+        agreed = 0
+        if self.ep is not None and self.graphs is not None:  # graphs on every rank, or none
+            agreed = self.ep.agree(inputs.graph_size if inputs.graphed else -1)
+            if agreed < 0 and inputs.graphed:
+                inputs.graphed = False
+                inputs.batch = batch_to_device(inputs.batch, self.device)
         batch = inputs.batch
         step.out.decoder_rows_skipped = inputs.decoder_rows_skipped
         t1 = time.perf_counter()
@@ -155,7 +164,7 @@ class ModelRunner:
         with torch.inference_mode():
             if inputs.graphed:  # decode or verify: static inputs, graph replay
                 assert self.graphs is not None
-                result = self.graphs.forward(batch, inputs.patch)
+                result = self.graphs.forward(batch, inputs.patch, min_size=max(agreed, 0))
                 if self.speculative:  # the drafts' context reads the batch on the device
                     batch = batch_to_device(batch, self.device)
                 # a decode row's boundary is its chunk's end: its window is in the rings now
