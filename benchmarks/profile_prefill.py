@@ -75,6 +75,7 @@ def main() -> None:
     print(text, flush=True)
     if args.out:
         name = f"profile_prefill_{args.mode}_{args.length}{'_inv' if table else ''}.txt"
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, name), "w") as f:
             f.write(text + "\n")
 
