@@ -350,8 +350,10 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
     return sparse_attn(q, swa_cache, swa_idx, comp_cache, comp_idx, sink, scale, **knobs)
 
 
-# Row chunks of the batch-invariant op keep its fp32 partials (splits x H x D per row) under this.
-INVARIANT_PARTIAL_BYTES = 256 << 20
+# Row chunks of the batch-invariant op keep its fp32 partials (splits x H x D per row) under this:
+# fewer chunks launch less (1 GB is where the prefill's launch gaps end), within the activation
+# reserve.
+INVARIANT_PARTIAL_BYTES = 1 << 30
 
 
 @REGISTRY.implement("triton_invariant", "sparse_attn_sink", supports=_supports)
