@@ -1,9 +1,18 @@
 """Golden log-probs from the official DeepSeek-V4.1 reference code, for shoal's fixture tests.
 
 Writes scaled-down checkpoints with shoal's own writer, runs the official reference
-(`inference/model.py` with the CPU port of its kernels) over them on CPU, and stores, per case,
-the prompt, the reference's top-5 log-probs at every prompt position and over 16 greedy decode
-steps, and the greedy tokens, as one small JSON file (tests/data/official_goldens.json).
+(`inference/model.py` with the CPU port of its kernels) over them on CPU, and stores, per case:
+- in tests/data/official_goldens.json: the prompt, the reference's top-5 log-probs at every
+  prompt position and over 16 greedy decode steps, and the greedy tokens (the end-to-end test);
+- in tests/data/official_goldens.safetensors, keys "<case>/<name>" (the layer-by-layer test,
+  tests/model/test_official_layers.py), over R = prompt + 16 rows (the prefill, then 16 decode
+  steps fed the reference's own greedy tokens): `stream` [layers, R, hc, D] bf16 and `pre`
+  [layers, R, hc] fp32, entry j the residual stream and pre_mix entering layer j + 1 (before
+  its Engram; the last entry: the last layer's output and ffn_pre, what the head collapses;
+  layer 0's input is the embedding); `experts` [layers, R, k] uint8 and `expert_gap` (k-th minus
+  (k+1)-th biased gate score); per index source L `topk.L` [R, index_topk] int16 (logical
+  compressed rows, ascending, -1 padded) and `topk_gap.L`; `candidates` [R, rows] bool (the
+  candidate source's mask); `top_ids` / `top_logprobs` [R, 5] (the head on each row).
 
     python scripts/official_goldens.py --official DIR [--out tests/data/official_goldens.json]
     python scripts/official_goldens.py --official DIR --perturb   # the reference against itself
@@ -21,13 +30,14 @@ it is not part of shoal and nothing here copies it. Runtime patches, all in this
   scores ties are common, e.g. rows where every index head's ReLU is zero);
 - the head returns every position's logits (prompt log-probs), not only the last one's;
 - checkpoints that use the synthetic `modulo` Engram token map hand the official hash that map
-  instead of one built from a tokenizer.
+  instead of one built from a tokenizer;
+- recording wrappers (Block, Engram, Gate, the top-k of the attention, the candidate filter)
+  that only copy tensors out: the JSON goldens are the same bits with or without them.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import importlib
 import json
@@ -42,6 +52,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+import official_recorder  # noqa: E402 (beside this script)
+
 from shoal.checkpoint.writer import write_checkpoint  # noqa: E402
 from shoal.model.config_formats import _FLAT_TO_OURS  # noqa: E402
 from shoal.model.engram_hash import build_token_map, modulo_token_map  # noqa: E402
@@ -52,13 +64,15 @@ DECODE_STEPS = 16
 
 # Every layer role (SWA-only, compressing and indexing sources at r = 2 and r = 1, Reuse,
 # Reindex with the candidate filter), Engram (the tokenizer map and the modulo map), DSpark
-# layers present, a checkpoint with none of Engram / DSpark / candidates; prompts of 40 to 300
-# tokens cross many 8-row SWA windows and candidate blocks.
+# layers present, a checkpoint with none of Engram / DSpark / candidates. The prompts cross
+# several 8-row SWA windows, more compressed rows than index_topk and than the candidate pool;
+# the longest (136 + 16 decode rows) crosses a 128-token KV page in shoal's test. Lengths are
+# bounded by the per-layer fixture (12 streams of 1 KiB per row: 312 rows, 4.0 MB).
 CASES = [
-    {"name": "tiny-tokenizer-map", "seed": 0, "prompt_len": 300, "token_map": "tokenizer",
+    {"name": "tiny-tokenizer-map", "seed": 0, "prompt_len": 136, "token_map": "tokenizer",
      "overrides": {"max_position_embeddings": 512}},
-    {"name": "tiny-modulo-map", "seed": 1, "prompt_len": 120, "overrides": {}},
-    {"name": "tiny-plain", "seed": 2, "prompt_len": 200,
+    {"name": "tiny-modulo-map", "seed": 1, "prompt_len": 32, "overrides": {}},
+    {"name": "tiny-plain", "seed": 2, "prompt_len": 40,
      "overrides": {"max_position_embeddings": 512, "engram_layer_ids": (),
                    "engram_num_embeddings": (), "num_draft_layers": 0,
                    "compress_ratios": TINY.compress_ratios[:12], "dspark_target_layer_ids": (),
@@ -101,6 +115,7 @@ def import_reference(official: Path):
         return indexer_forward(self, x, qr, latent, start_pos, offset)
 
     model.Indexer.forward = forward
+    official_recorder.install(model)
     return model, engram
 
 
@@ -118,15 +133,6 @@ def model_args(module, config, max_seq_len: int):
         flat.update(candidate_topk_blocks=0, candidate_block_size=0)
     names = {f.name for f in dataclasses.fields(module.ModelArgs)}
     return module.ModelArgs(**{k: v for k, v in flat.items() if k in names})
-
-
-_TopK = collections.namedtuple("topk", "values indices")
-
-
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (torch's name)
-    assert largest, "only the largest-k form is used by the reference"
-    values, indices = torch.sort(self, dim=dim, descending=True, stable=True)
-    return _TopK(values.narrow(dim, 0, k), indices.narrow(dim, 0, k))
 
 
 class _TokenizerView:
@@ -179,9 +185,12 @@ def load_weights(model: torch.nn.Module, ckpt: Path, block: int) -> None:
 
 
 def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int], top_n: int = TOP,
-                  perturb: bool = False) -> dict:
+                  perturb: bool = False, record: dict | None = None) -> dict:
     """The reference's top-`top_n` log-probs and greedy tokens. `perturb`: add one bf16 ulp to
-    the first element of every prompt position's embedding (the self-sensitivity check)."""
+    the first element of every prompt position's embedding (the self-sensitivity check).
+    `record`: a dict that receives the per-layer tensors of `official_recorder.assemble`, and top_ids [R, top_n]
+    int32 / top_logprobs [R, top_n] fp32 of every row, the decode then also feeding its last
+    greedy token (R = prompt + DECODE_STEPS rows)."""
     args = model_args(model_mod, config, len(prompt) + DECODE_STEPS + 8)
     if config.engram_layer_ids and config.engram_token_map == "modulo":
         table = modulo_token_map(config.vocab_size, config.engram_compressed_vocab_size)
@@ -192,7 +201,7 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int], 
     tokenizer = _TokenizerView(Tokenizer.from_file(str(ckpt / "tokenizer.json")))
     prev, topk = torch.get_default_dtype(), torch.Tensor.topk
     torch.set_default_dtype(torch.bfloat16)  # as the reference's generate.py
-    torch.Tensor.topk = _stable_topk
+    torch.Tensor.topk = official_recorder.stable_topk
     try:
         model_mod.shared_attn.__init__()
         model = model_mod.Transformer(args, tokenizer)
@@ -211,6 +220,8 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int], 
                 return y
 
             embed.forward = bumped
+        if record is not None:
+            official_recorder.start(config.num_layers)
         ids = torch.tensor([prompt])
         _, logits, _ = model(ids, 0)
         rows = [logits[0, i] for i in range(len(prompt))]
@@ -218,10 +229,17 @@ def run_reference(model_mod, engram_mod, config, ckpt: Path, prompt: list[int], 
         for step in range(DECODE_STEPS):
             token = int(rows[-1].argmax())
             tokens.append(token)
-            if step + 1 < DECODE_STEPS:
+            if step + 1 < DECODE_STEPS or record is not None:
                 _, logits, _ = model(torch.tensor([[token]]), len(prompt) + step)
                 rows.append(logits[0, -1])
+        if record is not None:
+            record.update(official_recorder.assemble())
+            lp = torch.log_softmax(torch.stack(rows).double(), dim=-1)
+            v, i = lp.topk(top_n)
+            record.update(top_ids=i.int().contiguous(), top_logprobs=v.float().contiguous())
+            rows = rows[:-1]
     finally:
+        official_recorder.stop()
         torch.set_default_dtype(prev)
         torch.Tensor.topk = topk
 
@@ -255,7 +273,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--official", type=Path, required=True,
                     help="directory of the reference's model.py, kernel_cpu.py, engram.py")
-    ap.add_argument("--out", type=Path, default=ROOT / "tests/data/official_goldens.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests/data/official_goldens.json",
+                    help="the JSON file; the per-layer tensors go beside it (.safetensors)")
     ap.add_argument("--perturb", action="store_true",
                     help="write nothing: rerun each case with one bf16 ulp added to one element of "
                          "each prompt position's embedding and print how far the reference moves against itself")
@@ -264,6 +283,7 @@ def main() -> None:
     out = {"source": "official DeepSeek-V4.1 reference (inference/model.py, CPU kernel port), "
                      "scripts/official_goldens.py", "top": TOP, "decode_steps": DECODE_STEPS,
            "cases": []}
+    tensors: dict[str, torch.Tensor] = {}
     for case in CASES:
         start = time.perf_counter()
         overrides = dict(case["overrides"])
@@ -277,7 +297,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = write_checkpoint(config, Path(tmp) / case["name"], seed=case["seed"])
             prompt = case_prompt(case, config.vocab_size)
-            result = run_reference(model_mod, engram_mod, config, ckpt, prompt)
+            record: dict = {}
+            result = run_reference(model_mod, engram_mod, config, ckpt, prompt,
+                                   record=None if args.perturb else record)
+            tensors.update({f"{case['name']}/{k}": v for k, v in record.items()})
             if args.perturb:
                 moved = run_reference(model_mod, engram_mod, config, ckpt, prompt, top_n=20,
                                       perturb=True)
@@ -298,7 +321,13 @@ def main() -> None:
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}")
+    from safetensors.torch import save_file
+
+    layers = args.out.with_suffix(".safetensors")
+    save_file(tensors, str(layers), metadata={"source": out["source"], "top": str(TOP),
+                                              "decode_steps": str(DECODE_STEPS)})
+    print(f"wrote {args.out} ({args.out.stat().st_size} bytes), {layers} "
+          f"({layers.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
