@@ -6,6 +6,7 @@ leaked KV block; 429 past the queue limit."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -165,24 +166,37 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live: LiveS
     assert ok.usage.completion_tokens == 2
 
 
-def test_disconnect_mid_stream_frees_the_blocks(live: LiveServer) -> None:
+def _wait_running(live: LiveServer, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not live.engine_loop.snapshot["running"]:
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(live: LiveServer,
+                                                                  stream: bool) -> None:
     _wait_idle(live)
-    free = _free_blocks(live)
-    stream = live.client().completions.create(model="tiny", prompt="a long story",
-                                              max_tokens=200, stream=True,
-                                              extra_body={"ignore_eos": True})
-    for n, _ in enumerate(stream):
-        if n == 3:
-            break
-    stream.close()
+    free, before = _free_blocks(live), live.engine_loop.snapshot["output_tokens"]
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "ignore_eos": True,
+            "stream": stream}
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(data)).encode() + b"\r\n\r\n" + data)
+        _wait_running(live)
     _wait_idle(live)
     assert _free_blocks(live) == free
+    # aborted, not run to its end (200 tokens): the blocks did not just free themselves
+    assert live.engine_loop.snapshot["output_tokens"] - before < 200
 
 
 def test_load_every_request_answered_once(live: LiveServer) -> None:
     _wait_idle(live)
     free = _free_blocks(live)
-    clients, per_client = 64, 3
+    clients, per_client = 64, 10
     results: list[list[int]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
 
@@ -209,8 +223,14 @@ def test_load_every_request_answered_once(live: LiveServer) -> None:
 
 
 def test_queue_limit_answers_429() -> None:
-    server = LiveServer(max_num_seqs=2, max_model_len=128, max_queued_requests=1)
+    server = LiveServer(max_num_seqs=2, max_model_len=128, max_queued_requests=1,
+                        max_queued_prompt_tokens=64)
     try:
+        # a prompt larger than the token bound alone would never fit: 400, not 429 forever
+        status, body = _post(server, "/v1/completions", {
+            "model": "tiny", "prompt": list(range(3, 3 + 65)), "max_tokens": 1})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+        assert "max_queued_prompt_tokens" in body["error"]["message"]
         codes: list[int] = []
 
         def one() -> None:
@@ -296,5 +316,24 @@ def test_prefix_cache_hits_show_in_the_metrics() -> None:
             text = r.read().decode()
         assert "shoal_prefix_hit_tokens_total 128.0" in text, text
         assert "shoal_prefix_query_tokens_total 400.0" in text
+    finally:
+        server.stop()
+
+
+def test_a_failed_engine_answers_503_and_never_hangs() -> None:
+    server = LiveServer(max_num_seqs=2, max_model_len=128)
+    try:
+        def boom() -> None:
+            raise RuntimeError("boom")
+
+        server.llm.engine.step = boom  # the loop thread's next step fails
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+        status, first = _post(server, "/v1/completions", body)  # in flight when it fails
+        assert status == 503 and first["error"]["type"] == "server_error", first
+        status, later = _post(server, "/v1/completions", body)  # after: refused at once
+        assert status == 503 and "boom" in later["error"]["message"], later
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(server.base + "/health", timeout=10)
+        assert err.value.code == 503
     finally:
         server.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -27,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
-from shoal.serve.engine_loop import EngineLoop, Handle, Limits, QueueFull, Update
+from shoal.serve.engine_loop import EngineLoop, EngineStopped, Handle, Limits, QueueFull, Update
 from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
     ChatCompletionRequest,
@@ -73,15 +74,23 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", "not_found_error", "model")
 
-    def _submit(self, prompt, params, ids) -> Handle:
+    def _submit(self, prompt, params, ids, field: str) -> Handle:
         try:
             return self.loop.submit(prompt, params, ids)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error") from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), "server_error") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=field) from None
 
     async def _first(self, handle: Handle, request: Request) -> Update:
-        """The first update; a request rejected by the engine becomes a 400."""
+        """The first update; a request rejected by the engine becomes a 400, one the engine
+        ended before it produced anything (shutdown, an engine failure) a 503."""
         update = await self._next(handle, request)
+        if all(r == "abort" for r in update.finish_reasons) and not any(update.token_ids):
+            raise APIError(503, "the engine stopped before the request started",
+                           "server_error")
         out = update.output
         if out is not None and out.error is not None and not any(update.token_ids):
             raise APIError(400, out.error, param="messages" if "messages" in out.error
@@ -89,16 +98,22 @@ class Server:
         return update
 
     async def _next(self, handle: Handle, request: Request) -> Update:
+        """The request's next update; every DISCONNECT_POLL_S, updates coming or not, a look
+        whether its client is still there (if not: abort, freeing its blocks)."""
         while True:
             try:
                 update = await asyncio.wait_for(handle.updates.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                update = None
+            now = time.perf_counter()
+            if now - handle.checked >= DISCONNECT_POLL_S:
+                handle.checked = now
                 if await request.is_disconnected():
                     self.loop.abort(handle)
-                    raise APIError(499, "client disconnected") from None
-                continue
-            self._observe(handle, update)
-            return update
+                    raise APIError(499, "client disconnected")
+            if update is not None:
+                self._observe(handle, update)
+                return update
 
     def _observe(self, handle: Handle, update: Update) -> None:
         now = time.perf_counter()
@@ -165,7 +180,7 @@ class Server:
             prompt, ids = body.prompt_input()
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        handle = self._submit(prompt, params, ids)
+        handle = self._submit(prompt, params, ids, "prompt")
         first = await self._first(handle, request)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs
@@ -219,7 +234,7 @@ class Server:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
         ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-        handle = self._submit(prompt, params, ids)
+        handle = self._submit(prompt, params, ids, "messages")
         first = await self._first(handle, request)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -304,6 +319,26 @@ class Server:
         return deltas
 
 
+class RequireKey:
+    """The API key on every path but /health (401 otherwise). Plain ASGI: a request's own
+    `receive` reaches the endpoint untouched, so it still sees its client disconnect
+    (Starlette's BaseHTTPMiddleware wraps `receive` and hides it from a non-streaming handler)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(error_body("missing or wrong API key",
+                                                   "authentication_error", code=401),
+                                        status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(llm, *, model_name: str, api_key: str | None = None,
                limits: Limits | None = None) -> FastAPI:
     server = Server(llm, model_name, limits or Limits())
@@ -317,13 +352,8 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
     app = FastAPI(title="shoal", lifespan=lifespan)
     app.state.server = server
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return JSONResponse(error_body("missing or wrong API key", "authentication_error",
-                                               code=401), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

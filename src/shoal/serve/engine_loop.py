@@ -5,7 +5,10 @@ the web side submits and aborts through a command queue and receives, per reques
 Invariant: only the loop thread touches the engine. A request joins the running batch at the
 next step after its submission; an abort frees its KV blocks in the next loop turn. Admission
 is bounded: past `max_queued_requests` requests (or `max_queued_prompt_tokens` prompt tokens)
-that have not produced a token yet, `submit` raises `QueueFull` instead of queueing.
+that have not produced a token yet, `submit` raises `QueueFull` instead of queueing; a prompt
+larger than the token bound alone raises `ValueError` (it would never fit). Once the loop thread
+has ended (stopped, or the engine raised), `submit` raises `EngineStopped`, and every request
+submitted before that gets an aborted last update: no request waits for a thread that is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from shoal.sampling import SamplingParams
 
 class QueueFull(RuntimeError):
     """Too many requests are waiting for their first token (HTTP 429)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop has ended: shutting down, or the engine failed (HTTP 503)."""
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Handle:
     started: bool = False  # produced a token (or finished): no longer queued
     last_token_time: float | None = None  # (metrics: inter-token latency)
     sent: list[list[int]] = field(default_factory=list)  # per choice: text, tokens, logprobs
+    checked: float = field(default_factory=time.perf_counter)  # last look for a disconnect
 
     def push(self, update: Update) -> None:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
@@ -69,6 +77,7 @@ class EngineLoop:
         self._live: dict[str, Handle] = {}  # group -> handle (loop thread only)
         self._lock = threading.Lock()
         self._queued = [0, 0]  # requests, prompt tokens not yet started (under _lock)
+        self._closed = False  # the loop thread takes no more commands (under _lock)
         self._stop = threading.Event()
         self.snapshot: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
@@ -84,7 +93,15 @@ class EngineLoop:
         """Queue a request (call from the event loop); QueueFull past the limits."""
         tokens = len(prompt_token_ids) if prompt_token_ids is not None else \
             len(self.engine.tokenizer.encode(prompt or "", add_special_tokens=True))
+        if tokens > self.limits.max_queued_prompt_tokens:
+            raise ValueError(f"the prompt has {tokens} tokens, more than this server queues "
+                             f"at once (max_queued_prompt_tokens = "
+                             f"{self.limits.max_queued_prompt_tokens})")
+        handle = Handle(tokens, asyncio.get_running_loop())
         with self._lock:
+            if self._closed:
+                raise EngineStopped("the engine has stopped" + (
+                    f": {self.error!r}" if self.error is not None else " (shutting down)"))
             if self._queued[0] >= self.limits.max_queued_requests:
                 raise QueueFull(f"{self._queued[0]} requests are already waiting (limit "
                                 f"{self.limits.max_queued_requests}); retry later")
@@ -93,8 +110,7 @@ class EngineLoop:
                                 f"{self.limits.max_queued_prompt_tokens}); retry later")
             self._queued[0] += 1
             self._queued[1] += tokens
-        handle = Handle(tokens, asyncio.get_running_loop())
-        self._commands.put(("add", handle, (prompt, params, prompt_token_ids)))
+            self._commands.put(("add", handle, (prompt, params, prompt_token_ids)))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -108,7 +124,9 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Started and taking requests (false from the moment the loop starts to wind down)."""
+        with self._lock:
+            return self._thread.is_alive() and not self._closed
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -124,11 +142,20 @@ class EngineLoop:
             self.error = exc
             raise
         finally:  # wake every waiter with an aborted end; settle the engine
+            with self._lock:
+                self._closed = True
             for handle in self._live.values():
                 handle.push(Update([""] * len(handle.sent), [[] for _ in handle.sent],
                                    [[] for _ in handle.sent], ["abort"] * len(handle.sent)))
             engine.cancel(list(self._live))
             self._live.clear()
+            while True:  # submitted but never added: no choices, an aborted end
+                try:
+                    kind, handle, _ = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    handle.push(Update([], [], [], []))
 
     def _drain(self, block: bool) -> None:
         try:
