@@ -30,7 +30,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["full", "staircase", "bounded"])
     for name, kind in (("replay_window", int), ("max_num_seqs", int), ("max_model_len", int),
                        ("max_num_batched_tokens", int), ("kv_cache_memory_gb", float),
-                       ("block_size", int), ("kv_store_ttl_days", float)):
+                       ("block_size", int), ("kv_store_ttl_days", float),
+                       ("collective_timeout_s", float)):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
@@ -70,7 +71,8 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "spec_confidence", "spec_verify_budget", "spec_verify", "async_scheduling",
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
                 "kv_store_path", "kv_store_ttl_days", "block_size", "prefix_resume",
-                "expert_parallel", "expert_placement", "batch_invariant", "backends")
+                "expert_parallel", "expert_placement", "batch_invariant", "backends",
+                "collective_timeout_s")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
@@ -386,11 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": cmd_serve,
                 "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo,
-            "eplb": cmd_eplb}[args.command](args)
-    except ShoalError as exc:
-        print(f"shoal: error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
+                "eplb": cmd_eplb}[args.command](args)
+    except (ShoalError, OSError, ValueError) as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return 2
 

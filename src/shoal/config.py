@@ -108,9 +108,11 @@ class RunnerConfig:
     the grouped wo_a GEMM its wide tiles (`scripts/probe_row_invariance.py` finds such ops).
     expert_parallel: with data_parallel_size=N (or under torchrun), shard each layer's routed
     experts over the N ranks (each reads only its own from the checkpoint) and exchange tokens
-    by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`). Runs eagerly
-    (no CUDA graphs). expert_placement: an EPLB placement
+    by all-to-all; the ranks step in lockstep (`parallel/expert_parallel.py`).
+    expert_placement: an EPLB placement
     file (`shoal eplb`: busy experts copied on several ranks) instead of contiguous slices.
+    collective_timeout_s: a collective of the ranks (several GPUs, torchrun) that has not
+    completed after this many seconds (a rank hangs or died) ends the run with an error.
     record_expert_loads: count the tokens routed to each expert of each MoE layer
     (`LLM.expert_loads()`, `--record-expert-loads FILE`; eager steps: no CUDA graphs).
     engram_placement: where the Engram tables live on CUDA: 'device', 'host' (pinned host
@@ -133,6 +135,7 @@ class RunnerConfig:
     batch_invariant: bool = False
     expert_parallel: bool = False
     expert_placement: str | None = None
+    collective_timeout_s: float = 600.0
     record_expert_loads: bool = False
     engram_placement: str = "auto"
 
@@ -157,6 +160,9 @@ class RunnerConfig:
         if self.spec_verify_budget < 0:
             raise ShoalError(f"spec_verify_budget: got {self.spec_verify_budget}, expected >= 0 "
                              "(0: no cap)")
+        if not self.collective_timeout_s > 0:
+            raise ShoalError(f"collective_timeout_s: got {self.collective_timeout_s}, expected "
+                             "> 0")
         if self.replay_window < 1:
             raise ShoalError(f"replay_window: got {self.replay_window}, expected >= 1")
         sizes = self.cuda_graph_batch_sizes

@@ -41,7 +41,8 @@ class LLM:
         if launched_world() > 1:
             from shoal.parallel.torchrun import TorchrunRank
 
-            self.torchrun = TorchrunRank(data_parallel_size, kwargs.get("device", "auto"))
+            self.torchrun = TorchrunRank(data_parallel_size, kwargs.get("device", "auto"),
+                                         kwargs.get("collective_timeout_s", 600.0))
             kwargs = dict(kwargs, device=self.torchrun.device)
             data_parallel_size = 1
         self.config = EngineConfig.create(model, **kwargs)

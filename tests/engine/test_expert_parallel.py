@@ -2,12 +2,16 @@
 world 1's outputs bitwise with the reference ops (tokens, logprobs, seeded samples) for mixed
 batches, uneven shares, a replica with no requests, a tight KV pool (preemption) and a request
 too long; the MoE exchange alone equals the reference op; each rank loads only its experts; an
-interrupt leaves the replicas usable; speculative decoding; uneven splits fail clearly."""
+interrupt leaves the replicas usable; a dead or hung rank ends the call with an error;
+speculative decoding; uneven splits fail clearly."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -207,6 +211,23 @@ def test_a_dead_rank_ends_the_call_with_an_error() -> None:
         with pytest.raises(ShoalError, match="stopped after an error"):
             llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
     finally:
+        llm.close()
+
+
+def test_a_hung_rank_ends_the_call_within_the_collective_timeout() -> None:
+    llm = LLM("tiny", data_parallel_size=2, expert_parallel=True, collective_timeout_s=5,
+              **OPTS)
+    pid = llm.replicas.processes[1].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)  # alive, but it never joins the next collective
+        start = time.monotonic()
+        with pytest.raises(ShoalError, match="replica 0"):  # rank 0's collective times out
+            llm.generate(PROMPTS[:4], PARAMS[:4], use_tqdm=False)
+        assert time.monotonic() - start < 120  # the timeout, not the 30-minute answer bound
+        with pytest.raises(ShoalError, match="stopped after an error"):
+            llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+    finally:
+        os.kill(pid, signal.SIGCONT)
         llm.close()
 
 

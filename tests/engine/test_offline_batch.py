@@ -11,6 +11,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.cli import main
+from shoal.config import ShoalError
 from shoal.offline.output import ResultWriter, written_keys
 from support.interrupt import interrupt_after
 
@@ -103,8 +104,12 @@ def test_result_writer_orders_by_input() -> None:
     assert [json.loads(x)["line"] for x in completion.getvalue().splitlines()] == [3, 1]
 
 
-def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path: Path,
-                                                                monkeypatch) -> None:
+@pytest.mark.parametrize("stop, status", [
+    (KeyboardInterrupt(), 130),
+    (ShoalError("data-parallel replica 1: replica(s) exited: rank 1 (exit code -9)"), 1)],
+    ids=["ctrl-c", "dead-replica"])
+def test_resume_after_a_killed_run_equals_an_uninterrupted_run(
+        tmp_path: Path, monkeypatch, capsys, stop: BaseException, status: int) -> None:
     prompts = [{"prompt_token_ids": [5 + i, 6, 7 + i % 3]} for i in range(7)]
     prompts[3] = {"prompt": "a text prompt", "custom_id": "text"}
     src = tmp_path / "in.jsonl"
@@ -113,14 +118,19 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path: Path,
     assert main(["generate", *CLI, "--input", str(src), "--output", str(whole)]) == 0
     run = LLM.run
 
-    def killed_run(self, items, use_tqdm=True):  # Ctrl-C after 4 results
+    def killed_run(self, items, use_tqdm=True):  # Ctrl-C or a dead replica after 4 results
         for n, pair in enumerate(run(self, items, use_tqdm)):
             if n == 4:
-                raise KeyboardInterrupt
+                raise stop
             yield pair
 
     monkeypatch.setattr(LLM, "run", killed_run)
-    assert main(["generate", *CLI, "--input", str(src), "--output", str(part)]) == 130
+    capsys.readouterr()
+    assert main(["generate", *CLI, "--input", str(src), "--output", str(part)]) == status
+    err = capsys.readouterr().err
+    assert "4 of 7 requests finished" in err and "--resume runs the rest" in err, err
+    if isinstance(stop, ShoalError):
+        assert "rank 1" in err
     monkeypatch.setattr(LLM, "run", run)
     written = _records(part)
     assert 0 < len(written) <= 4 and [r["line"] for r in written] == list(

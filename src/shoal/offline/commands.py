@@ -24,6 +24,7 @@ from shoal.offline.requests import RequestLine, read_requests
 from shoal.sampling import SamplingParams
 
 INTERRUPTED = 130  # the shell's exit status for SIGINT
+FAILED = 1  # the run stopped on an error after it started (a replica died, a collective timed out)
 
 
 def record(request: RequestLine, out: RequestOutput) -> dict:
@@ -99,17 +100,18 @@ def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
 
 
 def run_requests(llm, requests: list[RequestLine], write: Callable[[int, RequestOutput], None],
-                 *, progress: bool) -> tuple[list[RequestOutput], bool]:
+                 *, progress: bool) -> tuple[list[RequestOutput], BaseException | None]:
     """Run `requests`, calling `write(position, output)` as each finishes; returns the outputs
-    that finished and whether the run was interrupted (Ctrl-C)."""
+    that finished and what stopped the run early: a KeyboardInterrupt (Ctrl-C), a ShoalError
+    (a replica died, a collective timed out), or None. What was written stays written."""
     outs: list[RequestOutput] = []
     try:
         for position, out in llm.run([r.item for r in requests], use_tqdm=progress):
             outs.append(out)
             write(position, out)
-    except KeyboardInterrupt:
-        return outs, True
-    return outs, False
+    except (KeyboardInterrupt, ShoalError) as exc:
+        return outs, exc
+    return outs, None
 
 
 def _open_output(llm, path: str | None, resume: bool):
@@ -127,16 +129,20 @@ def _pending(requests: list[RequestLine], output: str | None, resume: bool
     return [r for r, key in zip(requests, keys_of(requests), strict=True) if key not in done]
 
 
-def _finish(llm, outs, total: int, skipped: int, interrupted: bool, elapsed: float,
-            held: int) -> int:
-    if interrupted and llm.primary:
-        print(f"shoal: interrupted: {len(outs)} of {total} requests finished"
+def _finish(llm, outs, total: int, skipped: int, stopped: BaseException | None,
+            elapsed: float, held: int) -> int:
+    if stopped is not None and llm.primary:
+        why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else f"error: {stopped}"
+        print(f"shoal: {why}: {len(outs)} of {total} requests finished"
               + (f" ({held} of them not written: they wait for an earlier request in input "
-                 "order; --resume runs them again)" if held else ""), file=sys.stderr)
+                 "order)" if held else "") + "; --resume runs the rest", file=sys.stderr)
     if skipped and llm.primary:
         print(f"shoal: resumed: {skipped} requests were already in the output", file=sys.stderr)
-    summary(llm, outs, elapsed)
-    return INTERRUPTED if interrupted else 0
+    if not isinstance(stopped, ShoalError):  # a failed group has no stats to give
+        summary(llm, outs, elapsed)
+    if stopped is None:
+        return 0
+    return INTERRUPTED if isinstance(stopped, KeyboardInterrupt) else FAILED
 
 
 def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
@@ -157,17 +163,17 @@ def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
     writer = ResultWriter(stream, args.output_order)
     t0 = time.perf_counter()
     try:
-        outs, interrupted = run_requests(
+        outs, stopped = run_requests(
             llm, pending, lambda i, out: writer.add(i, record(pending[i], out)),
             progress=not args.quiet and args.output is not None and llm.primary)
     finally:
         if stream is not sys.stdout:
             stream.close()
-    if getattr(args, "expert_loads_out", None):  # `shoal eplb --loads FILE`
+    if getattr(args, "expert_loads_out", None) and stopped is None:  # `--record-expert-loads`
         loads = llm.expert_loads()
         if llm.primary:
             Path(args.expert_loads_out).write_text(json.dumps(loads))
-    return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
+    return _finish(llm, outs, len(pending), len(requests) - len(pending), stopped,
                    time.perf_counter() - t0, writer.num_held)
 
 
@@ -187,10 +193,10 @@ def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int
     with _open_output(llm, args.output, args.resume) as stream:
         writer = ResultWriter(stream, "input")
         t0 = time.perf_counter()
-        outs, interrupted = run_requests(
+        outs, stopped = run_requests(
             llm, pending, lambda i, out: writer.add(i, batch_result(
                 pending[i], urls[pending[i].line], out, model)),
             progress=not args.quiet and llm.primary)
-    return _finish(llm, outs, len(pending), len(requests) - len(pending), interrupted,
+    return _finish(llm, outs, len(pending), len(requests) - len(pending), stopped,
                    time.perf_counter() - t0, writer.num_held)
 

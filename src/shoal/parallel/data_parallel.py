@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shoal.config import ShoalError
+from shoal.config import RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
 from shoal.scheduler.config import SchedulerConfig
 
@@ -97,14 +97,14 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
         if group is not None:
             import torch.distributed as dist
 
-            from shoal.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S
-
             world, port, backend = group
             if backend == "nccl":
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world,
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=timedelta(seconds=options.get(
+                                        "collective_timeout_s",
+                                        RunnerConfig.collective_timeout_s)))
         from shoal.llm import LLM
 
         llm = LLM(model, **options)

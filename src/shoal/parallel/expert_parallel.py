@@ -46,8 +46,6 @@ from shoal.model.params import ExpertShard
 from shoal.parallel.eplb import ExpertPlacement
 from shoal.quant.fp8 import dequant_fp8_act
 
-COLLECTIVE_TIMEOUT_S = 600.0  # a rank that died or hangs ends the run with an error after this
-
 
 class ExpertParallel:
     """This process's rank in the expert-parallel group. Build with `from_process_group`."""
@@ -65,8 +63,8 @@ class ExpertParallel:
         self._fixed_rows: int | None = None  # inside `fixed_exchange`
 
     @classmethod
-    def from_process_group(cls, device: torch.device, placement: str | None = None
-                           ) -> ExpertParallel | None:
+    def from_process_group(cls, device: torch.device, placement: str | None = None,
+                           timeout_s: float = 600.0) -> ExpertParallel | None:
         """The group of the initialised default process group (None when torch.distributed is
         not initialised or has one rank: the experts stay whole, no collectives)."""
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -75,7 +73,7 @@ class ExpertParallel:
         if device.type == "cuda" and backend != "nccl":
             raise ShoalError(f"expert parallelism on CUDA needs the NCCL backend, got {backend}")
         control = dist.new_group(backend="gloo", timeout=timedelta(
-            seconds=COLLECTIVE_TIMEOUT_S)) if backend != "gloo" else None
+            seconds=timeout_s)) if backend != "gloo" else None
         return cls(dist.get_rank(), dist.get_world_size(), control,
                    ExpertPlacement.load(placement) if placement else None)
 

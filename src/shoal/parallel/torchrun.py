@@ -24,10 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shoal.config import ShoalError
+from shoal.config import RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
 from shoal.parallel.data_parallel import split_by_load
-from shoal.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S
 
 
 def launched_world() -> int:
@@ -38,7 +37,8 @@ def launched_world() -> int:
 class TorchrunRank:
     """This process's place in a torchrun job; `device` is where its engine goes."""
 
-    def __init__(self, data_parallel_size: int, device: str) -> None:
+    def __init__(self, data_parallel_size: int, device: str,
+                 timeout_s: float = RunnerConfig.collective_timeout_s) -> None:
         self.world = launched_world()
         if data_parallel_size not in (1, self.world):
             raise ShoalError(f"under torchrun the data-parallel size is the number of processes "
@@ -53,14 +53,14 @@ class TorchrunRank:
             if use_cuda:
                 torch.cuda.set_device(self.local_rank)
             dist.init_process_group("nccl" if use_cuda else "gloo",
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=timedelta(seconds=timeout_s))
             # torn down before the interpreter: live gloo threads at exit abort the process,
             # and torchrun would report a finished job as failed
             atexit.register(dist.destroy_process_group)
         self.rank = dist.get_rank()
         # outputs travel as Python objects on the CPU
         self.group = dist.new_group(backend="gloo",
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=timedelta(seconds=timeout_s))
         self._next_index = 0
 
     @property

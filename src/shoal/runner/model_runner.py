@@ -64,8 +64,8 @@ class ModelRunner:
                              "has none")
         self.device = pick_device(config.runner.device)
         self.ep = ExpertParallel.from_process_group(
-            self.device, config.runner.expert_placement) if config.runner.expert_parallel \
-            else None
+            self.device, config.runner.expert_placement, config.runner.collective_timeout_s) \
+            if config.runner.expert_parallel else None
         t0 = time.perf_counter()
         self.model = load_model(config, tokenizer, self.device, self.ep)
         self.load_seconds = time.perf_counter() - t0  # start-up phases, for benchmarks
