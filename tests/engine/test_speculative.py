@@ -1,6 +1,6 @@
 """Speculative decoding (DSpark drafts, exact-match verification): outputs are token-for-token
-those of plain decoding, for greedy and for seeded sampling with penalties, whatever the drafts
-are; accepted drafts save steps."""
+those of plain decoding, for greedy and for seeded sampling with penalties, stop strings, n > 1
+and prompt log-probs, whatever the drafts are; accepted drafts save steps."""
 
 from __future__ import annotations
 
@@ -133,6 +133,44 @@ def test_accepted_drafts_past_the_end_are_not_emitted(plain, cut, monkeypatch):
     assert spec.engine.stats.drafts_accepted > 0
     if cut == "stop_id":
         assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def _stop_inside(text: str) -> list[str]:
+    """A stop string from the middle of a request's own plain output (none if too short)."""
+    mid = len(text) // 2
+    return [text[mid:mid + 3]] if len(text) >= 6 else []
+
+
+@pytest.mark.parametrize("drafts", ["dspark", "oracle"])
+def test_exact_mode_with_stop_strings_n_and_prompt_logprobs(plain, drafts, monkeypatch):
+    """Exact verification keeps plain decoding's outputs with text stops (cut inside accepted
+    drafts when the oracle drafts the plain run), n = 2 with seeds, and prompt log-probs."""
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(seed)
+    long, long_outs = _run(plain, prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                          ignore_eos=True))
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1,
+                             stop=_stop_inside(o.outputs[0].text)) for o in long_outs]
+    if drafts == "dspark":  # the oracle reads futures by request index: n = 1 only
+        params[1] = SamplingParams(temperature=0.8, seed=seed % 1000, n=2, max_tokens=8,
+                                   ignore_eos=True, prompt_logprobs=2)
+    want = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if drafts == "oracle":
+        monkeypatch.setattr(runner_mod, "propose_drafts", _oracle(long))
+    spec = LLM("tiny", speculative=True, **OPTS)
+    got = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def view(outs):
+        return [([(c.token_ids, c.text, c.finish_reason,
+                   [sorted((t, v.logprob) for t, v in e.items()) for e in c.logprobs or []])
+                  for c in o.outputs],
+                 [sorted((t, v.logprob) for t, v in (e or {}).items())
+                  for e in o.prompt_logprobs or []]) for o in outs]
+
+    assert view(got) == view(want), f"seed {seed}"
+    assert any(o.outputs[0].finish_reason == "stop" for o in want)  # a stop string cut
+    if drafts == "oracle":
+        assert spec.engine.stats.drafts_accepted > 0
 
 
 def test_confidence_rule_keeps_the_leading_drafts_worth_a_row():
