@@ -98,6 +98,8 @@ def test_bad_model_and_options_raise_shoal_error() -> None:
         LLM("tiny", device="cpu", prefill_mode="sideways")
     with pytest.raises(ShoalError, match="spec_verify_budget"):
         EngineConfig.create("tiny", device="cpu", spec_verify_budget=-1)
+    with pytest.raises(ShoalError, match="collective_timeout_s"):
+        EngineConfig.create("tiny", device="cpu", collective_timeout_s=0)
     with pytest.raises(ShoalError, match="max_num_seqs"):
         LLM("tiny", device="cpu", max_num_seqs=0)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -130,7 +132,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "spec_confidence": 0.4, "spec_verify": "rejection", "spec_verify_budget": 12,
     "cuda_graphs": False, "cuda_graph_batch_sizes": (1, 8), "async_scheduling": False,
     "expert_parallel": True, "engram_placement": "host", "expert_placement": "/nonexistent.json",
-    "record_expert_loads": True, "batch_invariant": True,
+    "record_expert_loads": True, "batch_invariant": True, "collective_timeout_s": 30.0,
     "enable_prefix_caching": True, "num_prefix_snapshots": 5, "kv_host_memory_gb": 0.01,
     "prefix_resume": "exact",  # (its only value)
     "kv_store_path": "/nonexistent/shoal-kv", "kv_store_ttl_days": 7.0,

@@ -180,6 +180,9 @@ class Server:
             prompt, ids = body.prompt_input()
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
+        if prompt and ids is None:  # once, off the event loop (the engine takes the ids)
+            ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt,
+                                          add_special_tokens=True)
         handle = self._submit(prompt, params, ids, "prompt")
         first = await self._first(handle, request)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -233,7 +236,8 @@ class Server:
             prompt = encode_messages(body.message_dicts(), **options)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt,
+                                      add_special_tokens=False)
         handle = self._submit(prompt, params, ids, "messages")
         first = await self._first(handle, request)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -320,9 +324,8 @@ class Server:
 
 
 class RequireKey:
-    """The API key on every path but /health (401 otherwise). Plain ASGI: a request's own
-    `receive` reaches the endpoint untouched, so it still sees its client disconnect
-    (Starlette's BaseHTTPMiddleware wraps `receive` and hides it from a non-streaming handler)."""
+    """The API key on every path but /health (401 otherwise). Plain ASGI, so that a handler
+    still sees its client disconnect (BaseHTTPMiddleware's wrapped `receive` hides it)."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
