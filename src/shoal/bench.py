@@ -117,7 +117,8 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
     stats = llm.engine.stats
     steps0, overlapped0 = stats.steps, stats.overlapped_steps
     tokens = []  # per timed step: output tokens per request (speculative: 1 + accepted)
-    spec0 = (stats.drafts_proposed, stats.drafts_accepted, stats.drafts_skipped)
+    spec0 = (stats.drafts_proposed, stats.drafts_accepted, stats.drafts_skipped,
+             stats.verify_rows, list(stats.drafts_proposed_at), list(stats.drafts_accepted_at))
     sync()
     last = time.perf_counter()
     while llm.engine.has_unfinished():
@@ -155,9 +156,18 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         proposed, accepted, skipped = (stats.drafts_proposed - spec0[0],
                                        stats.drafts_accepted - spec0[1],
                                        stats.drafts_skipped - spec0[2])
+        rows = stats.verify_rows - spec0[3]
+
+        def since(now: list[int], then: list[int]) -> list[int]:
+            return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now)]
+
+        at = zip(since(stats.drafts_accepted_at, spec0[5]),
+                 since(stats.drafts_proposed_at, spec0[4]), strict=True)
         spec = {"step_ms": statistics.median(decode) * 1e3,
                 "tokens_per_step": statistics.mean(per), "drafts_verified": proposed,
-                "drafts_accepted": accepted, "drafts_skipped": skipped}
+                "drafts_accepted": accepted, "drafts_skipped": skipped,
+                "mean_accepted_length": 1.0 + accepted / rows if rows else 0.0,
+                "acceptance_by_position": [a / p if p else None for a, p in at]}
     else:
         tpot = statistics.median(decode)
     return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3, **spec,
@@ -334,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
               f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s} "
               f"{d['overlapped_share']:8.0%}{extra}", flush=True)
+        if args.speculative:
+            print(f"      mean accepted length {d['mean_accepted_length']:.2f}; acceptance "
+                  "by draft position " + " ".join("-" if r is None else f"{r:.2f}"
+                                                  for r in d["acceptance_by_position"]))
     result["decode"] = decode
     declined = dict(llm.engine.runner.ops.declined)
     result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference

@@ -44,8 +44,9 @@ def test_bench_sizes_max_model_len_for_a_budgeted_decode_prefill(tmp_path, capsy
 
 
 def test_bench_speculative_reports_drafts(tmp_path, capsys):
-    """--speculative: each decode row carries its step time, tokens per request and step and
-    the drafts verified / accepted / skipped over the timed steps (on tiny's random weights
+    """--speculative: each decode row carries its step time, tokens per request and step, the
+    drafts verified / accepted / skipped over the timed steps, the mean accepted length and the
+    acceptance rate by draft position (on tiny's random weights
     drafts are verified and almost never accepted)."""
     rc = main(["--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--prompt-len", "16",
                "--steps", "4", "--skip-prefill", "--prefill-budget", "64", "--speculative",
@@ -58,6 +59,9 @@ def test_bench_speculative_reports_drafts(tmp_path, capsys):
             "drafts_verified"] and row["drafts_skipped"] == 0
         assert row["tokens_per_step"] >= 1.0
         assert row["tpot_ms"] == pytest.approx(row["step_ms"] / row["tokens_per_step"], rel=0.5)
+        rates = row["acceptance_by_position"]
+        assert rates and rates[0] is not None and all(r is None or 0 <= r <= 1 for r in rates)
+        assert row["mean_accepted_length"] >= 1.0
 
 
 def test_bench_refuses_a_budget_the_decoding_requests_would_fill(capsys):

@@ -320,6 +320,7 @@ def test_prefix_cache_hits_show_in_the_metrics() -> None:
         server.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_failed_engine_answers_503_and_never_hangs() -> None:
     server = LiveServer(max_num_seqs=2, max_model_len=128)
     try:
@@ -335,5 +336,31 @@ def test_a_failed_engine_answers_503_and_never_hangs() -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(server.base + "/health", timeout=10)
         assert err.value.code == 503
+    finally:
+        server.stop()
+
+
+def test_speculative_acceptance_shows_in_the_metrics() -> None:
+    """With speculative decoding, /metrics counts the drafts verified and accepted per draft
+    position and the verifying rows, consistent with the totals."""
+    server = LiveServer(max_num_seqs=2, max_model_len=128, speculative=True)
+    try:
+        server.client().completions.create(model="tiny", prompt="spec", max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        _wait_idle(server)
+        req = urllib.request.Request(server.base + "/metrics",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            lines = r.read().decode().splitlines()
+
+        def values(prefix: str) -> list[float]:
+            return [float(line.split()[-1]) for line in lines if line.startswith(prefix)]
+
+        proposed_at = values("shoal_drafts_proposed_at_total{")
+        assert proposed_at and proposed_at[0] > 0
+        assert sum(proposed_at) == values("shoal_drafts_proposed_total ")[0]
+        assert sum(values("shoal_drafts_accepted_at_total{")) == \
+            values("shoal_drafts_accepted_total ")[0]
+        assert values("shoal_spec_verify_rows_total ")[0] == proposed_at[0]
     finally:
         server.stop()

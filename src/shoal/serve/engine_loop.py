@@ -224,6 +224,8 @@ class EngineLoop:
             "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
             "preemptions": s.preemptions, "requests": s.num_requests, "errors": s.num_errors,
             "drafts_proposed": s.drafts_proposed, "drafts_accepted": s.drafts_accepted,
+            "drafts_proposed_at": list(s.drafts_proposed_at),
+            "drafts_accepted_at": list(s.drafts_accepted_at), "spec_verify_rows": s.verify_rows,
             "steps": s.steps,
         }
         prefix = scheduler.prefix_stats

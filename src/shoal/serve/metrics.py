@@ -23,7 +23,11 @@ COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
             "prefix_host_hit_tokens": "of those, in blocks copied back from host memory",
             "prefix_store_hit_tokens": "of those, in blocks read from the KV store",
             "prefix_snapshots_saved": "ring snapshots saved", "prefix_snapshot_evictions":
-            "ring snapshots evicted", "kv_block_evictions": "cached KV blocks evicted"}
+            "ring snapshots evicted", "kv_block_evictions": "cached KV blocks evicted",
+            "spec_verify_rows": "rows that verified speculative drafts (mean accepted length: "
+            "1 + drafts_accepted / spec_verify_rows)"}
+PER_POSITION = {"drafts_proposed_at": "speculative drafts verified at this draft position",
+                "drafts_accepted_at": "speculative drafts accepted at this draft position"}
 
 
 class _Snapshot:
@@ -36,6 +40,11 @@ class _Snapshot:
             yield GaugeMetricFamily(f"shoal_{name}", doc, value=snap.get(name, 0))
         for name, doc in COUNTERS.items():
             yield CounterMetricFamily(f"shoal_{name}", doc, value=snap.get(name, 0))
+        for name, doc in PER_POSITION.items():  # speculative decoding, by draft position
+            family = CounterMetricFamily(f"shoal_{name}", doc, labels=["position"])
+            for position, value in enumerate(snap.get(name, ())):
+                family.add_metric([str(position)], value)
+            yield family
 
 
 class Metrics:
