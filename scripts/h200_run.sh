@@ -9,7 +9,8 @@
 # (benchmarks/profile_decode.py at batch 1 and 64; PROFILE_ARGS adds arguments), e2e (shoal bench; E2E_ARGS adds arguments),
 # invariance (scripts/probe_row_invariance.py: which fast ops change a row's bits with the batch),
 # spec (benchmarks/bench_spec.py; SPEC_ARGS adds arguments), startup (benchmarks/bench_startup.py:
-# a cold then a warm LLM("mini")).
+# a cold then a warm LLM("mini")), official (the fast ops against the official reference's
+# fixture: tests/model/test_official_layers.py and test_official_goldens.py, CUDA cases).
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
@@ -52,6 +53,9 @@ for spec in "$@"; do
         spec) timeout "$limit" python3 benchmarks/bench_spec.py ${SPEC_ARGS:-} \
                   > "$OUT/spec.txt" 2>&1 ;;
         startup) timeout "$limit" python3 benchmarks/bench_startup.py > "$OUT/startup.txt" 2>&1 ;;
+        official) timeout "$limit" python3 -m pytest tests/model/test_official_layers.py \
+                      tests/model/test_official_goldens.py -k cuda -rfEsx -s --tb=short \
+                      -p no:cacheprovider > "$OUT/official.txt" 2>&1 ;;
         *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
     echo "$stage rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/stages.txt"
