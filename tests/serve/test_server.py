@@ -321,17 +321,40 @@ def test_prefix_cache_hits_show_in_the_metrics() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_failed_engine_answers_503_and_never_hangs() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_failed_engine_answers_503_and_never_hangs(stream: bool) -> None:
+    """The engine fails under a request: a non-streaming one gets 503, a stream already
+    answering ends with finish_reason `abort` and an error event; later requests get 503 at
+    once and /health says so."""
     server = LiveServer(max_num_seqs=2, max_model_len=128)
     try:
-        def boom() -> None:
-            raise RuntimeError("boom")
+        step, calls = server.llm.engine.step, [0]
 
-        server.llm.engine.step = boom  # the loop thread's next step fails
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
-        status, first = _post(server, "/v1/completions", body)  # in flight when it fails
-        assert status == 503 and first["error"]["type"] == "server_error", first
-        status, later = _post(server, "/v1/completions", body)  # after: refused at once
+        def fails_later() -> None:
+            calls[0] += 1
+            if calls[0] > 3:
+                raise RuntimeError("boom")
+            step()
+
+        server.llm.engine.step = fails_later
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 40, "ignore_eos": True,
+                "stream": stream}
+        if stream:
+            req = urllib.request.Request(server.base + "/v1/completions",
+                                         data=json.dumps(body).encode(), headers={
+                                             "Content-Type": "application/json",
+                                             "Authorization": f"Bearer {API_KEY}"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                lines = [line.decode().strip() for line in r if line.strip()]
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            reasons = [c["finish_reason"] for e in events for c in e.get("choices", ())]
+            assert any(e.get("choices") and e["choices"][0]["text"] for e in events)
+            assert reasons[-1] == "abort" and "boom" in events[-1]["error"]["message"], events
+            assert lines[-1] == "data: [DONE]"
+        else:
+            status, first = _post(server, "/v1/completions", body)
+            assert status == 503 and first["error"]["type"] == "server_error", first
+        status, later = _post(server, "/v1/completions", dict(body, stream=False))
         assert status == 503 and "boom" in later["error"]["message"], later
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(server.base + "/health", timeout=10)

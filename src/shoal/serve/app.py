@@ -4,7 +4,8 @@ Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent 
 reasoning / content / tool-call deltas and an optional usage chunk), /v1/models, /health,
 /metrics. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
 a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
-429 past the queue limits.
+429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
+cuts ends with finish_reason `abort` and an error event).
 
 Invariant: every accepted request ends exactly once: answered, or aborted when its client goes
 away (its KV blocks are freed in the next engine turn).
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 import uuid
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
+from shoal.serve.auth import RequireKey
 from shoal.serve.engine_loop import EngineLoop, EngineStopped, Handle, Limits, QueueFull, Update
 from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
@@ -89,8 +90,7 @@ class Server:
         ended before it produced anything (shutdown, an engine failure) a 503."""
         update = await self._next(handle, request)
         if all(r == "abort" for r in update.finish_reasons) and not any(update.token_ids):
-            raise APIError(503, "the engine stopped before the request started",
-                           "server_error")
+            raise APIError(503, self.loop.stopped_reason(), "server_error")
         out = update.output
         if out is not None and out.error is not None and not any(update.token_ids):
             raise APIError(400, out.error, param="messages" if "messages" in out.error
@@ -132,13 +132,16 @@ class Server:
         update = first
         while update.output is None:
             if all(r == "abort" for r in update.finish_reasons):
-                raise APIError(503, "the server is shutting down", "server_error")
+                raise APIError(503, self.loop.stopped_reason(), "server_error")
             update = await self._next(handle, request)
         return update.output
 
     def _stream_end(self, update: Update, body, rid: str, created: int,
                     obj: str) -> Iterator[str]:
-        """The usage chunk when asked for (`stream_options.include_usage`), then [DONE]."""
+        """The usage chunk when asked for (`stream_options.include_usage`), or an error event
+        when the server cut the stream (shutdown, an engine failure), then [DONE]."""
+        if update.output is None and all(r == "abort" for r in update.finish_reasons):
+            yield _sse(error_body(self.loop.stopped_reason(), "server_error", code=503))
         if update.output is not None and body.stream_options and \
                 body.stream_options.include_usage:
             yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -321,25 +324,6 @@ class Server:
                 deltas.append({"tool_calls": [{"index": e.index,
                                                "function": {"arguments": e.text}}]})
         return deltas
-
-
-class RequireKey:
-    """The API key on every path but /health (401 otherwise). Plain ASGI, so that a handler
-    still sees its client disconnect (BaseHTTPMiddleware's wrapped `receive` hides it)."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = JSONResponse(error_body("missing or wrong API key",
-                                                   "authentication_error", code=401),
-                                        status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(llm, *, model_name: str, api_key: str | None = None,

@@ -100,8 +100,7 @@ class EngineLoop:
         handle = Handle(tokens, asyncio.get_running_loop())
         with self._lock:
             if self._closed:
-                raise EngineStopped("the engine has stopped" + (
-                    f": {self.error!r}" if self.error is not None else " (shutting down)"))
+                raise EngineStopped(self.stopped_reason())
             if self._queued[0] >= self.limits.max_queued_requests:
                 raise QueueFull(f"{self._queued[0]} requests are already waiting (limit "
                                 f"{self.limits.max_queued_requests}); retry later")
@@ -121,6 +120,12 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(("wake", None, None))
         self._thread.join(timeout)
+
+    def stopped_reason(self) -> str:
+        """Why requests end unanswered once the loop winds down."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error!r}"
+        return "the server is shutting down"
 
     @property
     def alive(self) -> bool:

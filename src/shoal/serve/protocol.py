@@ -22,9 +22,12 @@ from shoal.sampling.structured import StructuredOutputSpec
 
 def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
     """OpenAI's finish reason: out of room (max_tokens, the context, the KV pool) is `length`,
-    a parsed tool call `tool_calls`, anything else `stop`."""
+    a parsed tool call `tool_calls`, a stream the server cut (shutdown, an engine failure)
+    `abort` (as vLLM), anything else `stop`."""
     if reason is None:
         return None
+    if reason == "abort":
+        return "abort"
     if tool_calls:
         return "tool_calls"
     return "length" if reason in ("length", "kv_capacity") else "stop"

@@ -1,0 +1,28 @@
+"""The server's API key check."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+
+from shoal.serve.protocol import error_body
+
+
+class RequireKey:
+    """The API key on every path but /health (401 otherwise). Plain ASGI, so that a handler
+    still sees its client disconnect (BaseHTTPMiddleware's wrapped `receive` hides it)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(error_body("missing or wrong API key",
+                                                   "authentication_error", code=401),
+                                        status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
