@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from shoal.config import EngineConfig
+from shoal.config import EngineConfig, RunnerConfig
 from shoal.engine.engine import Engine
 from shoal.engine.outputs import RequestOutput
 from shoal.parallel.torchrun import launched_world
@@ -42,7 +42,8 @@ class LLM:
             from shoal.parallel.torchrun import TorchrunRank
 
             self.torchrun = TorchrunRank(data_parallel_size, kwargs.get("device", "auto"),
-                                         kwargs.get("collective_timeout_s", 600.0))
+                                         kwargs.get("collective_timeout_s",
+                                                    RunnerConfig.collective_timeout_s))
             kwargs = dict(kwargs, device=self.torchrun.device)
             data_parallel_size = 1
         self.config = EngineConfig.create(model, **kwargs)

@@ -63,8 +63,8 @@ class ExpertParallel:
         self._fixed_rows: int | None = None  # inside `fixed_exchange`
 
     @classmethod
-    def from_process_group(cls, device: torch.device, placement: str | None = None,
-                           timeout_s: float = 600.0) -> ExpertParallel | None:
+    def from_process_group(cls, device: torch.device, placement: str | None,
+                           timeout_s: float) -> ExpertParallel | None:
         """The group of the initialised default process group (None when torch.distributed is
         not initialised or has one rank: the experts stay whole, no collectives)."""
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
