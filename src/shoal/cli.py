@@ -195,7 +195,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
         "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
-    print(f"shoal serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"shoal serve: {llm.startup_summary()}; serving {name} on http://{args.host}:"
+          f"{args.port}/v1", file=sys.stderr)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
     # handler found at start: make that one a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -47,6 +47,7 @@ class LLM:
             kwargs = dict(kwargs, device=self.torchrun.device)
             data_parallel_size = 1
         self.config = EngineConfig.create(model, **kwargs)
+        start = time.perf_counter()
         if data_parallel_size == 1:
             self.engine: Engine | None = Engine(self.config)
         else:
@@ -54,6 +55,22 @@ class LLM:
 
             self.engine = None
             self.replicas = DataParallel(model, data_parallel_size, kwargs)
+        self.startup_seconds = time.perf_counter() - start
+
+    def startup_summary(self) -> str:
+        """How long the start took, and where (one engine in this process: weights, prefill
+        warm-up, CUDA graph capture)."""
+        where = f"{self.replicas.size} replicas" if self.replicas is not None else \
+            str(self.engine.runner.device)
+        line = f"{self.config.model} ready on {where} in {self.startup_seconds:.1f} s"
+        if self.engine is not None:
+            runner = self.engine.runner
+            graphs = runner.graphs
+            line += (f" (weights {runner.load_seconds:.1f} s, prefill warm-up "
+                     f"{runner.warmup_seconds:.1f} s, "
+                     + (f"{graphs.num_graphs} CUDA graphs in {graphs.capture_seconds:.1f} s)"
+                        if graphs is not None else "no CUDA graphs)"))
+        return line
 
     @property
     def tokenizer(self):

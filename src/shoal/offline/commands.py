@@ -114,6 +114,14 @@ def run_requests(llm, requests: list[RequestLine], write: Callable[[int, Request
     return outs, None
 
 
+def _start(make_llm: Callable[[], Any]):
+    """The LLM; on the primary rank, a line of how long its start took and where."""
+    llm = make_llm()
+    if llm.primary:
+        print(f"shoal: {llm.startup_summary()}", file=sys.stderr)
+    return llm
+
+
 def _open_output(llm, path: str | None, resume: bool):
     """The output file (appended to with --resume); torchrun ranks other than 0 write nowhere."""
     if not llm.primary:
@@ -157,7 +165,7 @@ def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
         requests = [RequestLine(i + 1, None, {"prompt": p, "sampling_params": default})
                     for i, p in enumerate(args.prompt or ["Hello, shoal!"])]
     pending = _pending(requests, args.output, args.resume)
-    llm = make_llm()
+    llm = _start(make_llm)
     stream = _open_output(llm, args.output, args.resume) if args.output or not llm.primary \
         else sys.stdout
     writer = ResultWriter(stream, args.output_order)
@@ -188,7 +196,7 @@ def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int
     requests = [r for r, _ in parsed]
     urls = {r.line: url for r, url in parsed}
     pending = _pending(requests, args.output, args.resume)
-    llm = make_llm()
+    llm = _start(make_llm)
     model = os.path.basename(os.path.normpath(args.model))
     with _open_output(llm, args.output, args.resume) as stream:
         writer = ResultWriter(stream, "input")
