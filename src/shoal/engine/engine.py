@@ -25,7 +25,6 @@ import itertools
 import logging
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from shoal.config import EngineConfig, ShoalError
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.engine.overlap import OverlappedSteps
 from shoal.engine.request import EngineRequest
+from shoal.engine.stats import EngineStats
 from shoal.runner.executor import Executor
 from shoal.runner.step_io import RunnerOutput
 from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
@@ -44,37 +44,6 @@ from shoal.tokenizer.synthetic import build_synthetic_tokenizer
 from shoal.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_requests: int = 0
-    num_errors: int = 0
-    preemptions: int = 0  # over the requests finished so far
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    forward_time: float = 0.0
-    prepare_time: float = 0.0
-    device_time: float = 0.0
-    decoder_rows_skipped: int = 0
-    decoder_rows_total: int = 0
-    drafts_proposed: int = 0  # speculative decoding: draft tokens verified
-    drafts_accepted: int = 0
-    drafts_skipped: int = 0  # drafted but not verified (the confidence rule)
-    # per draft position (0 = the first draft after the anchor): verified / accepted
-    drafts_proposed_at: list[int] = field(default_factory=list)
-    drafts_accepted_at: list[int] = field(default_factory=list)
-    verify_rows: int = 0  # rows that verified drafts (for the mean accepted length)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per verifying row: the anchor's sample plus the accepted drafts."""
-        return 1.0 + self.drafts_accepted / self.verify_rows if self.verify_rows else 0.0
-    # async scheduling: steps launched while the previous step's results were still unread,
-    # and steps finished before the next was scheduled (a request needed its token on the host)
-    overlapped_steps: int = 0
-    resolved_first: int = 0
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
@@ -272,6 +241,17 @@ class Engine:
             if not cancel:
                 self._step()
 
+    def step_or_serve(self, stop: bool = False) -> tuple[bool, bool]:
+        """Expert parallelism, for a loop that never waits on its own (a server's): one join
+        saying whether this rank has work and wants to stop, then a step when any rank has
+        work (this one's experts serve the others). Returns (stepped, any rank stopping);
+        nothing runs once a rank stops, so every rank leaves at the same step."""
+        busy, stopping = self.ep.join(self.has_unfinished(), stop)
+        if stopping or not busy:
+            return False, stopping
+        self._step()
+        return True, False
+
     def _step(self) -> list[str]:
         if self.overlap is not None:
             return self.overlap.step()
@@ -306,7 +286,8 @@ class Engine:
         tokens (logprobs, detokenising, stop strings, the matcher) and its finish. Returns the
         sequences that finished."""
         if plan.scheduled:
-            self._account(plan, output)
+            cfg = self.config.model_config
+            self.stats.account(plan, output, cfg.num_layers - cfg.decoder_start)
         for rid, entries in output.prompt_logprobs.items():
             req = self.requests.get(rid)
             if req is None:
@@ -358,30 +339,6 @@ class Engine:
         entry[token] = Logprob(logprob, rank)
         req.logprobs.append(entry)
         req.cumulative_logprob += logprob
-
-    def _account(self, plan: StepPlan, result: RunnerOutput) -> None:
-        s = self.stats
-        s.steps += 1
-        s.forward_time += result.forward_time
-        s.prepare_time += result.prepare_time
-        s.device_time += result.device_time
-        s.decoder_rows_skipped += result.decoder_rows_skipped
-        cfg = self.config.model_config
-        s.decoder_rows_total += plan.num_scheduled_tokens * (cfg.num_layers - cfg.decoder_start)
-        for item in plan.scheduled:
-            tokens = result.sampled_token_ids.get(item.request_id)
-            if item.num_spec_tokens and tokens:
-                s.drafts_proposed += item.num_spec_tokens
-                s.drafts_accepted += len(tokens) - 1
-                s.verify_rows += 1
-                grow = item.num_spec_tokens - len(s.drafts_proposed_at)
-                if grow > 0:
-                    s.drafts_proposed_at.extend([0] * grow)
-                    s.drafts_accepted_at.extend([0] * grow)
-                for i in range(item.num_spec_tokens):
-                    s.drafts_proposed_at[i] += 1
-                    s.drafts_accepted_at[i] += i < len(tokens) - 1
-        s.drafts_skipped += result.drafts_skipped
 
     # ---- outputs ----------------------------------------------------------------------------
     def output(self, group: str) -> RequestOutput:

@@ -17,7 +17,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +47,12 @@ class Update:
 
 @dataclass
 class Handle:
-    """One submitted request as the web side sees it."""
+    """One submitted request as the web side sees it; its updates go to `sink` (for a web
+    handler: its asyncio queue, `on_event_loop`)."""
 
     prompt_tokens: int
-    loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sink: Callable[[Update], None]
+    updates: asyncio.Queue | None = None
     group: str | None = None  # set by the loop thread
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # produced a token (or finished): no longer queued
@@ -59,8 +60,15 @@ class Handle:
     sent: list[list[int]] = field(default_factory=list)  # per choice: text, tokens, logprobs
     checked: float = field(default_factory=time.perf_counter)  # last look for a disconnect
 
+    @classmethod
+    def on_event_loop(cls, prompt_tokens: int) -> Handle:
+        """A handle whose updates arrive in `updates` on the calling event loop."""
+        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+        return cls(prompt_tokens, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u),
+                   updates)
+
     def push(self, update: Update) -> None:
-        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        self.sink(update)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,10 @@ class Limits:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, limits: Limits | None = None) -> None:
+    def __init__(self, engine: Engine | None, limits: Limits | None = None,
+                 tokenizer=None) -> None:
         self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.limits = limits or Limits()
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, Handle] = {}  # group -> handle (loop thread only)
@@ -89,15 +99,17 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: str | None, params: SamplingParams,
-               prompt_token_ids: Sequence[int] | None = None) -> Handle:
-        """Queue a request (call from the event loop); QueueFull past the limits."""
+               prompt_token_ids: Sequence[int] | None = None,
+               sink: Callable[[Update], None] | None = None) -> Handle:
+        """Queue a request; QueueFull past the limits. Its updates go to `sink`, by default
+        to the returned handle's queue on the calling event loop."""
         tokens = len(prompt_token_ids) if prompt_token_ids is not None else \
-            len(self.engine.tokenizer.encode(prompt or "", add_special_tokens=True))
+            len(self.tokenizer.encode(prompt or "", add_special_tokens=True))
         if tokens > self.limits.max_queued_prompt_tokens:
             raise ValueError(f"the prompt has {tokens} tokens, more than this server queues "
                              f"at once (max_queued_prompt_tokens = "
                              f"{self.limits.max_queued_prompt_tokens})")
-        handle = Handle(tokens, asyncio.get_running_loop())
+        handle = Handle.on_event_loop(tokens) if sink is None else Handle(tokens, sink)
         with self._lock:
             if self._closed:
                 raise EngineStopped(self.stopped_reason())
@@ -135,14 +147,8 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
         try:
-            while not self._stop.is_set():
-                self._drain(block=not engine.has_unfinished())
-                if engine.has_unfinished():
-                    engine.step()
-                    self._publish()
-                self._snapshot()
+            self._loop()
         except BaseException as exc:  # the server reports it on /health
             self.error = exc
             raise
@@ -152,7 +158,7 @@ class EngineLoop:
             for handle in self._live.values():
                 handle.push(Update([""] * len(handle.sent), [[] for _ in handle.sent],
                                    [[] for _ in handle.sent], ["abort"] * len(handle.sent)))
-            engine.cancel(list(self._live))
+            self._settle(list(self._live))
             self._live.clear()
             while True:  # submitted but never added: no choices, an aborted end
                 try:
@@ -161,6 +167,32 @@ class EngineLoop:
                     break
                 if kind == "add":
                     handle.push(Update([], [], [], []))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        if engine.ep is not None:  # expert parallelism: step while any rank has work, and
+            while True:  # stop when any rank stops (the ranks' collectives stay matched)
+                self._drain(block=False)
+                self._publish()  # requests rejected at add time are complete already
+                stepped, stopping = engine.step_or_serve(self._stop.is_set())
+                if stopping:
+                    return
+                if stepped:
+                    self._publish()
+                else:
+                    time.sleep(0.002)
+                self._snapshot()
+        while not self._stop.is_set():
+            self._drain(block=not engine.has_unfinished())
+            self._publish()  # requests rejected at add time are complete already
+            if engine.has_unfinished():
+                engine.step()
+                self._publish()
+            self._snapshot()
+
+    def _settle(self, groups: list[str]) -> None:
+        """The loop has ended: abort what is live (their handles got their aborted end)."""
+        self.engine.cancel(groups)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -171,21 +203,30 @@ class EngineLoop:
         while True:
             kind, handle, args = command
             if kind == "add":
-                prompt, params, ids = args
-                handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
-                self._live[handle.group] = handle
-                handle.sent = [[0, 0, 0] for _ in self.engine.groups[handle.group]]
+                self._add(handle, *args)
             elif kind == "abort" and handle.group in self._live:
                 self._abort(handle)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self._publish()  # requests rejected at add time are complete already
+
+    def _add(self, handle: Handle, prompt, params: SamplingParams, ids) -> None:
+        handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
+        self._live[handle.group] = handle
+        handle.sent = [[0, 0, 0] for _ in self.engine.groups[handle.group]]
 
     def _abort(self, handle: Handle) -> None:
         """Free the request's blocks now; its final update comes with the next step."""
         self.engine.abort(handle.group)
+
+    def _started(self, handle: Handle) -> None:
+        """The request produced its first token (or finished): no longer queued."""
+        if not handle.started:
+            handle.started = True
+            with self._lock:
+                self._queued[0] -= 1
+                self._queued[1] -= handle.prompt_tokens
 
     def _publish(self) -> None:
         engine = self.engine
@@ -205,11 +246,7 @@ class EngineLoop:
             done = all(c.finished for c in children)
             if not (changed or done):
                 continue
-            if not handle.started:
-                handle.started = True
-                with self._lock:
-                    self._queued[0] -= 1
-                    self._queued[1] -= handle.prompt_tokens
+            self._started(handle)
             output = None
             if done:
                 output = engine.output(group)
