@@ -13,12 +13,12 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
 
 from shoal.config import ShoalError
+from shoal.serve.command import cmd_serve, serve_args
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -155,13 +155,17 @@ def _check_config(args) -> None:
     EngineConfig.create(args.model, **opts)
 
 
-def _batch_args(p: argparse.ArgumentParser) -> None:
+def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
                    default=1, help="engine replicas in their own processes (one per GPU)")
     p.add_argument("--expert-parallel", dest="expert_parallel", action="store_true",
                    default=None, help="shard the routed experts over the --dp replicas")
     p.add_argument("--expert-placement", dest="expert_placement", default=None,
                    help="an EPLB placement file (shoal eplb)")
+
+
+def _batch_args(p: argparse.ArgumentParser) -> None:
+    _parallel_args(p)
     p.add_argument("--record-expert-loads", dest="expert_loads_out", default=None,
                    help="write the tokens routed to each expert to this JSON file")
     p.add_argument("--resume", action="store_true",
@@ -182,29 +186,6 @@ def cmd_run_batch(args) -> int:
 
     _check_config(args)
     return run_batch(args, lambda: _make_llm(args), _default_params(args))
-
-
-def cmd_serve(args) -> int:
-    import uvicorn
-
-    from shoal.serve.app import create_app
-    from shoal.serve.engine_loop import Limits
-
-    _check_config(args)
-    llm = _make_llm(args)
-    name = args.served_model_name or args.model
-    app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
-        "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
-    print(f"shoal serve: {llm.startup_summary()}; serving {name} on http://{args.host}:"
-          f"{args.port}/v1", file=sys.stderr)
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
-    # handler found at start: make that one a no-op, so a graceful stop exits 0
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_grace)
-    print("shoal serve: stopped", file=sys.stderr)
-    return 0
 
 
 def cmd_chat(args) -> int:
@@ -335,17 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     _batch_args(b)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", dest="api_key", default=None,
-                   help="required as 'Authorization: Bearer KEY' (default: $SHOAL_API_KEY)")
-    s.add_argument("--served-model-name", dest="served_model_name", default=None)
-    s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=256,
-                   help="requests waiting for their first token before new ones get 429")
-    s.add_argument("--max-queued-prompt-tokens", dest="max_queued_prompt_tokens", type=int,
-                   default=1 << 20)
-    s.add_argument("--shutdown-grace", dest="shutdown_grace", type=float, default=30.0,
-                   help="seconds to finish in-flight requests on SIGTERM")
+    _parallel_args(s)
+    serve_args(s)
     c = sub.add_parser("chat", help="interactive chat (streamed)")
     _engine_args(c)
     c.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
@@ -387,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": cmd_serve,
+        return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": lambda a: cmd_serve(a, _check_config, _make_llm),
                 "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo,
                 "eplb": cmd_eplb}[args.command](args)
     except (ShoalError, OSError, ValueError) as exc:

@@ -122,6 +122,12 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, resul
                 _serve_fed(llm, rank, command, commands, results, running)
                 last_call[0] = command[1]
             continue
+        if command[0] == "serve":  # `shoal serve`: this replica's engine loop until it ends
+            from shoal.serve.replica_loop import serve_replica
+
+            if serve_replica(llm.engine, rank, commands, results):
+                return
+            continue
         if command[0] == "loads":
             try:
                 results.put(("loads", None, rank, llm.expert_loads()))
@@ -272,7 +278,7 @@ class DataParallel:
                 raise ShoalError(f"data-parallel replica {rank} failed to start: {message}")
             ready += kind == "ready"
 
-    def _exited(self) -> str:
+    def exited(self) -> str:
         """'; replica(s) exited: rank r (exit code c), ...' or '' when all are alive."""
         dead = [(r, p.exitcode) for r, p in enumerate(self.processes) if not p.is_alive()]
         return "; replica(s) exited: " + ", ".join(
@@ -285,7 +291,7 @@ class DataParallel:
             try:
                 return self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                if exited := self._exited():
+                if exited := self.exited():
                     raise ShoalError("data-parallel " + exited.removeprefix("; ")) from None
                 if time.monotonic() >= deadline:
                     raise ShoalError("data-parallel replicas did not answer") from None
@@ -321,7 +327,7 @@ class DataParallel:
                         busy |= feeder.dispatch(call, self.commands) - answered
                     yield position, out
                 elif kind == "failed":
-                    raise ShoalError(f"data-parallel replica {who}: {payload}{self._exited()}")
+                    raise ShoalError(f"data-parallel replica {who}: {payload}{self.exited()}")
                 else:
                     busy.discard(who)
                     answered.add(who)

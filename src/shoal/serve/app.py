@@ -39,6 +39,7 @@ from shoal.serve.protocol import (
     usage_of,
 )
 from shoal.serve.protocol import finish_reason as _finish_reason
+from shoal.serve.replica_loop import ReplicaLoop
 from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
@@ -61,9 +62,10 @@ class Server:
 
     def __init__(self, llm, model_name: str, limits: Limits) -> None:
         self.llm = llm
-        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
         self.model_name = model_name
-        self.loop = EngineLoop(self.engine, limits)
+        self.loop = EngineLoop(llm.engine, limits) if llm.replicas is None else \
+            ReplicaLoop(llm.replicas, self.tokenizer, limits)
         self.metrics = Metrics(lambda: self.loop.snapshot)
         context = llm.config.scheduler.max_model_len
         self.default_max_tokens = max(1, min(4096, context // 2))
@@ -152,7 +154,7 @@ class Server:
         """One token's text, decoded once per id (a logprobs stream asks for every token)."""
         text = self._token_texts.get(token)
         if text is None:
-            text = self._token_texts[token] = self.engine.tokenizer.decode([token])
+            text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
 
     @staticmethod
@@ -184,7 +186,7 @@ class Server:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
         if prompt and ids is None:  # once, off the event loop (the engine takes the ids)
-            ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt,
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                           add_special_tokens=True)
         handle = self._submit(prompt, params, ids, "prompt")
         first = await self._first(handle, request)
@@ -239,7 +241,7 @@ class Server:
             prompt = encode_messages(body.message_dicts(), **options)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt,
+        ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                       add_special_tokens=False)
         handle = self._submit(prompt, params, ids, "messages")
         first = await self._first(handle, request)

@@ -1,0 +1,53 @@
+"""`shoal serve`: its flags and the command (the web stack is imported only when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shoal.config import ShoalError
+
+
+def serve_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", dest="api_key", default=None,
+                   help="required as 'Authorization: Bearer KEY' (default: $SHOAL_API_KEY)")
+    s.add_argument("--served-model-name", dest="served_model_name", default=None)
+    s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=256,
+                   help="requests waiting for their first token before new ones get 429")
+    s.add_argument("--max-queued-prompt-tokens", dest="max_queued_prompt_tokens", type=int,
+                   default=1 << 20)
+    s.add_argument("--shutdown-grace", dest="shutdown_grace", type=float, default=30.0,
+                   help="seconds to finish in-flight requests on SIGTERM")
+
+
+def cmd_serve(args, check_config: Callable[[Any], None], make_llm: Callable[[Any], Any]) -> int:
+    import uvicorn
+
+    from shoal.parallel.torchrun import launched_world
+    from shoal.serve.app import create_app
+    from shoal.serve.engine_loop import Limits
+
+    if launched_world() > 1:
+        raise ShoalError("shoal serve runs one front end: use --dp N (one node), not torchrun")
+    check_config(args)
+    llm = make_llm(args)
+    name = args.served_model_name or args.model
+    app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
+        "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
+    print(f"shoal serve: {llm.startup_summary()}; serving {name} on http://{args.host}:"
+          f"{args.port}/v1", file=sys.stderr)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
+    # handler found at start: make that one a no-op, so a graceful stop exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_grace)
+    print("shoal serve: stopped", file=sys.stderr)
+    llm.close()
+    return 0
