@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import openai
 import pytest
 
 from shoal import LLM, SamplingParams
@@ -106,6 +107,23 @@ def test_replicas_free_a_disconnected_stream_and_survive_a_load() -> None:
         assert not errors, errors[:3]
         assert counts == [3] * 48
         assert _idle(live)["kv_blocks_used"] == 0
+    finally:
+        live.stop()
+        live.llm.close()
+
+
+def test_a_dead_replica_ends_the_service_with_503() -> None:
+    live = LiveServer(data_parallel_size=2, **OPTS)
+    try:
+        _idle(live)
+        live.llm.replicas.processes[1].kill()
+        deadline = time.time() + 30
+        while live.engine_loop.alive:  # the loop sees the exit within its next turns
+            assert time.time() < deadline, "the dead replica went unnoticed"
+            time.sleep(0.05)
+        with pytest.raises(openai.InternalServerError) as err:
+            live.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert err.value.status_code == 503 and "rank 1" in str(err.value)
     finally:
         live.stop()
         live.llm.close()
