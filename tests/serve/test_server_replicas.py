@@ -112,6 +112,7 @@ def test_replicas_free_a_disconnected_stream_and_survive_a_load() -> None:
         live.llm.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_replica_ends_the_service_with_503() -> None:
     live = LiveServer(data_parallel_size=2, **OPTS)
     try:
