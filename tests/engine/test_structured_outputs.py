@@ -67,3 +67,32 @@ def test_constrained_samples_all_validate() -> None:
             assert re.fullmatch(REGEX, c.text), c.text
         texts[kind].append(c.text)
     assert len(set(texts["json"])) > 1 and len(set(texts["regex"])) > 1  # really sampled
+
+
+def test_the_constraint_starts_after_the_reasoning() -> None:
+    """A prompt that opens the reasoning (ends with <think>) gets its structured output after
+    the model closes it: no mask and no matcher step while it thinks, the constraint from the
+    token after </think>. A prompt without open reasoning is constrained from the start."""
+    from shoal.tokenizer.encoding import encode_messages
+    from shoal.tokenizer.special import THINK_END
+
+    llm = LLM("tiny", device="cpu")
+    engine, tok = llm.engine, llm.tokenizer
+    params = SamplingParams(max_tokens=8, structured=StructuredOutputSpec(choice=["yes", "no"]))
+    messages = [{"role": "user", "content": "ok?"}]
+    thinking = engine.add_request(encode_messages(messages), params)
+    direct = engine.add_request(encode_messages(messages, thinking=False), params)
+    think, plain = engine.requests[thinking], engine.requests[direct]
+    assert not think.grammar_active and plain.grammar_active
+    masks = engine.grammar_masks(engine.scheduler.schedule())  # the first step's sampling
+    assert set(masks) == {direct} and masks[direct].sum() < tok.vocab_size
+
+    thought = tok.encode("let me see")  # free text, not a word the constraint allows
+    for token in thought:
+        think.append_token(token)
+    assert not think.grammar_active and not think.matcher.is_finished()
+    think.append_token(tok.token_to_id(THINK_END))
+    assert think.grammar_active
+    for token in tok.encode("yes"):
+        think.append_token(token)
+    assert think.matcher.is_finished()

@@ -40,6 +40,7 @@ from shoal.sampling import SamplingParams, StopStringMatcher, request_seed
 from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import StepOutcome, StepPlan
+from shoal.tokenizer.special import THINK_END, THINK_START
 from shoal.tokenizer.synthetic import build_synthetic_tokenizer
 from shoal.tokenizer.tokenizer import Tokenizer
 
@@ -144,6 +145,8 @@ class Engine:
                 continue
             if matcher_spec is not None:
                 req.matcher = self.structured_backend().matcher(matcher_spec)
+                if ids[-1] == self.tokenizer.token_to_id(THINK_START):  # reasoning first
+                    req.grammar_after = self.tokenizer.token_to_id(THINK_END)
             self.scheduler.add_request(Request(
                 rid, ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                 eos_token_id=self.config.model_config.eos_token_id,
@@ -265,7 +268,7 @@ class Engine:
         masks = {}
         for item in plan.scheduled:
             req = self.requests.get(item.request_id)
-            if item.sample and req is not None and req.matcher is not None:
+            if item.sample and req is not None and req.grammar_active:
                 mask = torch.ones(self.config.model_config.vocab_size, dtype=torch.bool)
                 req.matcher.fill_mask(mask)
                 masks[item.request_id] = mask
@@ -312,7 +315,7 @@ class Engine:
             for index, token in enumerate(delta.new_token_ids):
                 self._record_logprobs(req, token, output, index)
                 self.stats.output_tokens += 1
-                if req.append_token(token) or (req.matcher is not None and
+                if req.append_token(token) or (req.grammar_active and
                                                req.matcher.is_finished()):
                     self.scheduler.finish_request(rid, "stop")
                     req.finish("stop")

@@ -28,6 +28,9 @@ class EngineRequest:
     seed: int
     detokenizer: IncrementalDetokenizer | None
     matcher: Any = None
+    # the matcher applies after this token in the output (the end of the reasoning, when the
+    # prompt opened it: the answer is constrained, not the thinking); None: from the start
+    grammar_after: int | None = None
     stop: StopStringMatcher | None = None
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -43,13 +46,20 @@ class EngineRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def grammar_active(self) -> bool:
+        """Structured output constrains the next token."""
+        return self.matcher is not None and self.grammar_after is None
+
     def append_token(self, token: int) -> bool:
         """Record a sampled token; returns True when a stop string completed."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.time()
         self.output_token_ids.append(token)
-        if self.matcher is not None:
+        if self.grammar_active:
             self.matcher.accept(token)
+        elif token == self.grammar_after:
+            self.grammar_after = None
         if self.detokenizer is None:
             return False
         delta = self.detokenizer.step(token)
