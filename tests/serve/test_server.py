@@ -387,3 +387,50 @@ def test_speculative_acceptance_shows_in_the_metrics() -> None:
         assert values("shoal_spec_verify_rows_total ")[0] == proposed_at[0]
     finally:
         server.stop()
+
+
+BOUNDED_TOOLS = [  # arguments of bounded length: random weights finish the call
+    {"type": "function", "function": {"name": "set_units", "parameters": {
+        "type": "object", "required": ["units", "days"],
+        "properties": {"units": {"enum": ["metric", "imperial"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14}}}}},
+    {"type": "function", "function": {"name": "reset", "parameters": {"type": "object"}}},
+]
+
+
+def test_tool_choice_forces_a_call(tmp_path) -> None:
+    """tool_choice naming a function, or "required" without parallel calls: the reply is one
+    call of an allowed tool with arguments valid against its schema, streamed or not. The
+    tools' preamble needs more than tiny's 256 positions: a tiny checkpoint with 1024."""
+    import dataclasses
+
+    from shoal.checkpoint.writer import write_checkpoint
+    from shoal.model.presets import TINY
+
+    ckpt = write_checkpoint(dataclasses.replace(TINY, max_position_embeddings=1024),
+                            tmp_path / "tiny-1k")
+    server = LiveServer(model=str(ckpt), max_num_seqs=2, max_model_len=1024)
+    try:
+        client = server.client(timeout=120)
+        base = {"model": "tiny", "messages": [{"role": "user", "content": "metric please"}],
+                "tools": BOUNDED_TOOLS, "max_tokens": 120, "temperature": 0.8, "seed": 4,
+                "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+        named = client.chat.completions.create(**base, tool_choice={
+            "type": "function", "function": {"name": "set_units"}})
+        (call,) = named.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "set_units" and named.choices[0].finish_reason == \
+            "tool_calls"
+        assert args["units"] in ("metric", "imperial") and 1 <= args["days"] <= 14
+        required = client.chat.completions.create(**base, tool_choice="required",
+                                                  parallel_tool_calls=False, stream=True)
+        deltas = [c.choices[0] for c in required if c.choices]
+        names = [t.function.name for d in deltas for t in (d.delta.tool_calls or [])
+                 if t.function.name]
+        assert len(names) == 1 and names[0] in ("set_units", "reset")
+        assert deltas[-1].finish_reason == "tool_calls"
+        with pytest.raises(openai.BadRequestError, match="no function named"):
+            client.chat.completions.create(**base, tool_choice={
+                "type": "function", "function": {"name": "missing"}})
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.sampling import SamplingParams
 from shoal.sampling.structured import StructuredOutputSpec
+from shoal.tokenizer.tool_grammar import tool_call_grammar
 
 
 def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
@@ -143,6 +144,14 @@ class ChatCompletionRequest(_Sampling):
             default_max_tokens
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
+        forced = self.forced_tool()
+        if forced is not None:
+            if "structured" in fields or self.response_format is not None:
+                raise ValueError("tool_choice: a forced call takes no response_format or "
+                                 "guided_*")
+            fields["structured"] = StructuredOutputSpec(grammar=tool_call_grammar(
+                self.tools or (), None if forced is True else forced,
+                self.parallel_tool_calls is not False))
         if self.response_format is not None and self.response_format.type != "text":
             if "structured" in fields:
                 raise ValueError("response_format and guided_*: give one of them")
@@ -152,12 +161,26 @@ class ChatCompletionRequest(_Sampling):
             fields["structured"] = StructuredOutputSpec(json_schema=schema)
         return SamplingParams(**fields)
 
+    def forced_tool(self) -> str | bool | None:
+        """`tool_choice` as a forced call: True ("required": any tool), a function's name
+        ({"type": "function", "function": {"name": ...}}), or None (auto / none)."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if choice == "required":
+            return True
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+            choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            else None
+        if not isinstance(name, str):
+            raise ValueError(f"tool_choice: got {json.dumps(choice)}, expected 'auto', 'none', "
+                             "'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return name
+
     def encode_options(self) -> dict[str, Any]:
         """Keyword arguments of `encode_messages` (tools, reasoning, thinking)."""
         choice = self.tool_choice
-        if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-            raise ValueError(f"tool_choice: got {json.dumps(choice)}, expected 'auto' or "
-                             "'none' (forcing a call is not supported)")
+        self.forced_tool()  # a bad tool_choice is a 400 here too
         options: dict[str, Any] = {}
         if self.tools and choice != "none":
             options["tools"] = self.tools
