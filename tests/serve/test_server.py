@@ -434,3 +434,30 @@ def test_tool_choice_forces_a_call(tmp_path) -> None:
                 "type": "function", "function": {"name": "missing"}})
     finally:
         server.stop()
+
+
+def test_several_prompts_in_one_completion_request(live: LiveServer) -> None:
+    """A list of prompts is several requests: choice i * n + j is prompt i's j-th completion,
+    each as its own request gives it, streamed or not; one bad prompt refuses them all."""
+    client = live.client()
+    args = {"model": "tiny", "max_tokens": 5, "temperature": 0.9, "seed": 21, "n": 2}
+    prompts = ["first prompt", "the second"]
+    alone = [[c.text for c in client.completions.create(prompt=p, **args).choices]
+             for p in prompts]
+    both = client.completions.create(prompt=prompts, **args)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == alone[0] + alone[1]
+    assert both.usage.completion_tokens == 20
+    chunks = list(client.completions.create(prompt=prompts, stream=True,
+                                            stream_options={"include_usage": True}, **args))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(4)]
+    assert texts == alone[0] + alone[1] and chunks[-1].usage.completion_tokens == 20
+    ids = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    _wait_idle(live)
+    free = _free_blocks(live)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt=["fine", "word " * 400], max_tokens=50)
+    _wait_idle(live)
+    assert _free_blocks(live) == free

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,11 +33,13 @@ from shoal.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     assistant_message,
+    chat_deltas,
     error_body,
     usage_of,
 )
 from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.serve.replica_loop import ReplicaLoop
+from shoal.serve.sse import merge, sse
 from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
@@ -51,10 +51,6 @@ class APIError(Exception):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class Server:
@@ -138,16 +134,18 @@ class Server:
             update = await self._next(handle, request)
         return update.output
 
-    def _stream_end(self, update: Update, body, rid: str, created: int,
+    def _stream_end(self, updates: list[Update], body, rid: str, created: int,
                     obj: str) -> Iterator[str]:
-        """The usage chunk when asked for (`stream_options.include_usage`), or an error event
-        when the server cut the stream (shutdown, an engine failure), then [DONE]."""
-        if update.output is None and all(r == "abort" for r in update.finish_reasons):
-            yield _sse(error_body(self.loop.stopped_reason(), "server_error", code=503))
-        if update.output is not None and body.stream_options and \
-                body.stream_options.include_usage:
-            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                        "choices": [], "usage": usage_of(update.output)})
+        """After the requests' last updates: the usage chunk when asked for
+        (`stream_options.include_usage`), or an error event when the server cut the stream
+        (shutdown, an engine failure), then [DONE]."""
+        if any(u.output is None and all(r == "abort" for r in u.finish_reasons)
+               for u in updates):
+            yield sse(error_body(self.loop.stopped_reason(), "server_error", code=503))
+        elif body.stream_options and body.stream_options.include_usage and \
+                all(u.output is not None for u in updates):
+            yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [], "usage": usage_of(*(u.output for u in updates))})
         yield "data: [DONE]\n\n"
 
     def _token_text(self, token: int) -> str:
@@ -179,44 +177,68 @@ class Server:
 
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
+        """One engine request per prompt (a list of prompts is several); choice i * n + j is
+        prompt i's j-th completion, as in OpenAI's API."""
         self._check_model(body.model)
         try:
             params = body.params(self.default_max_tokens)
-            prompt, ids = body.prompt_input()
+            inputs = body.prompt_inputs()
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        if prompt and ids is None:  # once, off the event loop (the engine takes the ids)
-            ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
-                                          add_special_tokens=True)
-        handle = self._submit(prompt, params, ids, "prompt")
-        first = await self._first(handle, request)
+        handles, firsts = [], []
+        try:
+            for prompt, ids in inputs:
+                if prompt and ids is None:  # once, off the event loop (the engine takes ids)
+                    ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
+                                                  add_special_tokens=True)
+                handles.append(self._submit(prompt, params, ids, "prompt"))
+            for handle in handles:
+                firsts.append(await self._first(handle, request))
+        except BaseException:  # one prompt refused: none of them runs
+            for handle in handles:
+                self.loop.abort(handle)
+            raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        want_lp = params.logprobs
         if body.stream:
-            return StreamingResponse(self._completion_stream(
-                first, handle, request, rid, created, want_lp, body),
+            return StreamingResponse(self._completion_streams(
+                firsts, handles, request, rid, created, params, body),
                 media_type="text/event-stream")
-        out = await self._collect(first, handle, request)
-        choices = [{"index": c.index, "text": c.text, "finish_reason":
+        outs = [await self._collect(f, h, request) for f, h in zip(firsts, handles, strict=True)]
+        want_lp = params.logprobs
+        choices = [{"index": i * params.n + c.index, "text": c.text, "finish_reason":
                     _finish_reason(c.finish_reason), "logprobs":
                     self._completion_logprobs(list(zip(c.token_ids, c.logprobs, strict=False)),
                                               want_lp)
-                    if want_lp is not None and c.logprobs else None} for c in out.outputs]
+                    if want_lp is not None and c.logprobs else None}
+                   for i, out in enumerate(outs) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage_of(out)}
+                "model": self.model_name, "choices": choices, "usage": usage_of(*outs)}
 
-    async def _completion_stream(self, update: Update, handle: Handle, request: Request,
-                                 rid: str, created: int, want_lp: int | None, body
+    async def _completion_streams(self, firsts: list[Update], handles: list[Handle],
+                                  request: Request, rid: str, created: int, params,
+                                  body) -> AsyncIterator[str]:
+        """The prompts' chunks as they come (merged), then the end over all of them."""
+        lasts: list[Update] = list(firsts)
+        async for line in merge([self._completion_chunks(i, lasts, handle, request, rid,
+                                                         created, params)
+                                 for i, handle in enumerate(handles)]):
+            yield line
+        for line in self._stream_end(lasts, body, rid, created, "text_completion"):
+            yield line
+
+    async def _completion_chunks(self, i: int, lasts: list[Update], handle: Handle,
+                                 request: Request, rid: str, created: int, params
                                  ) -> AsyncIterator[str]:
-        done = False
+        """Prompt i's chunks, from its update in lasts[i] to its last (kept in lasts[i])."""
+        update, done, want_lp = lasts[i], False, params.logprobs
         try:
             while True:
-                for i, (text, entries, reason) in enumerate(zip(
+                for j, (text, entries, reason) in enumerate(zip(
                         update.text, update.logprobs, update.finish_reasons, strict=True)):
                     if text or reason is not None or entries:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                        yield sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [{
-                                        "index": i, "text": text,
+                                        "index": i * params.n + j, "text": text,
                                         "logprobs": self._completion_logprobs(
                                             entries, want_lp)
                                         if want_lp is not None and entries else None,
@@ -224,10 +246,8 @@ class Server:
                 if update.output is not None or all(r is not None
                                                     for r in update.finish_reasons):
                     break
-                update = await self._next(handle, request)
+                update = lasts[i] = await self._next(handle, request)
             done = True
-            for line in self._stream_end(update, body, rid, created, "text_completion"):
-                yield line
         finally:
             if not done:
                 self.loop.abort(handle)
@@ -272,7 +292,7 @@ class Server:
         ended = [False] * n
 
         def chunk(index: int, delta: dict, reason: str | None = None, lp=None) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": self.model_name, "choices": [{
                              "index": index, "delta": delta, "logprobs": lp,
                              "finish_reason": reason}]})
@@ -291,7 +311,7 @@ class Server:
                         events += parsers[i].close()
                     lp = self._chat_logprobs(update.logprobs[i], want_lp) \
                         if want_lp is not None and update.logprobs[i] else None
-                    for delta in self._chat_deltas(events, calls[i]):
+                    for delta in chat_deltas(events, calls[i]):
                         yield chunk(i, delta, lp=lp)
                         lp = None
                     if lp is not None:
@@ -303,30 +323,11 @@ class Server:
                     break
                 update = await self._next(handle, request)
             done = True
-            for line in self._stream_end(update, body, rid, created, "chat.completion.chunk"):
+            for line in self._stream_end([update], body, rid, created, "chat.completion.chunk"):
                 yield line
         finally:
             if not done:
                 self.loop.abort(handle)
-
-    @staticmethod
-    def _chat_deltas(events, calls: dict[int, str]) -> list[dict]:
-        deltas = []
-        for e in events:
-            if e.kind == "reasoning" and e.text:
-                deltas.append({"reasoning_content": e.text})
-            elif e.kind == "content" and e.text:
-                deltas.append({"content": e.text})
-            elif e.kind == "tool_call":
-                calls[e.index] = f"call_{uuid.uuid4().hex[:24]}"
-                deltas.append({"tool_calls": [{"index": e.index, "id": calls[e.index],
-                                               "type": "function", "function": {
-                                                   "name": e.name, "arguments": ""}}]})
-            elif e.kind == "tool_arguments" and e.text:
-                deltas.append({"tool_calls": [{"index": e.index,
-                                               "function": {"arguments": e.text}}]})
-        return deltas
-
 
 def create_app(llm, *, model_name: str, api_key: str | None = None,
                limits: Limits | None = None) -> FastAPI:

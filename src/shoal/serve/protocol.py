@@ -34,11 +34,12 @@ def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
     return "length" if reason in ("length", "kv_capacity") else "stop"
 
 
-def usage_of(out: RequestOutput) -> dict:
-    """OpenAI's `usage` of a finished request."""
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(out.prompt_token_ids) + completion}
+def usage_of(*outs: RequestOutput) -> dict:
+    """OpenAI's `usage` of finished requests (one per prompt)."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def assistant_message(c: CompletionOutput) -> dict[str, Any]:
@@ -200,7 +201,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -213,14 +214,39 @@ class CompletionRequest(_Sampling):
             fields["logprobs"] = self.logprobs
         return SamplingParams(**fields)
 
-    def prompt_input(self) -> tuple[str | None, list[int] | None]:
-        """(text, None) or (None, token ids); one prompt per request."""
+    def prompt_inputs(self) -> list[tuple[str | None, list[int] | None]]:
+        """Per prompt: (text, None) or (None, token ids); a list of texts or of token-id
+        lists is several prompts, as in OpenAI's API."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt, None
-        if prompt and all(isinstance(t, str) for t in prompt):
-            if len(prompt) != 1:
-                raise ValueError("prompt: a list of several prompts is not supported; send "
-                                 "one request per prompt")
-            return prompt[0], None  # type: ignore[return-value]
-        return None, list(prompt)  # type: ignore[arg-type]
+            return [(prompt, None)]
+        if not prompt:
+            raise ValueError("prompt: empty")
+        if all(isinstance(t, str) for t in prompt):
+            return [(text, None) for text in prompt]  # type: ignore[misc]
+        if all(isinstance(t, list) for t in prompt):
+            return [(None, list(ids)) for ids in prompt]  # type: ignore[arg-type]
+        if all(isinstance(t, int) for t in prompt):
+            return [(None, list(prompt))]  # type: ignore[arg-type]
+        raise ValueError("prompt: expected a string, a list of strings, a list of token ids "
+                         "or a list of such lists")
+
+
+def chat_deltas(events, calls: dict[int, str]) -> list[dict]:
+    """The chat stream's deltas of parser events (reasoning, content, tool-call starts and
+    argument text); `calls` maps a call's index to the id given at its start."""
+    deltas = []
+    for e in events:
+        if e.kind == "reasoning" and e.text:
+            deltas.append({"reasoning_content": e.text})
+        elif e.kind == "content" and e.text:
+            deltas.append({"content": e.text})
+        elif e.kind == "tool_call":
+            calls[e.index] = f"call_{uuid.uuid4().hex[:24]}"
+            deltas.append({"tool_calls": [{"index": e.index, "id": calls[e.index],
+                                           "type": "function", "function": {
+                                               "name": e.name, "arguments": ""}}]})
+        elif e.kind == "tool_arguments" and e.text:
+            deltas.append({"tool_calls": [{"index": e.index,
+                                           "function": {"arguments": e.text}}]})
+    return deltas
