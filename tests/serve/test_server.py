@@ -461,3 +461,27 @@ def test_several_prompts_in_one_completion_request(live: LiveServer) -> None:
         client.completions.create(model="tiny", prompt=["fine", "word " * 400], max_tokens=50)
     _wait_idle(live)
     assert _free_blocks(live) == free
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
+    """`echo` puts the prompt before each choice; with `logprobs` the prompt's tokens come
+    first with their log-probs (none for the first token), as a scoring client reads them."""
+    client = live.client()
+    prompt = [5, 6, 7, 8]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
+                                      temperature=0)
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
+                                       temperature=0, echo=True)
+    text = live.llm.tokenizer.decode(prompt)
+    (choice,) = echoed.choices
+    assert choice.text == text + plain.choices[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[len(prompt):] == plain.choices[0].logprobs.token_logprobs
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                              temperature=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
+                                       echo=True, stream=True))

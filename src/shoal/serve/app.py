@@ -28,6 +28,7 @@ from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
 from shoal.serve.auth import RequireKey
 from shoal.serve.engine_loop import EngineLoop, EngineStopped, Handle, Limits, QueueFull, Update
+from shoal.serve.logprobs import LogprobFormat
 from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
     ChatCompletionRequest,
@@ -65,7 +66,7 @@ class Server:
         self.metrics = Metrics(lambda: self.loop.snapshot)
         context = llm.config.scheduler.max_model_len
         self.default_max_tokens = max(1, min(4096, context // 2))
-        self._token_texts: dict[int, str] = {}
+        self.logprobs = LogprobFormat(self.tokenizer)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -148,32 +149,15 @@ class Server:
                         "choices": [], "usage": usage_of(*(u.output for u in updates))})
         yield "data: [DONE]\n\n"
 
-    def _token_text(self, token: int) -> str:
-        """One token's text, decoded once per id (a logprobs stream asks for every token)."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
-
-    @staticmethod
-    def _top(lp: dict, n_top: int) -> list:
-        """The top-n entries of a position's logprobs (the sampled token may rank lower)."""
-        return sorted(((t, v) for t, v in lp.items() if v.rank <= n_top),
-                      key=lambda kv: kv[1].rank)
-
-    def _chat_logprobs(self, entries, n_top: int) -> dict:
-        def item(token: int, logprob: float) -> dict:
-            text = self._token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**item(token, lp[token].logprob), "top_logprobs": [
-            item(t, v.logprob) for t, v in self._top(lp, n_top)]} for token, lp in entries]}
-
-    def _completion_logprobs(self, entries, n_top: int) -> dict:
-        return {"tokens": [self._token_text(t) for t, _ in entries],
-                "token_logprobs": [lp[t].logprob for t, lp in entries],
-                "top_logprobs": [{self._token_text(t): v.logprob for t, v in self._top(lp, n_top)}
-                                 for _, lp in entries]}
+    def _echo(self, out: RequestOutput, body) -> tuple[str, list]:
+        """What `echo` puts before each choice: the prompt's text, and its (token, logprobs)
+        entries when log-probs are asked for."""
+        if not body.echo:
+            return "", []
+        ids = out.prompt_token_ids
+        text = out.prompt if out.prompt is not None else self.tokenizer.decode(ids)
+        return text, list(zip(ids, out.prompt_logprobs or [None] * len(ids), strict=True)) \
+            if body.logprobs is not None else []
 
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
@@ -200,38 +184,46 @@ class Server:
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
+            echoes = [(text if text is not None else self.tokenizer.decode(ids))
+                      if body.echo else "" for text, ids in inputs]
             return StreamingResponse(self._completion_streams(
-                firsts, handles, request, rid, created, params, body),
+                firsts, handles, request, rid, created, params, body, echoes),
                 media_type="text/event-stream")
         outs = [await self._collect(f, h, request) for f, h in zip(firsts, handles, strict=True)]
-        want_lp = params.logprobs
-        choices = [{"index": i * params.n + c.index, "text": c.text, "finish_reason":
-                    _finish_reason(c.finish_reason), "logprobs":
-                    self._completion_logprobs(list(zip(c.token_ids, c.logprobs, strict=False)),
-                                              want_lp)
-                    if want_lp is not None and c.logprobs else None}
+        want_lp, echoes = params.logprobs, [self._echo(out, body) for out in outs]
+        choices = [{"index": i * params.n + c.index, "text": echoes[i][0] + c.text,
+                    "finish_reason": _finish_reason(c.finish_reason), "logprobs":
+                    self.logprobs.completion(echoes[i][1] + list(zip(
+                        c.token_ids, c.logprobs, strict=False)), want_lp)
+                    if want_lp is not None and c.logprobs is not None else None}
                    for i, out in enumerate(outs) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": usage_of(*outs)}
 
     async def _completion_streams(self, firsts: list[Update], handles: list[Handle],
                                   request: Request, rid: str, created: int, params,
-                                  body) -> AsyncIterator[str]:
+                                  body, echoes: list[str]) -> AsyncIterator[str]:
         """The prompts' chunks as they come (merged), then the end over all of them."""
         lasts: list[Update] = list(firsts)
         async for line in merge([self._completion_chunks(i, lasts, handle, request, rid,
-                                                         created, params)
+                                                         created, params, echoes[i])
                                  for i, handle in enumerate(handles)]):
             yield line
         for line in self._stream_end(lasts, body, rid, created, "text_completion"):
             yield line
 
     async def _completion_chunks(self, i: int, lasts: list[Update], handle: Handle,
-                                 request: Request, rid: str, created: int, params
+                                 request: Request, rid: str, created: int, params, echo: str
                                  ) -> AsyncIterator[str]:
-        """Prompt i's chunks, from its update in lasts[i] to its last (kept in lasts[i])."""
+        """Prompt i's chunks (after `echo`, its text when echoed), from its update in lasts[i]
+        to its last (kept in lasts[i])."""
         update, done, want_lp = lasts[i], False, params.logprobs
         try:
+            for j in range(params.n if echo else 0):
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": self.model_name, "choices": [{
+                               "index": i * params.n + j, "text": echo, "logprobs": None,
+                               "finish_reason": None}]})
             while True:
                 for j, (text, entries, reason) in enumerate(zip(
                         update.text, update.logprobs, update.finish_reasons, strict=True)):
@@ -239,7 +231,7 @@ class Server:
                         yield sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [{
                                         "index": i * params.n + j, "text": text,
-                                        "logprobs": self._completion_logprobs(
+                                        "logprobs": self.logprobs.completion(
                                             entries, want_lp)
                                         if want_lp is not None and entries else None,
                                         "finish_reason": _finish_reason(reason)}]})
@@ -275,7 +267,7 @@ class Server:
         choices = []
         for c in out.outputs:
             choices.append({"index": c.index, "message": assistant_message(c),
-                            "logprobs": self._chat_logprobs(list(zip(
+                            "logprobs": self.logprobs.chat(list(zip(
                                 c.token_ids, c.logprobs, strict=False)), params.logprobs)
                             if params.logprobs is not None and c.logprobs else None,
                             "finish_reason": _finish_reason(c.finish_reason,
@@ -309,7 +301,7 @@ class Server:
                     reason = update.finish_reasons[i]
                     if reason is not None:
                         events += parsers[i].close()
-                    lp = self._chat_logprobs(update.logprobs[i], want_lp) \
+                    lp = self.logprobs.chat(update.logprobs[i], want_lp) \
                         if want_lp is not None and update.logprobs[i] else None
                     for delta in chat_deltas(events, calls[i]):
                         yield chunk(i, delta, lp=lp)

@@ -206,12 +206,16 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
     def params(self, default_max_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: not supported")
+        """`echo` with `logprobs` asks for the prompt's log-probs too (the first token has
+        none), as lm-eval-harness-style scoring does."""
+        if self.echo and self.stream and self.logprobs is not None:
+            raise ValueError("echo: with logprobs only without stream")
         fields = self.sampling_fields()
         fields["max_tokens"] = self.max_tokens or default_max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
+            if self.echo:
+                fields["prompt_logprobs"] = self.logprobs
         return SamplingParams(**fields)
 
     def prompt_inputs(self) -> list[tuple[str | None, list[int] | None]]:
