@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 API_KEY = "test-key"
 
@@ -47,3 +50,40 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+# ---- helpers of the server tests
+
+def free_blocks(live: LiveServer) -> int:
+    return live.engine_loop.snapshot["kv_blocks_total"] - \
+        live.engine_loop.snapshot["kv_blocks_used"]
+
+
+def wait_idle(live: LiveServer, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        snap = live.engine_loop.snapshot
+        if not (snap["running"] or snap["waiting"] or snap["kv_blocks_used"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {live.engine_loop.snapshot}")
+
+
+def post(live: LiveServer, path: str, body: bytes | dict, key: str | None = API_KEY):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(live.base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_running(live: LiveServer, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not live.engine_loop.snapshot["running"]:
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.02)
