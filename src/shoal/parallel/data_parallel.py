@@ -28,9 +28,11 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -79,10 +81,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _replica(rank: int, model: str, options: dict, threads: int, commands, results,
+class _Results:
+    """A replica's end of its own results pipe (`put` from any of its threads). One pipe per
+    replica: a replica stopped in the middle of a write blocks no other replica's messages."""
+
+    def __init__(self, writer) -> None:
+        self.writer, self.lock = writer, threading.Lock()
+
+    def put(self, message: tuple) -> None:
+        with self.lock:
+            self.writer.send(message)
+
+
+def _replica(rank: int, model: str, options: dict, threads: int, commands, writer,
              group: tuple[int, int, str] | None, cancel) -> None:
     """A replica's process: an LLM of its own, running the calls it is sent. `group`: (world
     size, port, backend) of the expert-parallel process group to join."""
+    results = _Results(writer)
     running = [False]
     last_call = [-1]  # the last fed call served (calls are numbered in order)
 
@@ -250,7 +265,9 @@ class DataParallel:
                              "'auto' or 'cuda', not a single device")
         threads = max(1, len(os.sched_getaffinity(0)) // size)
         ctx = mp.get_context("spawn")
-        self.results = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
+        self._readers = [reader for reader, _ in pipes]  # of the replicas not yet gone
+        self._inbox: collections.deque = collections.deque()  # received, not yet taken
         self.commands = [ctx.Queue() for _ in range(size)]
         self.cancel = ctx.Event()
         self.expert_parallel = bool(options.get("expert_parallel"))
@@ -262,8 +279,9 @@ class DataParallel:
             opts = dict(options, device=f"cuda:{rank}" if use_cuda else "cpu")
             proc = ctx.Process(target=_replica, daemon=True, name=f"shoal-dp{rank}",
                                args=(rank, model, opts, threads, self.commands[rank],
-                                     self.results, group, self.cancel))
+                                     pipes[rank][1], group, self.cancel))
             proc.start()
+            pipes[rank][1].close()  # the replica's copy only: its exit reads as an end here
             self.processes.append(proc)
         self.size = size
         self.window = 2 * options.get("max_num_seqs", SchedulerConfig.max_num_seqs)
@@ -284,17 +302,28 @@ class DataParallel:
         return "; replica(s) exited: " + ", ".join(
             f"rank {r} (exit code {code})" for r, code in dead) if dead else ""
 
+    def receive(self, timeout: float) -> tuple | None:
+        """The next message of any replica, waiting up to `timeout` s (None: none came).
+        Every replica with a message gets one read per round, so none starves the others."""
+        if not self._inbox:
+            for reader in wait(self._readers, timeout):
+                try:
+                    self._inbox.append(reader.recv())
+                except EOFError:  # the replica is gone (`exited` names it)
+                    self._readers.remove(reader)
+        return self._inbox.popleft() if self._inbox else None
+
     def _get(self, timeout: float):
         """The next message; a replica that exits meanwhile is an error that names it."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                return self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if exited := self.exited():
-                    raise ShoalError("data-parallel " + exited.removeprefix("; ")) from None
-                if time.monotonic() >= deadline:
-                    raise ShoalError("data-parallel replicas did not answer") from None
+            message = self.receive(min(1.0, max(0.0, deadline - time.monotonic())))
+            if message is not None:
+                return message
+            if exited := self.exited():
+                raise ShoalError("data-parallel " + exited.removeprefix("; "))
+            if time.monotonic() >= deadline:
+                raise ShoalError("data-parallel replicas did not answer")
 
     def run(self, items: Sequence[dict], use_tqdm: bool = False
             ) -> Iterator[tuple[int, RequestOutput]]:

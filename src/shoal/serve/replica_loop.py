@@ -69,13 +69,12 @@ class ReplicaLoop(EngineLoop):
 
     def _receive(self, timeout: float) -> None:
         """Hand out what the replicas sent (waiting up to `timeout` for the first message)."""
-        try:
-            message = self.replicas.results.get(timeout=timeout)
-        except queue.Empty:
+        message = self.replicas.receive(timeout)
+        if message is None:
             if exited := self.replicas.exited():
-                raise ShoalError("data-parallel " + exited.removeprefix("; ")) from None
+                raise ShoalError("data-parallel " + exited.removeprefix("; "))
             return
-        while True:
+        while message is not None:
             kind, key, rank, payload = message
             if kind == "update" and key in self._live:
                 handle = self._live[key]
@@ -88,10 +87,7 @@ class ReplicaLoop(EngineLoop):
                 self._snapshots[rank] = payload
             elif kind == "failed":
                 raise ShoalError(f"data-parallel replica {rank}: {payload}")
-            try:
-                message = self.replicas.results.get_nowait()
-            except queue.Empty:
-                return
+            message = self.replicas.receive(0)
 
     def _settle(self, groups: list[str]) -> None:
         for key in groups:
