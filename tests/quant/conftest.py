@@ -21,6 +21,8 @@ import pytest
 _BASE_SEED = int(os.environ.get("SHOAL_TEST_SEED", secrets.randbits(31)))
 SEEDS = [_BASE_SEED, _BASE_SEED + 1]
 
+_THIS = sys.modules[__name__]  # at import: other folders' conftest modules share the name
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "seed" in metafunc.fixturenames:
@@ -30,7 +32,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def ref():
     """This module, as the numpy oracle namespace."""
-    return sys.modules[__name__]
+    return _THIS
 
 
 F32 = np.float32

@@ -5,8 +5,7 @@ requests to them as they make room and yields outputs as they finish.
 Feeding: a replica holds at most `window` unfinished requests (twice its max_num_seqs, so its
 scheduler always has a queue to fill freed slots from); each time one finishes, the front end
 sends the next request in input order to the open replica with the fewest estimated tokens
-outstanding (`_load_estimate`). A replica whose requests end early (EOS, stops) so takes more of
-them, and none idles while requests wait.
+outstanding (`_load_estimate`): a replica whose requests end early takes more, none idles.
 
 With `expert_parallel`, the replicas form one torch.distributed group (NCCL on GPUs, gloo on
 the CPU) and shard the routed experts (`parallel/expert_parallel.py`): every call goes to every
@@ -17,8 +16,7 @@ Invariant: every request carries a global request index, assigned in input order
 sampling seed (and its id) is what a single engine would give it: outputs do not depend on
 the number of replicas. An interrupt in the front end interrupts the replicas' current call;
 they abort its requests and stay usable, like a single engine. A replica that dies ends the
-call with an error naming it.
-"""
+call with an error naming it."""
 
 from __future__ import annotations
 
@@ -82,8 +80,7 @@ def _free_port() -> int:
 
 
 class _Results:
-    """A replica's end of its own results pipe (`put` from any of its threads). One pipe per
-    replica: a replica stopped in the middle of a write blocks no other replica's messages."""
+    """A replica's own results pipe (`put` from any of its threads; see `receive`)."""
 
     def __init__(self, writer) -> None:
         self.writer, self.lock = writer, threading.Lock()
@@ -288,13 +285,11 @@ class DataParallel:
         self.served_by: dict[int, int] = {}  # the last call's input position -> replica
         self._calls = itertools.count()
         self._next_index = 0  # global request index of the next call's first request
-        ready = 0
-        while ready < size:
+        for _ in range(size):  # each replica answers "ready" or "failed" once
             kind, _, rank, message = self._get(READY_TIMEOUT_S)
             if kind == "failed":
                 self.close()
                 raise ShoalError(f"data-parallel replica {rank} failed to start: {message}")
-            ready += kind == "ready"
 
     def exited(self) -> str:
         """'; replica(s) exited: rank r (exit code c), ...' or '' when all are alive."""
@@ -303,8 +298,9 @@ class DataParallel:
             f"rank {r} (exit code {code})" for r, code in dead) if dead else ""
 
     def receive(self, timeout: float) -> tuple | None:
-        """The next message of any replica, waiting up to `timeout` s (None: none came).
-        Every replica with a message gets one read per round, so none starves the others."""
+        """The next message of any replica, waiting up to `timeout` s (None: none came). One
+        pipe per replica (one stopped mid-write blocks no other), one read per ready replica
+        per round (none starves the others)."""
         if not self._inbox:
             for reader in wait(self._readers, timeout):
                 try:
