@@ -59,7 +59,8 @@ def test_a_failed_engine_answers_503_and_never_hangs(stream: bool) -> None:
 
 def test_speculative_acceptance_shows_in_the_metrics() -> None:
     """With speculative decoding, /metrics counts the drafts verified and accepted per draft
-    position and the verifying rows, consistent with the totals."""
+    position and the verifying rows, consistent with the totals, and one inter-token latency
+    sample per output token after the first."""
     server = LiveServer(max_num_seqs=2, max_model_len=128, speculative=True)
     try:
         server.client().completions.create(model="tiny", prompt="spec", max_tokens=12,
@@ -79,6 +80,8 @@ def test_speculative_acceptance_shows_in_the_metrics() -> None:
         assert sum(values("shoal_drafts_accepted_at_total{")) == \
             values("shoal_drafts_accepted_total ")[0]
         assert values("shoal_spec_verify_rows_total ")[0] == proposed_at[0]
+        # one inter-token sample per token after the first, accepted drafts included
+        assert values("shoal_inter_token_latency_seconds_count")[0] == 11
     finally:
         server.stop()
 

@@ -120,8 +120,9 @@ class Server:
         last = handle.last_token_time
         if tokens and last is None:
             self.metrics.ttft.observe(now - handle.submitted)
-        elif tokens and last is not None:
-            self.metrics.itl.observe((now - last) / tokens)
+        elif tokens and last is not None:  # one sample per token (several: a verified draft)
+            for _ in range(tokens):
+                self.metrics.itl.observe((now - last) / tokens)
         if tokens:
             handle.last_token_time = now
         if update.output is not None:
