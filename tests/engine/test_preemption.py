@@ -53,5 +53,6 @@ def test_preempted_requests_finish_with_the_tokens_of_running_alone() -> None:
         assert c.token_ids[:n] == list(ref.tokens[:n])
         assert len(c.token_ids) == MAX_TOKENS and c.finish_reason == "length"
     assert sum(o.metrics.num_preemptions for o in outs) >= 1
+    assert engine.stats.preemptions == sum(o.metrics.num_preemptions for o in outs)
     # Engine.step() returns "the ids of user requests that completed in it": each once
     assert sorted(done) == sorted(groups)

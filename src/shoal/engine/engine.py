@@ -288,6 +288,7 @@ class Engine:
         """The engine's side of a step: statistics, prompt logprobs, then per request delta its
         tokens (logprobs, detokenising, stop strings, the matcher) and its finish. Returns the
         sequences that finished."""
+        self.stats.preemptions += len(plan.preempted_ids)  # as they happen (live metrics)
         if plan.scheduled:
             cfg = self.config.model_config
             self.stats.account(plan, output, cfg.num_layers - cfg.decoder_start)
@@ -323,7 +324,6 @@ class Engine:
                     break
             if delta.finished and not req.finished:
                 req.metrics.num_preemptions = delta.num_preemptions
-                self.stats.preemptions += delta.num_preemptions
                 req.finish(delta.finish_reason or "stop", delta.error, delta.stop_token_id)
                 newly.add(rid)
         return newly

@@ -13,7 +13,7 @@ from shoal.scheduler.step_plan import StepPlan
 class EngineStats:
     num_requests: int = 0
     num_errors: int = 0
-    preemptions: int = 0  # over the requests finished so far
+    preemptions: int = 0  # requests preempted, counted when it happens
     prompt_tokens: int = 0
     output_tokens: int = 0
     steps: int = 0

@@ -15,7 +15,7 @@ GAUGES = {"running": "requests running", "waiting": "requests waiting for admiss
           "kv_blocks_used": "KV blocks in use", "kv_blocks_total": "KV blocks in the pool",
           "kv_blocks_cached_idle": "cached KV blocks no request holds (evictable)"}
 COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
-            "preemptions": "preemptions of finished requests", "requests": "requests added",
+            "preemptions": "requests preempted (KV recomputed later)", "requests": "requests added",
             "errors": "requests rejected", "drafts_proposed": "speculative drafts verified",
             "drafts_accepted": "speculative drafts accepted", "steps": "engine steps",
             "prefix_query_tokens": "prompt tokens of admissions that looked up the prefix cache",
