@@ -172,8 +172,8 @@ class EngineLoop:
         engine = self.engine
         if engine.ep is not None:  # expert parallelism: step while any rank has work, and
             while True:  # stop when any rank stops (the ranks' collectives stay matched)
-                self._drain(block=False)
-                self._publish()  # requests rejected at add time are complete already
+                if self._drain(block=False):
+                    self._publish()  # requests rejected at add time are complete already
                 stepped, stopping = engine.step_or_serve(self._stop.is_set())
                 if stopping:
                     return
@@ -183,8 +183,8 @@ class EngineLoop:
                     time.sleep(0.002)
                 self._snapshot()
         while not self._stop.is_set():
-            self._drain(block=not engine.has_unfinished())
-            self._publish()  # requests rejected at add time are complete already
+            if self._drain(block=not engine.has_unfinished()):
+                self._publish()  # requests rejected at add time are complete already
             if engine.has_unfinished():
                 engine.step()
                 self._publish()
@@ -194,12 +194,13 @@ class EngineLoop:
         """The loop has ended: abort what is live (their handles got their aborted end)."""
         self.engine.cancel(groups)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Take the web side's commands; whether there were any."""
         try:
             command = self._commands.get(timeout=0.05) if block else \
                 self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             kind, handle, args = command
             if kind == "add":
@@ -209,7 +210,7 @@ class EngineLoop:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                break
+                return True
 
     def _add(self, handle: Handle, prompt, params: SamplingParams, ids) -> None:
         handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
