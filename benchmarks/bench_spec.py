@@ -32,24 +32,31 @@ from shoal.runner.speculative import propose_drafts
 
 
 class Oracle:
-    """`propose_drafts` with the draft tokens replaced by the recorded run's, each corrupted
-    with probability 1 - rate. `expected[prompt]`: that prompt's plain output."""
+    """`propose_drafts` with the kept draft tokens replaced by the recorded run's, each
+    corrupted with probability 1 - rate. `expected[prompt]`: that prompt's plain output.
+    (It reads the drafts' positions back: a host sync per step that real drafting has not.)"""
 
     def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.expected, self.vocab = expected, vocab
         self.rate = 1.0
         self.rng = random.Random(0)
 
-    def __call__(self, model, caches, batch, captures, plan, states, out, *args, **kwargs):
-        drafted = propose_drafts(model, caches, batch, captures, plan, states, out, *args,
-                                 **kwargs)
-        for rid, drafts in out.spec_token_ids.items():
+    def __call__(self, model, caches, batch, captures, layout, accepted, last, states, *args,
+                 **kwargs):
+        proposal = propose_drafts(model, caches, batch, captures, layout, accepted, last,
+                                  states, *args, **kwargs)
+        if proposal is None:
+            return None
+        positions, keep = proposal.positions.tolist(), proposal.keep.tolist()
+        for rid, b in proposal.index.items():
             state = states[rid]
-            done = len(state.output_token_ids) + len(out.sampled_token_ids[rid])
-            future = self.expected[state.prompt_token_ids][done: done + len(drafts)]
-            out.spec_token_ids[rid] = [
-                t if self.rng.random() < self.rate else (t + 1) % self.vocab for t in future]
-        return drafted
+            done = positions[b] + 2 - len(state.prompt_token_ids)
+            future = self.expected[state.prompt_token_ids][done: done + keep[b]]
+            drafts = [t if self.rng.random() < self.rate else (t + 1) % self.vocab
+                      for t in future]
+            proposal.next_ids[b, 1:1 + len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+            proposal.keep[b] = len(drafts)
+        return proposal
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:

@@ -12,6 +12,7 @@ import torch
 import shoal.runner.model_runner as runner_mod
 from shoal import LLM, SamplingParams
 from shoal.model.presets import TINY
+from shoal.runner.speculative import propose_drafts
 
 OPTS = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64)
 
@@ -33,21 +34,25 @@ def _run(llm: LLM, prompts, params):
 
 
 def _oracle(futures, wrong_at: int | None = None):
-    """A `propose_drafts` stand-in: a sampling request with n tokens so far drafts
-    futures[request][n: n + k] (k the draft length), made wrong at index `wrong_at`."""
+    """A `propose_drafts` that drafts (after the real one ran: its context writes stay) a
+    request's future tokens: with n tokens so far, futures[request][n: n + k] (k the draft
+    length), made wrong at index `wrong_at`."""
     k = TINY.dspark_draft_len
 
-    def oracle(model, caches, batch, captures, plan, rows, out, *_, **__):
-        for item in plan.scheduled:
-            tokens = out.sampled_token_ids.get(item.request_id)
-            if not item.sample or not tokens:
-                continue
-            done = len(rows[item.request_id].output_token_ids) + len(tokens)
-            future = list(futures[int(item.request_id)][done: done + k])
+    def oracle(model, caches, batch, captures, layout, accepted, last, states, *args, **kw):
+        proposal = propose_drafts(model, caches, batch, captures, layout, accepted, last,
+                                  states, *args, **kw)
+        if proposal is None:
+            return None
+        positions = proposal.positions.tolist()
+        for rid, b in proposal.index.items():
+            done = positions[b] + 2 - len(states[rid].prompt_token_ids)
+            future = list(futures[int(rid)][done: done + k])
             if wrong_at is not None and len(future) > wrong_at:
                 future[wrong_at] = (future[wrong_at] + 1) % TINY.vocab_size
-            if future:
-                out.spec_token_ids[item.request_id] = future
+            proposal.next_ids[b, 1:1 + len(future)] = torch.tensor(future, dtype=torch.int64)
+            proposal.keep[b] = len(future)
+        return proposal
 
     return oracle
 
@@ -174,7 +179,10 @@ def test_exact_mode_with_stop_strings_n_and_prompt_logprobs(plain, drafts, monke
 
 
 def test_confidence_rule_keeps_the_leading_drafts_worth_a_row():
-    from shoal.runner.speculative import drafts_worth_verifying
+    from shoal.runner.speculative import verify_counts
+
+    def drafts_worth_verifying(*args, **kwargs):
+        return verify_counts(*args, **kwargs).tolist()
 
     logit = lambda p: float(torch.logit(torch.tensor(p)))  # noqa: E731
     conf = torch.tensor([[logit(0.9), logit(0.9), logit(0.5), logit(0.99)],
@@ -253,7 +261,7 @@ def _static_paths(llm: LLM) -> dict[str, int]:
                          pad_slot=runner.memory.num_slots, use_graphs=False,
                          sampled=llm.config.runner.spec_verify == "rejection")
     calls = {"decode": 0, "verify": 0, "draft": 0}
-    forward, draft = graphs.forward, drafts.draft
+    forward, draft = graphs.forward, drafts.draft_on_device
 
     def counted_forward(batch, patch=None, **kwargs):
         calls["decode" if batch.num_tokens == batch.num_requests else "verify"] += 1
@@ -263,7 +271,7 @@ def _static_paths(llm: LLM) -> dict[str, int]:
         calls["draft"] += 1
         return draft(*args, **kwargs)
 
-    graphs.forward, drafts.draft = counted_forward, counted_draft
+    graphs.forward, drafts.draft_on_device = counted_forward, counted_draft
     runner.graphs, runner.draft_graphs = graphs, drafts
     return calls
 

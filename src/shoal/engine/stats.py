@@ -50,15 +50,16 @@ class EngineStats:
         self.decoder_rows_total += plan.num_scheduled_tokens * decoder_layers
         for item in plan.scheduled:
             tokens = result.sampled_token_ids.get(item.request_id)
-            if item.num_spec_tokens and tokens:
-                self.drafts_proposed += item.num_spec_tokens
+            verified = result.verified.get(item.request_id, item.num_spec_tokens)
+            if verified and tokens:
+                self.drafts_proposed += verified
                 self.drafts_accepted += len(tokens) - 1
                 self.verify_rows += 1
-                grow = item.num_spec_tokens - len(self.drafts_proposed_at)
+                grow = verified - len(self.drafts_proposed_at)
                 if grow > 0:
                     self.drafts_proposed_at.extend([0] * grow)
                     self.drafts_accepted_at.extend([0] * grow)
-                for i in range(item.num_spec_tokens):
+                for i in range(verified):
                     self.drafts_proposed_at[i] += 1
                     self.drafts_accepted_at[i] += i < len(tokens) - 1
         self.drafts_skipped += result.drafts_skipped

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from shoal.model.config import ModelConfig
 from shoal.model.deepseek_v41 import DeepseekV41, ForwardOutput
 from shoal.model.state import KVCaches
 from shoal.runner.inflight import TokenPatch, to_device
+
+if TYPE_CHECKING:
+    from shoal.runner.draft_patch import DraftPatch
 
 logger = logging.getLogger(__name__)
 
@@ -236,13 +240,13 @@ class DecodeGraphs:
         q = self.width(chunks)
         return next(b for b in (self.sizes if q == 1 else self.verify_sizes) if b >= len(chunks))
 
-    def forward(self, batch: ForwardBatch, patch: TokenPatch | None = None,
+    def forward(self, batch: ForwardBatch, patch: TokenPatch | DraftPatch | None = None,
                 min_size: int = 0) -> ForwardOutput:
         """The forward of a decode or verify ForwardBatch built on the host (CPU tensors,
         `layer_rows` empty; see `width`) through the captured graph when there is one: logits
         for `batch.logits_rows` (every row when None) and, with `hidden`, the DSpark captures
-        of every row, as the eager forward returns them. `patch` writes input ids still on the
-        device (async scheduling, decode steps only) into the static ids after the upload. A
+        of every row, as the eager forward returns them. `patch` writes inputs still on the
+        device (async scheduling) into the static batch after the upload. A
         decode step's result is a view of the graph's output: consume it (in stream order:
         work queued before the next step's replay) before the next step. `min_size`: pad to at
         least this captured size (expert parallelism: the size every rank agreed on)."""
@@ -252,12 +256,10 @@ class DecodeGraphs:
         q = 1 if t == n else self.widths[-1]
         if t > n * q or batch.req_index.device.type != "cpu":
             raise ValueError("DecodeGraphs.forward: not a decode or verify batch on the host")
-        if patch is not None and q > 1:
-            raise ValueError("DecodeGraphs.forward: a token patch on a verify batch")
         size, bound = self.bucket(max(n, min_size), int(batch.chunk_start.max()) + q - 1, q)
         dst = self._fill(batch, size, q)
         if patch is not None:
-            patch.apply(self._dev64[:n])  # field 0: the input ids
+            patch.apply_static(self.static_batch(size, bound, q), dst, q)
         key = (size, bound, q)
         if key in self._graphs:
             self._graphs[key].replay()

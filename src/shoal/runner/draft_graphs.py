@@ -89,14 +89,32 @@ class DraftGraphs:
                              f"{sampling is not None}) at positions >= "
                              f"{min(positions, default=0)}")
         size = next(b for b in self.sizes if b >= n)
-        key = (size, sampling is not None)
         self._fill(anchors, positions, slots, size, sampling)
+        return self._replay(n, size, sampling is not None)
+
+    def _replay(self, n: int, size: int, sampled: bool) -> DraftOutput:
+        key = (size, sampled)
         if key in self._graphs:
             self._graphs[key].replay()
             out = self._outputs[key]
         else:
             out = self._call(*key)
         return DraftOutput(out.draft_ids[:n], out.logits[:n], out.confidence[:n])
+
+    def draft_on_device(self, anchors: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor, sampling: tuple[Sequence, Sequence, Sequence]
+                        | None = None) -> DraftOutput:
+        """`draft` with anchors, positions and slots ([B] int64) already on the device (a step
+        that verified drafts there): copied into the static rows on the device, no sync."""
+        n = int(anchors.shape[0])
+        if not self.fits(n, sampling is not None):
+            raise ValueError(f"DraftGraphs.draft_on_device: {n} requests (sizes {self.sizes}, "
+                             f"sampled {sampling is not None})")
+        size = next(b for b in self.sizes if b >= n)
+        self._fill([0] * n, [0] * n, [0] * n, size, sampling)
+        for i, values in enumerate((anchors, positions, slots)):
+            self._dev[i, :n].copy_(values)
+        return self._replay(n, size, sampling is not None)
 
     def capture(self) -> None:
         """One eager call, then the capture, per size and mode (largest first, one pool)."""

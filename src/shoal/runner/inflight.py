@@ -66,7 +66,17 @@ class TokenPatch:
     sources: tuple[int, ...]
     tokens: torch.Tensor
 
-    def apply(self, input_ids: torch.Tensor) -> None:
+    def apply(self, batch: ForwardBatch) -> None:
+        """Write the tokens into the batch's input ids (on the device) in place."""
+        self.apply_ids(batch.input_ids)
+
+    def apply_static(self, static: ForwardBatch, dst: torch.Tensor | None, q: int) -> None:
+        """The same into a decode graph's static batch (row r is request r)."""
+        if q != 1 or dst is not None:
+            raise ValueError("TokenPatch: a decode batch only (one row per request)")
+        self.apply_ids(static.input_ids)
+
+    def apply_ids(self, input_ids: torch.Tensor) -> None:
         """Write the tokens into `input_ids` ([T] int64 on the device) in place."""
         k = len(self.rows)
         if self.rows == self.sources == tuple(range(k)):  # steady decode: same rows, same order

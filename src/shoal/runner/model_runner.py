@@ -43,7 +43,16 @@ from shoal.runner.sampling_step import (
     record_outputs,
     sample,
 )
-from shoal.runner.speculative import accept_drafts, propose_drafts
+from shoal.runner.draft_patch import DraftPatch
+from shoal.runner.inflight import HostReadback
+from shoal.runner.speculative import (
+    VerifyLayout,
+    accept,
+    accept_on_host,
+    draft_checks,
+    propose_drafts,
+)
+from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.runner.step_io import LaunchedStep, RunnerOutput
 from shoal.runner.warmup import start_decode_graphs, start_draft_graphs
 from shoal.sampling import Sampler
@@ -147,14 +156,15 @@ class ModelRunner:
             return step
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.config, plan, self.requests, self._last,
-                                device=self.device, graphs=self.graphs)
+                                device=self.device, graphs=self.graphs,
+                                speculative=self.speculative)
         agreed = 0
         if self.ep is not None and self.graphs is not None:  # graphs on every rank, or none
             agreed = self.ep.agree(inputs.graph_size if inputs.graphed else -1)
             if agreed < 0 and inputs.graphed:
                 inputs.graphed = False
                 inputs.batch = batch_to_device(inputs.batch, self.device)
-        batch = inputs.batch
+        batch, patch = inputs.batch, inputs.patch
         step.out.decoder_rows_skipped = inputs.decoder_rows_skipped
         t1 = time.perf_counter()
         if self.device.type == "cuda":
@@ -164,33 +174,82 @@ class ModelRunner:
         with torch.inference_mode():
             if inputs.graphed:  # decode or verify: static inputs, graph replay
                 assert self.graphs is not None
-                result = self.graphs.forward(batch, inputs.patch, min_size=max(agreed, 0))
-                if self.speculative:  # the drafts' context reads the batch on the device
+                result = self.graphs.forward(batch, patch, min_size=max(agreed, 0))
+                if self.speculative:  # verification and drafts read the batch on the device
                     batch = batch_to_device(batch, self.device)
+                    if patch is not None:
+                        patch.apply(batch)
                 # a decode row's boundary is its chunk's end: its window is in the rings now
                 save_snapshots(self.caches, batch.snapshot_saves, committed=True)
             else:
-                if inputs.patch is not None:
-                    inputs.patch.apply(batch.input_ids)
+                if patch is not None:
+                    patch.apply(batch)
                 result = self.model.forward(batch, self.caches, capture=self.speculative)
         logits = result.logits
         step.out.forward_time = time.perf_counter() - t1
         step.out.prepare_time = t1 - t0
-        step.batch, step.captures, step.draws = batch, result.captures, inputs.draws
+        step.batch, step.draws = batch, inputs.draws
         for index in inputs.prompt_chunks:
             item = plan.scheduled[index]
             at = inputs.offsets[index]
             prompt_logprobs(item, self.requests[item.request_id],
                             logits[at: at + item.num_new_tokens], step.out)
+        layout = inputs.layout
+        checks = shift = limits = None
+        if layout is not None and layout.ids:
+            limits = patch.limits(layout, self.device) if isinstance(patch, DraftPatch) else \
+                torch.tensor(layout.num_drafts, dtype=torch.int64).to(self.device)
+            checks = draft_checks(batch.input_ids, layout, limits)
+            if isinstance(patch, DraftPatch):
+                shift = patch.draw_shift(layout, self.device)
+        readback: list[torch.Tensor] = []
         if step.draws:
             rows = inputs.sample_rows
             every = rows == list(range(logits.shape[0]))  # (decode): no index upload
-            sample(self.sampler, logits if every else logits[upload([rows], logits.device)[0]],
-                   step, vocab_size=self.config.model_config.vocab_size,
-                   eos_token_id=self.config.model_config.eos_token_id,
-                   grammar_masks=grammar_masks)
+            readback = sample(
+                self.sampler, logits if every else logits[upload([rows], logits.device)[0]],
+                step, vocab_size=self.config.model_config.vocab_size,
+                eos_token_id=self.config.model_config.eos_token_id,
+                grammar_masks=grammar_masks, checks=checks, shift=shift)
+        if layout is not None:
+            with torch.inference_mode():
+                self._draft(step, layout, result.captures, checks, limits)
+        if step.span is not None and step.draws:  # the step's device work ends here
+            step.span[1].record()
+        if readback:
+            step.readback = HostReadback(readback + step.spec_tensors)
         self._last = step
         return step
+
+    def _draft(self, step: LaunchedStep, layout: VerifyLayout, captures: torch.Tensor | None,
+               checks: torch.Tensor | None, limits: torch.Tensor | None) -> None:
+        """Speculative decoding after sampling: accept drafts, write the draft context, draft
+        the next blocks (`runner/speculative.py`); their results join the step's readback."""
+        run = self.config.runner
+        rejection = run.spec_verify == "rejection"
+        if layout.ids:
+            assert step.token_ids is not None and checks is not None and limits is not None
+            accepted, last = accept(step.token_ids, checks, layout)
+        else:
+            accepted = last = torch.zeros(0, dtype=torch.int64, device=self.device)
+        assert step.batch is not None
+        proposal = propose_drafts(self.model, self.caches, step.batch, captures, layout,
+                                  accepted, last, self.requests, run.spec_confidence,
+                                  rejection=rejection, drafter=self.draft_graphs,
+                                  verify_budget=run.spec_verify_budget)
+        if proposal is None:
+            if self.ep is not None:  # the other ranks' drafts still need this rank's experts
+                self.model.serve_experts(draft=True)
+        else:
+            for rid, b in proposal.index.items():
+                state = self.requests[rid]
+                state.draft_probs = None if proposal.draft_probs is None or \
+                    state.params.temperature < GREEDY_TEMPERATURE else proposal.draft_probs[b]
+        step.layout, step.proposal = layout, proposal
+        if layout.ids:
+            step.spec_tensors = [accepted, torch.minimum(limits, accepted.new_tensor(
+                layout.num_drafts))] + ([] if proposal is None else
+                                        [proposal.next_ids, proposal.keep])
 
     def forget_last(self) -> None:
         """No later plan takes input ids from the latest launched step (it was discarded)."""
@@ -198,23 +257,17 @@ class ModelRunner:
 
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's sampled tokens (only for them: work queued after the step keeps
-        running) and turn them into the RunnerOutput; then accept drafts and propose new ones
-        (speculative decoding, which therefore never overlaps steps)."""
+        running) and turn them into the RunnerOutput: under speculative decoding, each
+        request's accepted tokens and its next drafts."""
         out = step.out
         if step.readback is not None:
             read_samples(step)
-            accept_drafts(step.plan, out)
             if step.span is not None:  # both events are complete once the readback is
                 out.device_time = step.span[0].elapsed_time(step.span[1]) * 1e-3
-        if self.speculative:
-            with torch.inference_mode():
-                drafted = step.batch is not None and propose_drafts(
-                    self.model, self.caches, step.batch, step.captures, step.plan,
-                    self.requests, out, self.config.runner.spec_confidence,
-                    rejection=self.config.runner.spec_verify == "rejection",
-                    drafter=self.draft_graphs,
-                    verify_budget=self.config.runner.spec_verify_budget)
-                if not drafted and self.ep is not None:  # the others' drafts need its experts
-                    self.model.serve_experts(draft=True)
+        if step.spec_tensors:
+            assert step.layout is not None and step.readback is not None
+            spec = [t.tolist() for t in step.readback.host[-len(step.spec_tensors):]]
+            accept_on_host(step.layout, step.proposal, spec, out,
+                           self.config.model_config.dspark_draft_len)
         record_outputs(out, self.requests)
         return out

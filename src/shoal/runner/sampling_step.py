@@ -11,13 +11,14 @@ never launches such a row before its previous token is back (`RuntimeError` othe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from shoal.runner.inflight import HostReadback, to_device
+from shoal.runner.inflight import to_device
 from shoal.runner.step_io import LaunchedStep, RunnerOutput
 from shoal.sampling import Sampler, SamplingBatch, SamplingParams, compute_prompt_logprobs
 from shoal.scheduler.step_plan import NewRequest, ScheduledRequest
@@ -46,15 +47,15 @@ class RequestState:
 
 class Draw(NamedTuple):
     """One sampled logits row: `request`'s token at `position`, after `drafts` (the drafts
-    verified before this row, seen as already generated); `draft` is the one its sample is
-    checked against (-1: the row after the last draft, or no drafts)."""
+    verified before this row, seen as already generated; `UNRESOLVED` while on the device);
+    `draft`: its sample is checked against the next draft (not the row after the last)."""
 
     request_id: str
     state: RequestState
     position: int
     num_outputs: int  # outputs before this row's token (min_tokens)
     drafts: tuple[int, ...] = ()
-    draft: int = -1
+    draft: bool = False
 
 
 def draws_of(item: ScheduledRequest, state: RequestState) -> list[Draw]:
@@ -66,13 +67,18 @@ def draws_of(item: ScheduledRequest, state: RequestState) -> list[Draw]:
     drafts = tuple(item.token_ids[len(item.token_ids) - k:])
     position = item.end_position - k
     return [Draw(item.request_id, state, position + j, position + j - item.num_prompt_tokens,
-                 drafts[:j], drafts[j] if j < k else -1) for j in range(k + 1)]
+                 drafts[:j], j < k) for j in range(k + 1)]
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_size: int,
-           eos_token_id: int | None, grammar_masks: Mapping[str, torch.Tensor]) -> None:
-    """Sample every draw of `step` from `logits` (one row per draw) and queue the readback;
-    the tokens stay on the device in `step.token_ids`."""
+           eos_token_id: int | None, grammar_masks: Mapping[str, torch.Tensor],
+           checks: torch.Tensor | None = None, shift: torch.Tensor | None = None
+           ) -> list[torch.Tensor]:
+    """Sample every draw of `step` from `logits` (one row per draw); the tokens stay on the
+    device in `step.token_ids`. Returns the tensors to read back (tokens, validity, logprobs).
+    Speculative decoding: `checks` [D] (the draft each row is checked against, -1: none)
+    feed the rejection rule of rows whose drafts were sampled; `shift` [D] moves the rows'
+    positions (a verify step planned before its drafts' acceptance was known)."""
     draws = step.draws
     mask = None
     if any(d.request_id in grammar_masks for d in draws):
@@ -91,39 +97,43 @@ def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_
             raise RuntimeError(f"request {d.request_id!r}: a row with penalties was launched "
                                "before its previous token was read back")
         history.append(known + list(d.drafts) if d.drafts else known)
-    draft_ids, draft_probs = _sampled_drafts(draws, vocab_size, logits.device)
     batch = SamplingBatch.from_params(
         [d.state.params for d in draws], seeds=[d.state.seed for d in draws],
         positions=[d.position for d in draws], output_token_ids=history,
         num_output_tokens=[d.num_outputs for d in draws],
         prompt_token_ids=[d.state.prompt_token_ids for d in draws], vocab_size=vocab_size,
         eos_token_ids=() if eos_token_id is None else (eos_token_id,), allowed_mask=mask,
-        draft_token_ids=draft_ids, draft_probs=draft_probs, device=logits.device)
+        device=logits.device)
+    if shift is not None:
+        batch = dataclasses.replace(batch, positions=batch.positions + shift)
+    if checks is not None:
+        batch = _sampled_drafts(batch, draws, checks)
     result = sampler.sample(logits, batch)
-    if step.span is not None:  # the step's device work ends here (before the host waits)
-        step.span[1].record()
     step.token_ids = result.token_ids
     if not any(item.num_spec_tokens for item in step.plan.scheduled):  # one draw each
         step.draw_index = {d.request_id: i for i, d in enumerate(draws)}
     lp = result.logprobs
-    step.readback = HostReadback([result.token_ids, result.valid] + (
-        [lp.token_ids, lp.logprobs, lp.ranks] if lp is not None else []))
+    return [result.token_ids, result.valid] + (
+        [lp.token_ids, lp.logprobs, lp.ranks] if lp is not None else [])
 
 
-def _sampled_drafts(draws: list[Draw], vocab_size: int, device: torch.device
-                    ) -> tuple[list[int] | None, torch.Tensor | None]:
-    """The rows checked against a draft drawn from a distribution q (rejection-sampled
-    verification): per row its draft (-1: none) and [B, V] q (zeros elsewhere)."""
-    rows = [(i, d) for i, d in enumerate(draws)
-            if d.draft >= 0 and d.state.draft_probs is not None]
+def _sampled_drafts(batch: SamplingBatch, draws: list[Draw],
+                    checks: torch.Tensor) -> SamplingBatch:
+    """`batch` with the drafts of the rows checked against a draft drawn from a distribution q
+    (rejection-sampled verification): per row its draft (-1: none) and [B, V] q (zeros
+    elsewhere)."""
+    rows = [(i, d) for i, d in enumerate(draws) if d.draft and
+            d.state.draft_probs is not None]
     if not rows:
-        return None, None
-    ids = [-1] * len(draws)
-    probs = torch.zeros(len(draws), vocab_size, dtype=torch.float32, device=device)
+        return batch
+    device = checks.device
+    sampled = torch.zeros(len(draws), dtype=torch.bool)
+    probs = torch.zeros(len(draws), batch.vocab_size, dtype=torch.float32, device=device)
     for i, d in rows:
-        ids[i] = d.draft
+        sampled[i] = True
         probs[i] = d.state.draft_probs[len(d.drafts)]
-    return ids, probs
+    ids = torch.where(sampled.to(device), checks, -1)
+    return dataclasses.replace(batch, draft_token_ids=ids, draft_probs=probs)
 
 
 def read_samples(step: LaunchedStep) -> None:
@@ -131,6 +141,7 @@ def read_samples(step: LaunchedStep) -> None:
     request, invalid rows, per-token logprobs."""
     assert step.readback is not None
     host = step.readback.wait()
+    host = host[:len(host) - len(step.spec_tensors)]  # (speculative results follow)
     tokens, valid = host[0].tolist(), host[1].tolist()
     lp_ids, lp_values, ranks = ([t.tolist() for t in host[2:]] if len(host) > 2
                                 else (None, None, None))

@@ -1,71 +1,105 @@
-"""Speculative decoding with the DSpark draft block: exact-match verification.
+"""Speculative decoding with the DSpark draft block, on the device: verification (exact match,
+or the sampler's lossless rejection rule) and the next block's drafts, with nothing read back
+inside the step.
 
 A step that verifies k drafts runs the target on [anchor, d_1..d_k] and samples every row with
 the request's own counter-based RNG at that row's position, as if the drafts had been
-generated. Draft d_j is accepted while it equals the target's sample at its position, and the
-first mismatching sample (or the bonus sample after all k) ends the step. Because samples are
-keyed by (seed, position) and each row sees the same history as plain decoding would, the
-output is token-for-token identical to decoding without drafts, for any sampling parameters.
+generated. Draft d_j is accepted while it equals the target's sample at its position (under
+rejection sampling a rejected draft is never the residual's sample, so the same test holds),
+and the first mismatching sample (or the bonus sample after all k) ends the step. Because
+samples are keyed by (seed, position) and each row sees the same history as plain decoding
+would, exact mode's output is token-for-token that of decoding without drafts.
 
-Nothing is rolled back: rejected rows wrote SWA/compressed/index rows and compressor state at
-positions that are recomputed before anything reads them (state slot p % r, position-indexed
-rings and pages); the scheduler counts only anchor + accepted drafts as computed.
+After sampling, every request that sampled (structured output excepted) drafts its next block
+from its last accepted sample; the drafts, the accepted counts and the confidence rule's keep
+counts stay on the device in a `Proposal`, which the next step reads when it was planned before
+this one's results were back (async scheduling, `runner/draft_patch.py`).
+
+Nothing is rolled back: rejected rows wrote SWA/compressed/index rows, draft context and
+compressor state at positions that are recomputed before anything reads them (rings and
+compressor states have draft-length slack); the scheduler counts only anchor + accepted drafts
+as computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.model.dspark import dspark_context, dspark_draft, greedy
+from shoal.runner.inflight import upload
 from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.sampling.rng import STREAM_DRAFT, gumbel_noise, seed_to_int64
-from shoal.scheduler.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from shoal.runner.draft_graphs import DraftGraphs
 
 
-def accept_drafts(plan: StepPlan, out) -> None:
-    """Cut each verifying request's samples at the first one that differs from its draft."""
-    for item in plan.scheduled:
-        k = item.num_spec_tokens
-        samples = out.sampled_token_ids.get(item.request_id)
-        if not k or samples is None:
-            continue
-        drafts = item.token_ids[len(item.token_ids) - k:]
-        accepted = 0
-        while accepted < k and samples[accepted] == drafts[accepted]:
-            accepted += 1
-        out.sampled_token_ids[item.request_id] = samples[:accepted + 1]
-        if item.request_id in out.logprobs:
-            out.logprobs[item.request_id] = out.logprobs[item.request_id][:accepted + 1]
+@dataclass(frozen=True)
+class VerifyLayout:
+    """Host layout of a speculative step's sampling requests (in draw order): request i's draws
+    are first_draw[i] .. first_draw[i] + num_drafts[i]; draw j samples the token after the input
+    at batch row input_row[i] + j, and is checked against the input of the next row while j is
+    below its verify limit. context_rows: batch rows whose DSpark context is written."""
+
+    ids: tuple[str, ...]
+    chunks: tuple[int, ...]  # its chunk (plan order)
+    first_draw: tuple[int, ...]
+    input_row: tuple[int, ...]
+    num_drafts: tuple[int, ...]
+    drafting: tuple[bool, ...]  # drafts a next block (structured output does not)
+    context_rows: tuple[int, ...]
+
+    @property
+    def max_drafts(self) -> int:
+        return max(self.num_drafts, default=0)
+
+    def draw_owner(self) -> list[int]:
+        """Per draw, its request's index here."""
+        return [i for i, k in enumerate(self.num_drafts) for _ in range(k + 1)]
 
 
-def drafts_worth_verifying(confidence: torch.Tensor, threshold: float,
-                           budget: int = 0) -> list[int]:
-    """Per request, how many leading drafts to verify. A draft's expected gain is the chance
-    that it and the drafts before it are all accepted (the product of sigmoid(confidence));
-    draft i is kept while that is at least `threshold` (0 keeps every draft), and with a
-    `budget` (> 0) only the `budget` drafts of the batch with the largest gains are (ties: the
-    earlier draft, then the earlier request). A request's chances only fall along its block,
-    so what is kept is always a prefix."""
+@dataclass
+class Proposal:
+    """What a speculative step leaves on the device for the next one, per drafting request
+    (`index`): the last accepted sample then the new drafts [B, 1 + K], the shift of the next
+    anchor's position against a plan that counted every verified row as accepted (accepted -
+    drafts in the chunk, <= 0) [B], the Engram ids before the next anchor (newest first)
+    [B, n_hist], and the drafts the confidence rule keeps [B]."""
+
+    index: dict[str, int]
+    next_ids: torch.Tensor
+    shift: torch.Tensor
+    history: torch.Tensor
+    keep: torch.Tensor
+    positions: torch.Tensor  # [B] the last accepted input's position (the drafts' context end)
+    confidence: torch.Tensor  # [B, K] fp32 logits
+    draft_probs: torch.Tensor | None  # [B, K, V] q of sampled drafts (rejection); None: greedy
+
+
+def verify_counts(confidence: torch.Tensor, threshold: float, budget: int = 0) -> torch.Tensor:
+    """Per request, how many leading drafts to verify ([B] int64, on confidence's device). A
+    draft's expected gain is the chance that it and the drafts before it are all accepted (the
+    product of sigmoid(confidence)); draft i is kept while that is at least `threshold` (0 keeps
+    every draft), and with a `budget` (> 0) only the `budget` drafts of the batch with the
+    largest gains are (ties: the earlier draft, then the earlier request). A request's chances
+    only fall along its block, so what is kept is always a prefix."""
     b, k = confidence.shape
     if threshold <= 0.0 and (budget <= 0 or budget >= b * k):
-        return [k] * b
+        return torch.full((b,), k, dtype=torch.int64, device=confidence.device)
     chance = torch.sigmoid(confidence.float()).cumprod(dim=1)
     keep = (chance >= threshold).int().cumprod(dim=1).bool()  # the threshold's prefixes
-    if 0 < budget < int(keep.sum()):
+    if 0 < budget < b * k:
         gain = torch.where(keep, chance, torch.full_like(chance, -1.0))
         order = torch.argsort(-gain.t().flatten(), stable=True)[:budget]  # draft-major ties
         chosen = torch.zeros(k * b, dtype=torch.bool, device=confidence.device)
         chosen[order] = True
-        keep = chosen.view(k, b).t() & keep
-        keep = keep.int().cumprod(dim=1).bool()
-    return keep.sum(dim=1).tolist()
+        keep = (chosen.view(k, b).t() & keep).int().cumprod(dim=1).bool()
+    return keep.sum(dim=1)
 
 
 def draft_sampling(states: list) -> tuple[list[bool], list[float], list[int]]:
@@ -102,60 +136,102 @@ class DraftSampler:
         return torch.softmax(logits.float() / self.temperature.view(-1, 1, 1), dim=-1)
 
 
+def draft_checks(input_ids: torch.Tensor, layout: VerifyLayout,
+                 limits: torch.Tensor) -> torch.Tensor:
+    """Per draw, the draft its sample is checked against: the input of the chunk's next row
+    while the draw is below its request's verify limit (`limits` [B] int64), else -1."""
+    rows, cols, owner = [], [], []
+    for i, (row, k) in enumerate(zip(layout.input_row, layout.num_drafts, strict=True)):
+        for j in range(k + 1):
+            rows.append(row + min(j + 1, k))
+            cols.append(j)
+            owner.append(i)
+    index = upload([rows, cols, owner], input_ids.device)
+    return torch.where(index[1] < limits[index[2]], input_ids[index[0]], -1)
+
+
+def accept(tokens: torch.Tensor, checks: torch.Tensor,
+           layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request: the drafts accepted (the leading draws whose sample equals their check)
+    and the last accepted sample (the next anchor). tokens, checks [D] int64."""
+    k = layout.max_drafts
+    index = upload([[first + min(j, n) for j in range(k + 1)] for first, n in
+                    zip(layout.first_draw, layout.num_drafts, strict=True)], tokens.device)
+    sampled, checked = tokens[index], checks[index]  # [B, k + 1]
+    match = (sampled[:, :k] == checked[:, :k]) & (checked[:, :k] >= 0)
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    return accepted, sampled.gather(1, accepted.unsqueeze(1)).squeeze(1)
+
+
 def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | None,
-                   plan: StepPlan, states: Mapping, out, confidence_threshold: float = 0.0,
-                   rejection: bool = False, drafter: DraftGraphs | None = None,
-                   verify_budget: int = 0) -> bool:
-    """Write the draft context of this step's valid rows, then draft the next block for every
-    request that sampled (structured-output requests excluded: their matcher would have to
-    follow the drafts), keeping the drafts the confidence rule finds worth verifying (at most
-    `verify_budget` in all when > 0).
-    `rejection`: drafts are sampled (`DraftSampler`) and their q kept for verification. The
-    draft block goes through `drafter` (its CUDA graphs) when it fits.
-    Returns whether a draft block ran (no request to draft for: False)."""
+                   layout: VerifyLayout, accepted: torch.Tensor, last: torch.Tensor,
+                   states: Mapping, confidence_threshold: float = 0.0, rejection: bool = False,
+                   drafter: DraftGraphs | None = None, verify_budget: int = 0
+                   ) -> Proposal | None:
+    """Write the DSpark context of the step's rows (`layout.context_rows`, rejected drafts
+    included: they are rewritten before they are read), then draft the next block of every
+    drafting request from its last accepted sample `last` ([B] for the layout's requests, as
+    `accepted`), keeping the drafts the confidence rule finds worth verifying (at most
+    `verify_budget` in all when > 0). `rejection`: drafts are sampled (`DraftSampler`) and
+    their q kept. The block goes through `drafter` (its CUDA graphs) when it fits.
+    Returns None when no request drafts."""
     cfg = model.config
-    keep, at = [], 0
-    anchors, positions, slots, ids = [], [], [], []
-    for item in plan.scheduled:
-        n = item.num_new_tokens
-        tokens = out.sampled_token_ids.get(item.request_id)
-        computed = len(tokens) if (item.num_spec_tokens and tokens) else n
-        if item.num_spec_tokens and not tokens:
-            computed = 0  # invalid row: the request ends
-        lo = max(item.start_position, item.prefill_len - cfg.sliding_window)
-        hi = item.start_position + computed  # exclusive
-        keep.extend(range(at + lo - item.start_position, at + hi - item.start_position))
-        at += n
-        state = states.get(item.request_id)
-        if item.sample and tokens and state is not None and not state.structured:
-            anchors.append(tokens[-1])
-            positions.append(hi - 1)
-            slots.append(item.slot)
-            ids.append(item.request_id)
     device = batch.positions.device
-    if keep and captures is not None:
-        dspark_context(model, batch, caches, captures,
-                       torch.tensor(keep, dtype=torch.int64, device=device))
-    if not ids:
-        return False
-    sampler = DraftSampler.of_states([states[r] for r in ids], device) if rejection else None
+    if layout.context_rows and captures is not None:
+        dspark_context(model, batch, caches, captures, upload([layout.context_rows],
+                                                              device)[0])
+    chosen = [i for i, d in enumerate(layout.drafting) if d]
+    if not chosen:
+        return None
+    ids = [layout.ids[i] for i in chosen]
+    sel = upload([chosen, [layout.input_row[i] for i in chosen],
+                  [layout.num_drafts[i] for i in chosen]], device)
+    got = accepted[sel[0]]
+    rows = sel[1] + got  # the last accepted input: the context ends at its position
+    anchors, positions = last[sel[0]], batch.positions[rows]
+    slots = batch.slots[batch.req_index[rows]]
+    n_hist = batch.engram_history.shape[1]
+    history = torch.cat([batch.input_ids[rows].unsqueeze(1),
+                         batch.engram_history[rows, :max(n_hist - 1, 0)]], dim=1)[:, :n_hist]
+    request_states = [states[r] for r in ids]
     if drafter is not None and drafter.fits(len(ids), sampled=rejection):
-        draft = drafter.draft(anchors, positions, slots, sampling=draft_sampling(
-            [states[r] for r in ids]) if rejection else None)
+        draft = drafter.draft_on_device(anchors, positions, slots, sampling=draft_sampling(
+            request_states) if rejection else None)
     else:
-        draft = dspark_draft(model, caches, torch.tensor(anchors, device=device),
-                             torch.tensor(positions, dtype=torch.int64, device=device),
-                             torch.tensor(slots, dtype=torch.int64, device=device),
-                             sample_fn=sampler or greedy)
+        sampler = DraftSampler.of_states(request_states, device) if rejection else greedy
+        draft = dspark_draft(model, caches, anchors, positions, slots, sample_fn=sampler)
     k = cfg.dspark_draft_len
-    keep_counts = drafts_worth_verifying(draft.confidence[:, :k], confidence_threshold,
-                                         verify_budget)
-    q = sampler.probs(draft.logits[:, :k]) if sampler is not None else None
-    for b, (rid, drafted, n) in enumerate(zip(ids, draft.draft_ids.tolist(), keep_counts,
-                                              strict=True)):
-        out.spec_token_ids[rid] = drafted[:n]
-        out.drafts_skipped += k - n
-        state = states[rid]
-        state.draft_probs = None if q is None or state.params.temperature < \
-            GREEDY_TEMPERATURE else q[b, :n]
-    return True
+    keep = verify_counts(draft.confidence[:, :k], confidence_threshold, verify_budget)
+    q = None
+    if rejection:
+        temps = torch.tensor([max(s.params.temperature, GREEDY_TEMPERATURE)
+                              for s in request_states], dtype=torch.float32).to(device)
+        q = torch.softmax(draft.logits[:, :k].float() / temps.view(-1, 1, 1), dim=-1)
+    return Proposal({r: b for b, r in enumerate(ids)},
+                    torch.cat([anchors.unsqueeze(1), draft.draft_ids[:, :k]], dim=1),
+                    got - sel[2], history, keep, positions, draft.confidence[:, :k], q)
+
+
+def accept_on_host(layout: VerifyLayout, proposal: Proposal | None,
+                   spec: Sequence[list], out, draft_len: int) -> None:
+    """Fill the step's output from the host copies of its speculative results (`spec`:
+    accepted and verified drafts per request, then, when some request drafted, the proposal's
+    next ids and keep counts): each valid request's tokens (and logprobs) cut after its
+    accepted drafts, and its kept drafts for the next step."""
+    accepted, verified = spec[0], spec[1]
+    for i, rid in enumerate(layout.ids):
+        tokens = out.sampled_token_ids.get(rid)
+        if tokens is None:  # an invalid row: the request ends
+            continue
+        out.sampled_token_ids[rid] = tokens[:accepted[i] + 1]
+        if rid in out.logprobs:
+            out.logprobs[rid] = out.logprobs[rid][:accepted[i] + 1]
+        if layout.num_drafts[i]:
+            out.verified[rid] = verified[i]
+    if proposal is None:
+        return
+    next_ids, keep = spec[2], spec[3]
+    for rid, b in proposal.index.items():
+        if rid in out.sampled_token_ids:
+            out.spec_token_ids[rid] = next_ids[b][1:1 + keep[b]]
+            out.drafts_skipped += draft_len - keep[b]

@@ -16,6 +16,7 @@ from shoal.scheduler.step_plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
     from shoal.runner.sampling_step import Draw
+    from shoal.runner.speculative import Proposal, VerifyLayout
 
 
 @dataclass
@@ -38,6 +39,9 @@ class RunnerOutput(StepResult):
     device_time: float = 0.0
     decoder_rows_skipped: int = 0  # row-layers the tail-only prefill did not run
     drafts_skipped: int = 0  # drafts the confidence rule did not send to verification
+    # speculative decoding: drafts verified per request (a verify step planned before the
+    # confidence rule's counts were known verifies fewer than its rows)
+    verified: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,8 +52,10 @@ class LaunchedStep:
     draws: one per sampled logits row, in order. token_ids: [len(draws)] int64 on the device,
     the sampled tokens (None: nothing sampled); the next step's decode rows read their input id
     there (`TokenPatch`). draw_index: request -> its draw, in steps without drafts. readback:
-    the host copies of the sampler's output. batch / captures: what `propose_drafts` needs
-    (speculative decoding).
+    the host copies of the sampler's output (and of `spec_tensors`). batch: the step's batch on
+    the device. Speculative decoding: layout (its sampling requests), proposal (the next
+    drafts, on the device) and spec_tensors (accepted and verified drafts, next ids, keep
+    counts: read back with the tokens).
     """
 
     plan: StepPlan
@@ -57,7 +63,9 @@ class LaunchedStep:
     draws: list[Draw] = field(default_factory=list)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     batch: ForwardBatch | None = None
-    captures: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     draw_index: dict[str, int] = field(default_factory=dict)
     readback: HostReadback | None = None
+    layout: VerifyLayout | None = None
+    proposal: Proposal | None = None
+    spec_tensors: list[torch.Tensor] = field(default_factory=list)
