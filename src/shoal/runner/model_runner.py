@@ -32,7 +32,8 @@ from shoal.model.ring_snapshots import save as save_snapshots
 from shoal.model.state import KVCaches
 from shoal.parallel.expert_parallel import ExpertParallel
 from shoal.runner.cache_memory import CacheLayout, MemoryPlan, plan_memory
-from shoal.runner.inflight import batch_to_device, upload
+from shoal.runner.draft_patch import DraftPatch
+from shoal.runner.inflight import HostReadback, batch_to_device, upload
 from shoal.runner.inputs import prepare_inputs
 from shoal.runner.kv_offload import KVOffload, host_slots
 from shoal.runner.loading import kv_budget_bytes, load_model, pick_device
@@ -43,8 +44,6 @@ from shoal.runner.sampling_step import (
     record_outputs,
     sample,
 )
-from shoal.runner.draft_patch import DraftPatch
-from shoal.runner.inflight import HostReadback
 from shoal.runner.speculative import (
     VerifyLayout,
     accept,
@@ -52,10 +51,10 @@ from shoal.runner.speculative import (
     draft_checks,
     propose_drafts,
 )
-from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.runner.step_io import LaunchedStep, RunnerOutput
 from shoal.runner.warmup import start_decode_graphs, start_draft_graphs
 from shoal.sampling import Sampler
+from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
