@@ -334,11 +334,45 @@ def test_pipelined_protocol_errors() -> None:
         s.advance(plan1)  # at most one advanced plan is unresolved
     with pytest.raises(RuntimeError, match="no sampled token"):
         s.resolve(plan0, StepResult({}))
-    t = make()
-    t.add_request(Request("b", [1, 2], max_tokens=5))
-    t.update(t.schedule(), StepResult({"b": [3]}))
-    t.set_drafts("b", [4, 5])
-    plan = t.schedule()  # verifies 2 drafts: its progress depends on how many are accepted
-    assert plan.scheduled[0].num_spec_tokens == 2
-    with pytest.raises(RuntimeError, match="verifies drafts"):
-        t.advance(plan)
+
+
+def test_pipelined_verification_counts_drafts_as_accepted_until_resolved() -> None:
+    """Speculative decoding under async scheduling: a verify plan advances as if every draft
+    were accepted (placeholders for the drafts proposed on the device), the next plan is built
+    on that, and resolve takes the rejected positions back: the next plan's rows then lie
+    `rejected` positions lower, which its own resolve accounts for."""
+    s = make()
+    s.add_request(Request("b", [1, 2], max_tokens=6))
+    s.update(s.schedule(), StepResult({"b": [3]}))
+    s.set_drafts("b", [4, 5])
+    plan1 = s.schedule()
+    assert plan1.scheduled[0].token_ids == (3, 4, 5)
+    s.advance(plan1, drafts=2)
+    b = s.get_request("b")
+    assert b.num_computed_tokens == 5 and b.output_token_ids == [3] + [UNRESOLVED] * 3
+    plan2 = s.schedule()  # room for one more draft only (max_tokens, counted optimistically)
+    item = plan2.scheduled[0]
+    assert (item.start_position, item.token_ids, item.num_spec_tokens) == \
+        (5, (UNRESOLVED, UNRESOLVED), 1)
+    outcome = s.resolve(plan1, StepResult({"b": [4, 9]}, spec_token_ids={"b": [7, 8]}))
+    assert [d.new_token_ids for d in outcome.deltas] == [(4, 9)]
+    assert b.num_computed_tokens == 4 and b.output_token_ids == [3, 4, 9]
+    s.advance(plan2, drafts=2)  # its start was one position too high
+    assert b.num_computed_tokens == 6 and b.output_token_ids == [3, 4, 9] + [UNRESOLVED] * 2
+    outcome = s.resolve(plan2, StepResult({"b": [7, 6]}))
+    assert [d.new_token_ids for d in outcome.deltas] == [(7, 6)] and not outcome.finished
+    assert b.output_token_ids == [3, 4, 9, 7, 6] and b.num_computed_tokens == 6
+    s.check_invariants()
+
+    t = make()  # every draft accepted up to max_tokens: `length` at resolve, not at advance
+    t.add_request(Request("c", [1, 2], max_tokens=4))
+    t.update(t.schedule(), StepResult({"c": [3]}))
+    t.set_drafts("c", [4, 5])
+    plan = t.schedule()
+    t.advance(plan, drafts=2)
+    assert not t.get_request("c").is_finished
+    outcome = t.resolve(plan, StepResult({"c": [4, 5, 6]}))
+    assert [(r.finish_reason, r.output_token_ids) for r in outcome.finished] == \
+        [(FINISH_LENGTH, [3, 4, 5, 6])]
+    assert not t.has_unfinished()
+    t.check_invariants()

@@ -84,8 +84,13 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._structured = None
-        self.overlap = OverlappedSteps(self) if (
-            config.runner.async_scheduling and not self.executor.speculative) else None
+        # drafts each sampled request gets on the device (speculative decoding)
+        self.draft_len = config.model_config.dspark_draft_len if self.executor.speculative \
+            else 0
+        # speculative steps planned before their drafts are known would hash unknown tokens
+        # into the prefix cache: with it, they run synchronously
+        self.overlap = OverlappedSteps(self) if config.runner.async_scheduling and not (
+            self.draft_len and config.cache.enable_prefix_caching) else None
         # expert parallelism: every rank steps while any has work (parallel/expert_parallel.py);
         # `cancel_asked` is the front end's stop, seen by every rank at the same step
         self.ep = self.runner.ep
@@ -276,11 +281,14 @@ class Engine:
 
     def needs_tokens_on_host(self, plan: StepPlan) -> bool:
         """A live request sampled in `plan` reads its outputs' values when it is sampled next
-        (penalties over the output ids; a matcher that must accept the token first)."""
+        (penalties over the output ids; a matcher that must accept the token first), or, under
+        speculative decoding, their number (min_tokens not yet met: the next plan would count
+        the drafts in flight as accepted)."""
         for item in plan.scheduled:
             req = self.requests.get(item.request_id)
             if item.sample and req is not None and not req.finished and (
-                    req.params.has_penalties or req.matcher is not None):
+                    req.params.has_penalties or req.matcher is not None or (
+                        self.draft_len and req.params.min_tokens > len(req.output_token_ids) + 1)):
                 return True
         return False
 

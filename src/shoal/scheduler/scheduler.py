@@ -85,6 +85,11 @@ class Scheduler:
         self._new: list[NewRequest] = []  # the plan being built: requests new to the runner
         self._outstanding: StepPlan | None = None  # scheduled, not yet advanced
         self._unresolved: StepPlan | None = None  # advanced, its tokens not yet resolved
+        # speculative decoding under async scheduling: per request, how far the true positions
+        # lie below those of the outstanding / unresolved plan (drafts rejected in the plan
+        # before it, which was planned as if all were accepted)
+        self._outstanding_shift: dict[str, int] = {}
+        self._unresolved_shift: dict[str, int] = {}
         self._next_arrival = 0
         self._next_admission = 0
         self._next_step = 0
@@ -202,7 +207,7 @@ class Scheduler:
         self._advance(plan, counts)
         return self.resolve(plan, result)
 
-    def advance(self, plan: StepPlan) -> None:
+    def advance(self, plan: StepPlan, drafts: int = 0) -> None:
         """Count the step as computed before its tokens are known (async scheduling).
 
         Every live scheduled request's `num_computed_tokens` moves on by its chunk; a sampled
@@ -210,17 +215,21 @@ class Scheduler:
         max_tokens or max_model_len finishes with `length` now (blocks and slot freed; `resolve`
         turns it into `stop` when the token is eos / a stop id). Requests finished after
         `schedule()` (aborted, or stopped by the previous `resolve`) are skipped: their result
-        in this step is dropped. A plan verifying drafts must go through `update` (it advances
-        by the number of accepted tokens, known only from the result).
-        """
-        if any(item.num_spec_tokens for item in plan.scheduled):
-            raise RuntimeError(f"advance() of plan {plan.step_id}, which verifies drafts: use "
-                               "update() with the result")
-        self._advance(plan, None)
+        in this step is dropped.
 
-    def _advance(self, plan: StepPlan, counts: dict[str, int] | None) -> None:
+        Speculative decoding: a row verifying k drafts counts as if all were accepted (k + 1
+        placeholders; its length limit is checked at `resolve`, which takes back the rejected
+        positions), and `drafts` > 0 gives every sampled request that many placeholder drafts,
+        which the runner proposes on the device and the next plan verifies.
+        """
+        if drafts and self.kv.prefix is not None:
+            raise RuntimeError("advance() with drafts in flight and prefix caching: the cache "
+                               "would hash positions whose tokens are not known")
+        self._advance(plan, None, drafts)
+
+    def _advance(self, plan: StepPlan, counts: dict[str, int] | None, drafts: int = 0) -> None:
         """counts: tokens per sampled row (update: from the result, 0 = none, which resolve
-        reports; advance: None = one each)."""
+        reports; advance: None = every row's, as if all drafts were accepted)."""
         if plan is not self._outstanding:
             raise RuntimeError(f"update() / advance() for plan {plan.step_id}, which is not "
                                "the outstanding plan of the last schedule()")
@@ -229,18 +238,20 @@ class Scheduler:
                                f"{self._unresolved.step_id}")
         self._outstanding = None
         self._unresolved = plan
-        max_len = self.config.max_model_len
+        self._unresolved_shift, self._outstanding_shift = self._outstanding_shift, {}
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted or finished from outside after schedule()
-            assert request.num_computed_tokens == item.start_position, item.request_id
-            num_tokens = 0 if not item.sample else 1 if counts is None else \
+            shift = self._unresolved_shift.get(item.request_id, 0)
+            assert request.num_computed_tokens == item.start_position - shift, item.request_id
+            k = item.num_spec_tokens
+            num_tokens = 0 if not item.sample else k + 1 if counts is None else \
                 counts.get(item.request_id, 0)
-            if item.num_spec_tokens:
-                if not 1 <= num_tokens <= item.num_spec_tokens + 1:
+            if k and counts is not None:
+                if not 1 <= num_tokens <= k + 1:
                     raise RuntimeError(f"StepResult for {item.request_id!r} verifying "
-                                       f"{item.num_spec_tokens} drafts has {num_tokens} tokens")
+                                       f"{k} drafts has {num_tokens} tokens")
                 # the anchor and the accepted drafts are computed; rejected rows are not (their
                 # cache rows are overwritten when those positions are computed again)
                 request.num_computed_tokens += num_tokens
@@ -253,12 +264,19 @@ class Scheduler:
             self.kv.register_computed(request)  # before a finish below frees the blocks
             for _ in range(num_tokens):
                 request.output_token_ids.append(UNRESOLVED)
-                if ((request.max_tokens is not None
-                     and request.num_output_tokens >= request.max_tokens)
-                        or request.num_tokens >= max_len):
+                if counts is None and k:
+                    continue  # how many are accepted is known at resolve()
+                if self._reached_length(request):
                     self._finish(request, FINISH_LENGTH)
                     break
+            if drafts and item.sample and not request.is_finished:
+                request.spec_token_ids = [UNRESOLVED] * drafts
         self.kv.bind_snapshots()
+
+    def _reached_length(self, request: Request) -> bool:
+        return ((request.max_tokens is not None
+                 and request.num_output_tokens >= request.max_tokens)
+                or request.num_tokens >= self.config.max_model_len)
 
     def resolve(self, plan: StepPlan, result: StepResult) -> StepOutcome:
         """Finish `result.invalid_ids` with `error`, replace the placeholders of the advanced
@@ -277,6 +295,9 @@ class Scheduler:
                                "unresolved plan")
         self._finish_invalid(result)
         self._unresolved = None
+        shifts, self._unresolved_shift = self._unresolved_shift, {}
+        later = {item.request_id for item in self._outstanding.scheduled} \
+            if self._outstanding is not None else set()
         sampled_token_ids = result.sampled_token_ids
         appended: dict[str, list[int]] = {}
         for item in plan.scheduled:
@@ -284,7 +305,9 @@ class Scheduler:
             if request is None or not item.sample:
                 continue
             out = request.output_token_ids
-            first = item.end_position - item.num_spec_tokens - item.num_prompt_tokens
+            k = item.num_spec_tokens
+            first = (item.end_position - k - item.num_prompt_tokens
+                     - shifts.get(item.request_id, 0))
             if first >= len(out) or out[first] != UNRESOLVED:
                 continue  # not advanced in this plan: finished before advance()
             tokens = sampled_token_ids.get(item.request_id)
@@ -295,8 +318,16 @@ class Scheduler:
                 raise RuntimeError(f"StepResult has no sampled token for {item.request_id!r}, "
                                    "which was scheduled with sample=True")
             if len(tokens) < len(out) - first:
-                raise RuntimeError(f"StepResult for {item.request_id!r} has {len(tokens)} "
-                                   f"tokens for {len(out) - first} advanced positions")
+                if not k or len(out) - first != k + 1:
+                    raise RuntimeError(f"StepResult for {item.request_id!r} has {len(tokens)} "
+                                       f"tokens for {len(out) - first} advanced positions")
+                # advanced as if all drafts were accepted: take the rejected ones back
+                rejected = len(out) - first - len(tokens)
+                del out[first + len(tokens):]
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= rejected
+                    if item.request_id in later:  # planned before this was known
+                        self._outstanding_shift[item.request_id] = rejected
             for index in range(first, len(out)):
                 token = int(tokens[index - first])
                 out[index] = token
@@ -304,7 +335,11 @@ class Scheduler:
                     del out[index + 1:]
                     self._stop(request, token)
                     break
+            if k and not request.is_finished and self._reached_length(request):
+                self._finish(request, FINISH_LENGTH)
             appended[item.request_id] = out[first:]
+            if UNRESOLVED in request.spec_token_ids:  # no drafts came (the request ended)
+                request.spec_token_ids = []
         for request_id, drafts in result.spec_token_ids.items():
             self.set_drafts(request_id, drafts)
         finished, self._finished_for_update = self._finished_for_update, []
@@ -400,10 +435,12 @@ class Scheduler:
         history_start = max(0, start - self.config.num_history_tokens)
         assert request.slot is not None
         known = request.token_ids(start, end - num_spec)
-        # the token of the step in flight is only ever the input of a one-token decode chunk
+        # the token of the step in flight is only ever the input of a decode chunk (with, under
+        # speculative decoding, its drafts and the rows before it: all on the device)
         history = tuple(request.token_ids(history_start, start))
-        assert UNRESOLVED not in known[:-1] and (num_new == 1 or UNRESOLVED not in known) \
-            and UNRESOLVED not in history, request.request_id
+        assert UNRESOLVED not in known[:-1] and (len(known) == 1 or UNRESOLVED not in known), \
+            request.request_id
+        assert UNRESOLVED not in history or known == [UNRESOLVED], request.request_id
         item = ScheduledRequest(
             request_id=request.request_id, slot=request.slot,
             token_ids=tuple(known + request.spec_token_ids[:num_spec]),
