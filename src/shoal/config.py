@@ -101,7 +101,10 @@ class RunnerConfig:
     processing of the previous step: detokenising, stops) with the device work of the step
     before it; outputs are identical to the synchronous loop. A step is launched ahead only
     when no request whose token is in flight needs its value on the host (penalties,
-    structured output); speculative decoding always runs synchronously.
+    structured output; with speculative, min_tokens not yet met). Speculative verify steps are
+    planned as if the drafts in flight were all accepted and corrected on the device; they
+    run synchronously with prefix caching or a confidence rule (spec_confidence,
+    spec_verify_budget), whose counts must be known to plan fewer verify rows.
     batch_invariant: on CUDA, ops whose bits depend on the rows in a call take a fixed tiling
     instead (backend 'triton_invariant' first): the MoE stays on its mma.sync tiles at every
     size, the FP8 GEMM and sparse attention keep their decode K / key partitions at every size,

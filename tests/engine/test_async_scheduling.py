@@ -184,6 +184,7 @@ def test_async_steps_overlap(monkeypatch) -> None:
     assert LLM("tiny", speculative=True, **OPTS).engine.overlap
     # speculative steps planned before their drafts are known would hash unknown tokens
     assert not LLM("tiny", speculative=True, enable_prefix_caching=True, **OPTS).engine.overlap
+    assert not LLM("tiny", speculative=True, spec_confidence=0.5, **OPTS).engine.overlap
 
 
 def test_staggered_arrivals_abort_and_bad_rows() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.model.batch import ForwardBatch
-from shoal.runner.inflight import upload
+from shoal.runner.inflight import to_device, upload
 from shoal.runner.speculative import Proposal, VerifyLayout
 
 
@@ -75,7 +75,7 @@ class DraftPatch:
         device = static.input_ids.device
         rows, owner, ids, shift, hist = self._compute(device, static.engram_history.shape[1])
         chunks = upload([self.chunks], device)[0]
-        where = rows if dst is None else dst.to(device)[rows]
+        where = rows if dst is None else to_device(dst, device)[rows]
         static.input_ids[where] = ids
         every = (chunks.unsqueeze(1) * q + torch.arange(q, device=device)).flatten()
         static.positions[every] += shift.repeat_interleave(q)
@@ -86,7 +86,7 @@ class DraftPatch:
     def limits(self, layout: VerifyLayout, device: torch.device) -> torch.Tensor:
         """Per sampling request of `layout`: the drafts its checks reach (its chunk's drafts,
         or fewer where the confidence rule kept fewer)."""
-        limits = torch.tensor(layout.num_drafts, dtype=torch.int64).to(device)
+        limits = upload([layout.num_drafts], device)[0]
         at = {c: i for i, c in enumerate(self.chunks)}
         pick = [(i, at[c]) for i, c in enumerate(layout.chunks) if c in at]
         if pick:

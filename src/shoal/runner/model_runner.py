@@ -152,6 +152,9 @@ class ModelRunner:
                 with torch.inference_mode(), self.ep.fixed_exchange(rows) if rows > 0 else \
                         contextlib.nullcontext():
                     self.model.serve_experts()
+                if self.speculative:  # and their drafts
+                    with torch.inference_mode():
+                        self.model.serve_experts(draft=True)
             return step
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.config, plan, self.requests, self._last,
@@ -197,7 +200,7 @@ class ModelRunner:
         checks = shift = limits = None
         if layout is not None and layout.ids:
             limits = patch.limits(layout, self.device) if isinstance(patch, DraftPatch) else \
-                torch.tensor(layout.num_drafts, dtype=torch.int64).to(self.device)
+                upload([layout.num_drafts], self.device)[0]
             checks = draft_checks(batch.input_ids, layout, limits)
             if isinstance(patch, DraftPatch):
                 shift = patch.draw_shift(layout, self.device)
@@ -246,9 +249,9 @@ class ModelRunner:
                     state.params.temperature < GREEDY_TEMPERATURE else proposal.draft_probs[b]
         step.layout, step.proposal = layout, proposal
         if layout.ids:
-            step.spec_tensors = [accepted, torch.minimum(limits, accepted.new_tensor(
-                layout.num_drafts))] + ([] if proposal is None else
-                                        [proposal.next_ids, proposal.keep])
+            step.spec_tensors = [accepted, torch.minimum(limits, upload(
+                [layout.num_drafts], self.device)[0])] + ([] if proposal is None else
+                                                          [proposal.next_ids, proposal.keep])
 
     def forget_last(self) -> None:
         """No later plan takes input ids from the latest launched step (it was discarded)."""

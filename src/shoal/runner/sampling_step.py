@@ -132,7 +132,7 @@ def _sampled_drafts(batch: SamplingBatch, draws: list[Draw],
     for i, d in rows:
         sampled[i] = True
         probs[i] = d.state.draft_probs[len(d.drafts)]
-    ids = torch.where(sampled.to(device), checks, -1)
+    ids = torch.where(to_device(sampled, device), checks, -1)
     return dataclasses.replace(batch, draft_token_ids=ids, draft_probs=probs)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from shoal.model.batch import ForwardBatch
 from shoal.model.dspark import dspark_context, dspark_draft, greedy
-from shoal.runner.inflight import upload
+from shoal.runner.inflight import to_device, upload
 from shoal.sampling.params import GREEDY_TEMPERATURE
 from shoal.sampling.rng import STREAM_DRAFT, gumbel_noise, seed_to_int64
 
@@ -121,10 +121,10 @@ class DraftSampler:
 
     @classmethod
     def of_states(cls, states: list, device: torch.device) -> DraftSampler:
-        greedy, temps, seeds = draft_sampling(states)
-        return cls(torch.tensor(greedy, device=device),
-                   torch.tensor(temps, dtype=torch.float32, device=device),
-                   torch.tensor(seeds, dtype=torch.int64, device=device))
+        greedy, temps, seeds = draft_sampling(states)  # (pinned, non-blocking: no sync)
+        return cls(to_device(torch.tensor(greedy), device),
+                   to_device(torch.tensor(temps, dtype=torch.float32), device),
+                   to_device(torch.tensor(seeds, dtype=torch.int64), device))
 
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         z = logits.float() / self.temperature.unsqueeze(1)
@@ -204,8 +204,8 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     keep = verify_counts(draft.confidence[:, :k], confidence_threshold, verify_budget)
     q = None
     if rejection:
-        temps = torch.tensor([max(s.params.temperature, GREEDY_TEMPERATURE)
-                              for s in request_states], dtype=torch.float32).to(device)
+        temps = to_device(torch.tensor([max(s.params.temperature, GREEDY_TEMPERATURE)
+                                        for s in request_states], dtype=torch.float32), device)
         q = torch.softmax(draft.logits[:, :k].float() / temps.view(-1, 1, 1), dim=-1)
     return Proposal({r: b for b, r in enumerate(ids)},
                     torch.cat([anchors.unsqueeze(1), draft.draft_ids[:, :k]], dim=1),
