@@ -11,10 +11,6 @@ SOFT_LIMIT = 400
 EXCEPTIONS = {
     "src/shoal/ops/triton/moe.py": (440, "the two w13 tile bodies (split and fused gate/up), "
                                     "the combine and the launcher share one tile contract"),
-    "src/shoal/scheduler/scheduler.py": (475, "planning (prefix-cache admission included) and "
-                                         "the two halves of applying a result (advance / "
-                                         "resolve) share the queues and the finish path of "
-                                         "one class"),
 }
 
 
