@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import time
 
 import torch
@@ -28,18 +27,23 @@ from shoal import LLM, SamplingParams
 from shoal.bench import git_commit, random_prompt
 from shoal.config import resolve_model_config
 from shoal.runner import model_runner
+from shoal.runner.inflight import upload
 from shoal.runner.speculative import propose_drafts
 
 
 class Oracle:
     """`propose_drafts` with the kept draft tokens replaced by the recorded run's, each
-    corrupted with probability 1 - rate. `expected[prompt]`: that prompt's plain output.
-    (It reads the drafts' positions back: a host sync per step that real drafting has not.)"""
+    corrupted with probability 1 - rate, on the device (no host sync: steps still overlap).
+    `expected[prompt]`: that prompt's plain output (all of one length)."""
 
     def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab: int) -> None:
-        self.expected, self.vocab = expected, vocab
-        self.rate = 1.0
-        self.rng = random.Random(0)
+        self.rows = {prompt: i for i, prompt in enumerate(expected)}
+        self.table = torch.tensor(list(expected.values()), dtype=torch.int64)
+        self.vocab, self.rate, self.seed = vocab, 1.0, 0
+        self.generator: torch.Generator | None = None
+
+    def reset(self, rate: float, seed: int) -> None:
+        self.rate, self.seed, self.generator = rate, seed, None
 
     def __call__(self, model, caches, batch, captures, layout, accepted, last, states, *args,
                  **kwargs):
@@ -47,15 +51,22 @@ class Oracle:
                                   states, *args, **kwargs)
         if proposal is None:
             return None
-        positions, keep = proposal.positions.tolist(), proposal.keep.tolist()
-        for rid, b in proposal.index.items():
-            state = states[rid]
-            done = positions[b] + 2 - len(state.prompt_token_ids)
-            future = self.expected[state.prompt_token_ids][done: done + keep[b]]
-            drafts = [t if self.rng.random() < self.rate else (t + 1) % self.vocab
-                      for t in future]
-            proposal.next_ids[b, 1:1 + len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
-            proposal.keep[b] = len(drafts)
+        if self.generator is None:  # (on the engine's device, once per run)
+            self.table = self.table.to(proposal.next_ids.device)
+            self.generator = torch.Generator(device=self.table.device)
+            self.generator.manual_seed(self.seed)
+        order = sorted(proposal.index, key=proposal.index.get)
+        rows, starts = upload([[self.rows[states[r].prompt_token_ids] for r in order],
+                               [len(states[r].prompt_token_ids) - 2 for r in order]],
+                              self.table.device)
+        done = proposal.positions - starts  # output index of the first draft
+        k, length = proposal.next_ids.shape[1] - 1, self.table.shape[1]
+        cols = done.unsqueeze(1) + torch.arange(k, device=done.device)
+        future = self.table[rows.unsqueeze(1), cols.clamp(max=length - 1)]
+        wrong = torch.rand(future.shape, generator=self.generator,
+                           device=future.device) >= self.rate
+        # (drafts past the record lie past max_tokens: the scheduler never verifies them)
+        proposal.next_ids[:, 1:] = torch.where(wrong, (future + 1) % self.vocab, future)
         return proposal
 
 
@@ -77,6 +88,8 @@ def main() -> None:
                     help="spec_verify_budget of another run at the largest batch (0: none)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="plain and speculative runs with async scheduling")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="a prompt's plain tokens do not depend on the batch (the oracle's "
                          "record is the largest batch's)")
@@ -84,7 +97,7 @@ def main() -> None:
     cfg = resolve_model_config(args.model)
     opts = {"device": args.device, "load_format": "dummy", "max_num_seqs": max(args.batches),
             "max_model_len": args.prompt_len + args.max_tokens + 64,
-            "batch_invariant": args.batch_invariant}
+            "batch_invariant": args.batch_invariant, "async_scheduling": args.async_scheduling}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     prompts = [random_prompt(cfg, args.prompt_len, g) for _ in range(max(args.batches))]
@@ -118,7 +131,7 @@ def main() -> None:
             spec, spec_rule = LLM(args.model, speculative=True, spec_confidence=conf,
                                   spec_verify_budget=budget, **opts), (conf, budget)
         for b in args.batches if (conf, budget) == (0, 0) else [max(args.batches)]:
-            oracle.rate, oracle.rng = rate, random.Random(b)
+            oracle.reset(rate, b)
             run(spec, prompts[:b], SamplingParams(max_tokens=2))
             before = dict(vars(spec.engine.stats))
             got, secs = run(spec, prompts[:b], params)
