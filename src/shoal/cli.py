@@ -96,8 +96,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         elif name == "stop":
             g.add_argument(flag, dest=name, action="append", default=None,
                            help="a stop string (repeatable)")
-        elif name == "stop_token_ids":
+        elif name in ("stop_token_ids", "allowed_token_ids"):
             g.add_argument(flag, dest=name, type=int, nargs="+", default=None)
+        elif name == "logit_bias":
+            g.add_argument(flag, dest=name, action="append", type=_bias_pair, default=None,
+                           metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
         else:
             kind = float if isinstance(default, float) else int
             g.add_argument(flag, dest=name, type=kind, default=None, help=f"default {shown}")
@@ -107,6 +110,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", default=None, help="structured output: a Lark grammar")
     g.add_argument("--choice", action="append", default=None,
                    help="structured output: one of these strings (repeatable)")
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
 def _default_params(args):

@@ -188,6 +188,12 @@ def test_run_batch_round_trip(tmp_path: Path) -> None:
                   "temperature": 0.7, "stop": "zz"}},
         {"custom_id": "cmpl-ids", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+        {"custom_id": "cmpl-bias", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7], "max_tokens": 2, "logit_bias": {"100": 100}}},
+        {"custom_id": "cmpl-allowed", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7], "max_tokens": 2, "allowed_token_ids": [100]}},
+        {"custom_id": "bad-bias", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7], "logit_bias": {"100": 101}}},
         {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
         {"custom_id": "bad-field", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "temprature": 1}},
@@ -198,13 +204,17 @@ def test_run_batch_round_trip(tmp_path: Path) -> None:
                  "-i", str(src), "-o", str(dst), "--quiet"]) == 0
     results = _records(dst)
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
-    chat, cmpl, ids, bad_url, bad_field = results
+    chat, cmpl, ids, bias, allowed, bad_bias, bad_url, bad_field = results
     body = ChatCompletion.model_validate(chat["response"]["body"])
     assert chat["response"]["status_code"] == 200 and body.usage.completion_tokens <= 3
     for r in (cmpl, ids):
         done = Completion.model_validate(r["response"]["body"])
         assert r["response"]["status_code"] == 200 and done.usage.completion_tokens == 2
-    for r, message in ((bad_url, "url"), (bad_field, "temprature")):
+    forced = [Completion.model_validate(r["response"]["body"]).choices[0].text
+              for r in (bias, allowed)]
+    assert forced[0] == forced[1] != Completion.model_validate(
+        ids["response"]["body"]).choices[0].text  # token 100 twice, both ways
+    for r, message in ((bad_bias, "logit_bias"), (bad_url, "url"), (bad_field, "temprature")):
         assert r["response"]["status_code"] == 400
         assert message in r["response"]["body"]["error"]["message"]
     assert main(["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",

@@ -117,3 +117,21 @@ def test_validate_against_vocab() -> None:
         SamplingParams(prompt_logprobs=3).validate(vocab_size=10, max_logprobs=2)
     with pytest.raises(ValueError, match="vocab_size"):
         p.validate(vocab_size=0)
+
+
+def test_logit_bias_and_allowed_token_ids_are_checked_and_normalised() -> None:
+    p = SamplingParams(logit_bias={"7": -100, 2: 0.5}, allowed_token_ids=[4, 2])
+    assert p.logit_bias == ((2, 0.5), (7, -100.0)) and p.allowed_token_ids == (4, 2)
+    assert hash(p) == hash(SamplingParams(logit_bias=[(7, -100.0), (2, 0.5)],
+                                          allowed_token_ids=(4, 2)))
+    p.validate(vocab_size=8)
+    for bad in ({3: 100.5}, {3: float("nan")}, {-1: 1.0}, {"x": 1.0}, {1.5: 1.0}, "3:1"):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    for bad in ([], [-2], "12", [1.0]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="logit_bias contains 8"):
+        SamplingParams(logit_bias={8: 1.0}).validate(vocab_size=8)
+    with pytest.raises(ValueError, match="allowed_token_ids contains 9"):
+        SamplingParams(allowed_token_ids=[9]).validate(vocab_size=8)

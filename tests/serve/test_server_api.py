@@ -182,3 +182,21 @@ def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
     with pytest.raises(openai.BadRequestError, match="echo"):
         list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
                                        echo=True, stream=True))
+
+
+def test_logit_bias_and_allowed_token_ids(live: LiveServer) -> None:
+    """OpenAI's `logit_bias` (+100 forces a token, -100 bans it) and vLLM's
+    `allowed_token_ids` reach the sampler; a bias out of range is a 400."""
+    client = live.client()
+    args = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    forced = live.llm.tokenizer.decode([100] * 3)
+    got = client.completions.create(logit_bias={"100": 100}, **args)
+    assert got.choices[0].text == forced
+    got = client.completions.create(extra_body={"allowed_token_ids": [100]}, **args)
+    assert got.choices[0].text == forced
+    for bias, token in ((-100, 200), (100, 100)):  # between two allowed tokens
+        got = client.completions.create(logit_bias={"100": bias},
+                                        extra_body={"allowed_token_ids": [100, 200]}, **args)
+        assert got.choices[0].text == live.llm.tokenizer.decode([token] * 3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(logit_bias={"100": 300}, **args)

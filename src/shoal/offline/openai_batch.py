@@ -25,8 +25,8 @@ _RENAMED = {"max_completion_tokens": "max_tokens"}
 _PASSED = ("n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty",
            "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
            "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output")
-_IGNORED = ("model", "user", "stream", "logit_bias", "metadata", "store")
+           "include_stop_str_in_output", "logit_bias", "allowed_token_ids")
+_IGNORED = ("model", "user", "stream", "metadata", "store")
 
 
 def _params(body: dict, url: str, default: SamplingParams) -> SamplingParams:

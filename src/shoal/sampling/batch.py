@@ -28,6 +28,16 @@ def _pad(rows: Sequence[Sequence[int]], fill: int) -> Tensor:
     return out
 
 
+def _pad_float(rows: Sequence[Sequence[float]]) -> Tensor:
+    """[len(rows), max_len] f32 padded with 0 (max_len may be 0)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out
+
+
 def _upload(host: Tensor, device: torch.device | str) -> Tensor:
     """`host` on `device` without waiting for the device: a CUDA copy from pageable memory may
     synchronise with the stream (and a step queued before it), one from pinned memory never."""
@@ -57,6 +67,11 @@ class SamplingBatch:
     output_token_ids: Tensor  # [B, L] int64 (-1 pad); rows without penalties are empty
     prompt_token_ids: Tensor  # [B, P] int64 (-1 pad); rows without repetition penalty empty
     suppressed_token_ids: Tensor  # [B, S] int64 (-1 pad): banned by min_tokens this step
+    # logit_bias: [B, L] int64 ids (-1 pad) and [B, L] f32 biases added to the logits
+    bias_token_ids: Tensor
+    bias_values: Tensor
+    # allowed_token_ids: [B, A] int64 (-1 pad); a row with none is unrestricted
+    allowed_token_ids: Tensor
     allowed_mask: Tensor | None  # [B, V] bool, True = allowed (structured output)
     # rejection-sampled verification: [B] int64, the draft each row's sample is checked
     # against (-1: none), and [B, V] f32, the distribution q it was drawn from; None: no row
@@ -197,6 +212,10 @@ class SamplingBatch:
                 ]
             ),
             "suppressed_token_ids": ids(suppressed),
+            "bias_token_ids": ids([[t for t, _ in p.logit_bias] for p in params]),
+            "bias_values": _upload(_pad_float([[b for _, b in p.logit_bias] for p in params]),
+                                   device),
+            "allowed_token_ids": ids([p.allowed_token_ids or () for p in params]),
         }
         return cls(
             **on_device,

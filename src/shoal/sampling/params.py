@@ -14,18 +14,26 @@ Semantics that differ from a plain reading of the names:
 - `max_tokens=None` means "until the context is full" (the engine bounds it).
 - `logprobs=N` returns the sampled token's logprob and rank plus the top N (N = 0: only the sampled
   token); values are from the raw model logits (vLLM's default `raw_logprobs`).
+- `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's; ids may be decimal strings, as JSON
+  keys are) is added to the model's logits before the penalties, masks and temperature; it is
+  kept as sorted (id, bias) pairs.
+- `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (with structured
+  output: to those the grammar also allows).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""logit_bias values are limited to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI)."""
 
 MAX_PENALTY = 2.0
 """Presence/frequency penalties are limited to [-MAX_PENALTY, MAX_PENALTY] (OpenAI and vLLM)."""
@@ -45,6 +53,31 @@ def _is_real(value: object) -> bool:
 def _check_int(name: str, value: object, low: int | None, allowed: str) -> None:
     if not _is_int(value) or (low is not None and value < low):  # type: ignore[operator]
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs; ValueError on a bad id or bias."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, str) and all(
+            isinstance(p, Sequence) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ValueError(f"SamplingParams.logit_bias={value!r} is invalid: expected a mapping "
+                         "{token id: bias} or None")
+    pairs = {}
+    for t, b in items:
+        if isinstance(t, str) and t.isdecimal():  # JSON keys (OpenAI's {"50256": -100})
+            t = int(t)
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"SamplingParams.logit_bias has key {t!r}: expected token ids >= 0")
+        if not _is_real(b) or abs(b) > MAX_LOGIT_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias[{t}]={b!r} is invalid: expected a "
+                             f"number in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        pairs[t] = float(b)
+    return tuple(sorted(pairs.items()))
 
 
 def _check_real(
@@ -79,6 +112,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured: Any = None
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples (frozen dataclass: assign through object.__setattr__).
@@ -106,6 +141,15 @@ class SamplingParams:
                 "or None"
             )
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, str) or not isinstance(allowed, Sequence) or not allowed:
+                raise ValueError(
+                    f"SamplingParams.allowed_token_ids={allowed!r} is invalid: expected a "
+                    "non-empty list of token ids or None"
+                )
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for name in (
@@ -168,11 +212,12 @@ class SamplingParams:
                 f"SamplingParams.stop={self.stop!r} needs detokenize=True: stop strings are "
                 "matched on the decoded text"
             )
-        for t in self.stop_token_ids:  # type: ignore[union-attr]
-            if not _is_int(t) or t < 0:
-                raise ValueError(
-                    f"SamplingParams.stop_token_ids contains {t!r}: expected token ids >= 0"
-                )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name) or ():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(
+                        f"SamplingParams.{name} contains {t!r}: expected token ids >= 0"
+                    )
         for name in (
             "ignore_eos",
             "include_stop_str_in_output",
@@ -196,12 +241,16 @@ class SamplingParams:
         """
         if not _is_int(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an integer >= 1")
-        for t in self.stop_token_ids:  # type: ignore[union-attr]
-            if t >= vocab_size:
-                raise ValueError(
-                    f"SamplingParams.stop_token_ids contains {t}: expected ids < vocab_size="
-                    f"{vocab_size}"
-                )
+        ids = {"stop_token_ids": self.stop_token_ids,
+               "allowed_token_ids": self.allowed_token_ids or (),
+               "logit_bias": [t for t, _ in self.logit_bias]}  # type: ignore[union-attr]
+        for name, values in ids.items():
+            for t in values:
+                if t >= vocab_size:
+                    raise ValueError(
+                        f"SamplingParams.{name} contains {t}: expected ids < vocab_size="
+                        f"{vocab_size}"
+                    )
         limit = vocab_size if max_logprobs is None else min(max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

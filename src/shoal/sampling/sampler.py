@@ -175,17 +175,25 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def process(self, logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
-        """Penalties and masks, then temperature and filters.
+        """Logit bias, penalties and masks, then temperature and filters.
 
         Returns (masked [B, V] f32: penalised and masked logits at temperature 1, used for greedy
         rows; scaled [B, V] f32: masked / T with min_p/top_k/top_p applied, -inf = removed). The
         sampling distribution of a random row is softmax(scaled)."""
         masked = logits.to(torch.float32)
+        if batch.bias_token_ids.shape[1]:  # logit_bias: before penalties and masks
+            ids = batch.bias_token_ids
+            masked = masked.clone() if masked is logits else masked
+            masked.scatter_add_(1, ids.clamp(min=0), torch.where(ids >= 0, batch.bias_values, 0.0))
         if batch.any_penalties:
             masked = apply_penalties(masked, batch)
         if batch.suppressed_token_ids.shape[1]:
             ban = _scatter_flags(batch.suppressed_token_ids, batch.vocab_size)
             masked = masked.masked_fill(ban, -math.inf)
+        if batch.allowed_token_ids.shape[1]:  # allowed_token_ids (rows without: unrestricted)
+            ids = batch.allowed_token_ids
+            allowed = _scatter_flags(ids, batch.vocab_size) | (ids < 0).all(1, keepdim=True)
+            masked = masked.masked_fill(~allowed, -math.inf)
         if batch.allowed_mask is not None:
             masked = masked.masked_fill(~batch.allowed_mask, -math.inf)
         if batch.all_greedy:
