@@ -200,3 +200,29 @@ def test_logit_bias_and_allowed_token_ids(live: LiveServer) -> None:
         assert got.choices[0].text == live.llm.tokenizer.decode([token] * 3)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(logit_bias={"100": 300}, **args)
+
+
+def test_tokenize_and_detokenize(live: LiveServer) -> None:
+    """/tokenize gives the ids the generation endpoints feed the engine (a prompt; chat
+    messages with their template: the same prompt_tokens as the chat request reports), and
+    /detokenize turns ids back into text; bad input is a 400, another model a 404."""
+    tok = live.llm.tokenizer
+    status, got = post(live, "/tokenize", {"model": "tiny", "prompt": "hello there",
+                                           "return_token_strs": True})
+    ids = tok.encode("hello there", add_special_tokens=True)
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids)
+    assert got["max_model_len"] == live.llm.config.scheduler.max_model_len
+    assert got["token_strs"] == [tok.id_to_token(t) for t in ids]
+    messages = [{"role": "user", "content": "what is two and two?"}]
+    status, chat_ids = post(live, "/tokenize", {"messages": messages})
+    done = live.client().chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert status == 200 and chat_ids["count"] == done.usage.prompt_tokens
+    status, text = post(live, "/detokenize", {"model": "tiny", "tokens": ids})
+    assert status == 200 and text == {"prompt": tok.decode(ids)}
+    for path, body, code in (("/tokenize", {"prompt": "x", "messages": messages}, 400),
+                             ("/tokenize", {}, 400),
+                             ("/detokenize", {"tokens": [-1]}, 400),
+                             ("/detokenize", {"tokens": "abc"}, 400),
+                             ("/tokenize", {"model": "other", "prompt": "x"}, 404)):
+        status, _ = post(live, path, body)
+        assert status == code, (path, body, status)

@@ -1,8 +1,8 @@
 """`shoal serve`: the OpenAI-compatible HTTP API over one `EngineLoop`.
 
 Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent events with
-reasoning / content / tool-call deltas and an optional usage chunk), /v1/models, /health,
-/metrics. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
+reasoning / content / tool-call deltas and an optional usage chunk), /v1/models, /tokenize,
+/detokenize, /health, /metrics. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
 a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
 429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
 cuts ends with finish_reason `abort` and an error event).
@@ -41,6 +41,7 @@ from shoal.serve.protocol import (
 from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.serve.replica_loop import ReplicaLoop
 from shoal.serve.sse import merge, sse
+from shoal.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
@@ -376,5 +377,22 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_(body: TokenizeRequest):
+        server._check_model(body.model or model_name)
+        try:
+            return await tokenize(body, server.tokenizer, model_name,
+                                  llm.config.scheduler.max_model_len)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    @app.post("/detokenize")
+    async def detokenize_(body: DetokenizeRequest):
+        server._check_model(body.model or model_name)
+        try:
+            return await detokenize(body, server.tokenizer, llm.config.model_config.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tokens") from None
 
     return app
