@@ -149,3 +149,21 @@ def test_every_engine_option_reaches_its_configs() -> None:
         for owner, part in zip(owners, parts, strict=True):
             if name in {f.name for f in dataclasses.fields(owner)}:
                 assert getattr(part, name) == value, f"{name} did not reach {owner.__name__}"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail() -> None:
+    """truncate_prompt_tokens=N runs the prompt's last N tokens (what the output reports as its
+    prompt ids), so a prompt longer than max_model_len can still run."""
+    llm = shared_llm()
+    limit = llm.config.scheduler.max_model_len
+    long = [5 + i % 200 for i in range(limit + 10)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cut, tail, refused = llm.generate(
+        [{"prompt_token_ids": long}, {"prompt_token_ids": long[-7:]},
+         {"prompt_token_ids": long}],
+        [greedy.replace(truncate_prompt_tokens=7), greedy, greedy], use_tqdm=False)
+    assert cut.prompt_token_ids == long[-7:] and cut.error is None
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    assert refused.error is not None and "max_model_len" in refused.error
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

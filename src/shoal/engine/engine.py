@@ -185,6 +185,8 @@ class Engine:
                              "list of token ids")
         if not ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {len(bad)} id(s) outside the vocabulary "

@@ -25,7 +25,8 @@ _RENAMED = {"max_completion_tokens": "max_tokens"}
 _PASSED = ("n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty",
            "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
            "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output", "logit_bias", "allowed_token_ids")
+           "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+           "truncate_prompt_tokens")
 _IGNORED = ("model", "user", "stream", "metadata", "store")
 
 

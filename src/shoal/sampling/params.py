@@ -19,6 +19,7 @@ Semantics that differ from a plain reading of the names:
   kept as sorted (id, bias) pairs.
 - `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (with structured
   output: to those the grammar also allows).
+- `truncate_prompt_tokens=N` (vLLM's) keeps only the prompt's last N tokens.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class SamplingParams:
     structured: Any = None
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples (frozen dataclass: assign through object.__setattr__).
@@ -198,6 +200,9 @@ class SamplingParams:
             )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, "None or an integer >= 1")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1,
+                       "None or an integer >= 1")
         _check_int("min_tokens", self.min_tokens, 0, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
