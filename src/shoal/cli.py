@@ -35,6 +35,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
+    p.add_argument("--scheduling-policy", dest="scheduling_policy", default=None,
+                   choices=["fcfs", "priority"],
+                   help="priority: waiting requests by their 'priority' (lower first)")
     p.add_argument("--seed", type=int, default=None, help="engine seed")
     p.add_argument("--speculative", action="store_true", default=None,
                    help="DSpark drafts with exact-match verification")
@@ -72,7 +75,7 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
                 "kv_store_path", "kv_store_ttl_days", "block_size", "prefix_resume",
                 "expert_parallel", "expert_placement", "batch_invariant", "backends",
-                "collective_timeout_s")
+                "collective_timeout_s", "scheduling_policy")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

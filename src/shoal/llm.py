@@ -108,11 +108,18 @@ class LLM:
     # ---- generate ---------------------------------------------------------------------------
     def generate(self, prompts: PromptLike | Sequence[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
         """Complete each prompt (a string, a list of token ids, or {"prompt": ...} /
         {"prompt_token_ids": [...]}). Returns one RequestOutput per prompt, in order; a bad
-        prompt gets an output with `error` set instead of raising."""
+        prompt gets an output with `error` set instead of raising. `priority`: one per prompt
+        (lower runs sooner under scheduling_policy='priority')."""
         items = self._items(_as_list(prompts), sampling_params)
+        if priority is not None:
+            if len(priority) != len(items):
+                raise ValueError(f"priority: got {len(priority)} for {len(items)} prompts")
+            for item, p in zip(items, priority, strict=True):
+                item["priority"] = p
         return _in_order(self.run(items, use_tqdm), len(items))
 
     def generate_iter(self, prompts: PromptLike | Sequence[PromptLike],
@@ -145,7 +152,7 @@ class LLM:
         Each item is a dict with one of "prompt" (text or token ids), "prompt_token_ids",
         "messages" (chat; optional "tools", "reasoning_effort" and other encode_messages
         options) or "error" (a request already known to be bad: it comes back with that
-        error), plus optional "sampling_params". Chat outputs come back parsed.
+        error), plus optional "sampling_params" and "priority". Chat outputs come back parsed.
 
         An exception while it runs (a KeyboardInterrupt, or the caller closing the iterator)
         aborts the requests of this call that have not come back, and the LLM stays usable."""
@@ -237,13 +244,14 @@ class LLM:
     def _submit(self, item: dict) -> tuple[str, str | None]:
         """Queue one item; returns (group id, the chat prompt text if it is a chat item)."""
         params = item.get("sampling_params")
-        add = functools.partial(self.engine.add_request, request_index=item.get("request_index"))
+        add = functools.partial(self.engine.add_request, request_index=item.get("request_index"),
+                                priority=item.get("priority", 0))
         if "error" in item:
             return add(None, params, error=item["error"]), None
         if "messages" in item:
             options = {k: v for k, v in item.items()
-                       if k not in ("messages", "sampling_params", "request_index")
-                       and v is not None}
+                       if k not in ("messages", "sampling_params", "request_index",
+                                    "priority") and v is not None}
             try:
                 prompt = encode_messages(list(item["messages"]), **options)
             except (ValueError, TypeError) as exc:

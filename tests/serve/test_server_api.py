@@ -186,13 +186,15 @@ def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
 
 def test_logit_bias_and_allowed_token_ids(live: LiveServer) -> None:
     """OpenAI's `logit_bias` (+100 forces a token, -100 bans it) and vLLM's
-    `allowed_token_ids` reach the sampler; a bias out of range is a 400."""
+    `allowed_token_ids` reach the sampler (vLLM's `priority` is taken too); a bias out of
+    range is a 400."""
     client = live.client()
     args = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
     forced = live.llm.tokenizer.decode([100] * 3)
     got = client.completions.create(logit_bias={"100": 100}, **args)
     assert got.choices[0].text == forced
-    got = client.completions.create(extra_body={"allowed_token_ids": [100]}, **args)
+    got = client.completions.create(extra_body={"allowed_token_ids": [100], "priority": -3},
+                                    **args)
     assert got.choices[0].text == forced
     for bias, token in ((-100, 200), (100, 100)):  # between two allowed tokens
         got = client.completions.create(logit_bias={"100": bias},

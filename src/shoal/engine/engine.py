@@ -111,12 +111,14 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None,
                     *, prompt_token_ids: Sequence[int] | None = None,
-                    error: str | None = None, request_index: int | None = None) -> str:
+                    error: str | None = None, request_index: int | None = None,
+                    priority: int = 0) -> str:
         """Queue one user request (n sequences); returns its id. Invalid input does not raise:
         the request finishes at once with `error` set. `request_index` (default: the next of
         this engine's counter) names the request and, for requests without a seed, derives its
         sampling seed: a data-parallel front end passes its own, so that any number of
-        engines samples what one would."""
+        engines samples what one would. `priority`: lower runs sooner under
+        scheduling_policy='priority' (ignored otherwise)."""
         index = next(self._ids) if request_index is None else request_index
         group = str(index)
         if group in self.groups:
@@ -126,6 +128,9 @@ class Engine:
                               "SamplingParams")
             params = None
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            error = error or f"priority: got {priority!r}, expected an integer"
+            priority = 0
         self.stats.num_requests += 1
         ids: list[int] = []
         text = prompt if isinstance(prompt, str) else None
@@ -159,7 +164,7 @@ class Engine:
                 rid, ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                 eos_token_id=self.config.model_config.eos_token_id,
                 ignore_eos=params.ignore_eos, stop_token_ids=tuple(params.stop_token_ids),
-                sampling=params, seed=seed,
+                sampling=params, seed=seed, priority=priority,
                 # prompt logprobs need every prompt row's logits: no cached rows
                 cache_prefix=params.prompt_logprobs is None))
         if error is not None:

@@ -64,7 +64,7 @@ def parse_batch_line(text: str, line: int, default: SamplingParams) -> tuple[Req
             raise ValueError("body: expected a JSON object")
         unknown = sorted(set(body) - set(_PASSED) - set(_RENAMED) - set(_IGNORED)
                          - {"messages", "prompt", "logprobs", "top_logprobs", "tools",
-                            "reasoning_effort"})
+                            "reasoning_effort", "priority"})
         if unknown:
             raise ValueError(f"body: unsupported field(s) {unknown}")
         params = _params(body, url, default)
@@ -81,6 +81,8 @@ def parse_batch_line(text: str, line: int, default: SamplingParams) -> tuple[Req
                 item = {"prompt": prompt, "sampling_params": params}
             else:
                 raise ValueError("body.prompt: expected a string or a list of token ids")
+        if "priority" in body:  # (scheduling_policy='priority'; the engine checks it)
+            item["priority"] = body["priority"]
     except (ValueError, TypeError) as exc:
         item = {"error": f"line {line}: {exc}", "sampling_params": default}
     return RequestLine(line, custom_id, item), url

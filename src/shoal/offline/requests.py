@@ -24,7 +24,8 @@ CHAT_FIELDS = ("tools", "reasoning_effort")
 # every SamplingParams field a JSON line can set ("structured" takes an object:
 # {"json_schema": ...} | {"regex": ...} | {"grammar": ...} | {"choice": [...]})
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-KNOWN_FIELDS = frozenset(PROMPT_FIELDS + CHAT_FIELDS + SAMPLING_FIELDS + ("custom_id",))
+KNOWN_FIELDS = frozenset(PROMPT_FIELDS + CHAT_FIELDS + SAMPLING_FIELDS
+                         + ("custom_id", "priority"))
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def parse_line(text: str, line: int, default: SamplingParams, *, strict: bool = 
                                 "sampling_params": sampling_params(obj, default)}
         if keys[0] == "messages":
             item.update({k: obj[k] for k in CHAT_FIELDS if k in obj})
+        if "priority" in obj:  # (scheduling_policy='priority'; the engine checks it)
+            item["priority"] = obj["priority"]
     except (ValueError, TypeError) as exc:
         item = {"error": f"line {line}: {exc}", "sampling_params": default}
     return RequestLine(line, custom_id, item)

@@ -17,6 +17,9 @@ class SchedulerConfig:
     - `long_prefill_token_threshold`: with chunked prefill, at most this many tokens per request
       per step (0 = no cap), so long prompts share steps with decodes.
     - `num_history_tokens`: tokens before each chunk passed along for Engram (max n-gram - 1).
+    - `scheduling_policy`: 'fcfs' (arrival order) or 'priority' (vLLM's: waiting requests in
+      (priority, arrival) order, lower values first; the running request preempted when
+      blocks run out is the one with the largest (priority, arrival)).
     """
 
     max_num_batched_tokens: int = 8192
@@ -25,6 +28,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     num_history_tokens: int = 3
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -33,6 +37,9 @@ class SchedulerConfig:
         for name in ("long_prefill_token_threshold", "num_history_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)}: expected >= 0")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"SchedulerConfig.scheduling_policy={self.scheduling_policy!r}: "
+                             "expected 'fcfs' or 'priority'")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
                              f" must be >= max_num_seqs={self.max_num_seqs} so that every "

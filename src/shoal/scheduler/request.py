@@ -83,6 +83,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     sampling: Any = None
     seed: int = 0
+    priority: int = 0  # scheduling_policy='priority': lower is sooner
 
     # ---- progress (scheduler-owned) ---------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)

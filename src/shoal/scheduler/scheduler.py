@@ -9,8 +9,12 @@ with `num_tokens`):
    tokens (a decode is 1). If its blocks cannot grow, the most recently admitted running request
    is preempted (blocks and slot freed, `num_computed_tokens = 0`, outputs kept, put at the FRONT
    of the waiting queue) until it can, possibly the request itself.
-2. If nobody was preempted this step, waiting requests are admitted strictly FIFO (the head is
-   never skipped) while budget, `max_num_seqs`, slots and blocks allow. Admission never preempts.
+2. If nobody was preempted this step, waiting requests are admitted strictly in queue order
+   (the head is never skipped) while budget, `max_num_seqs`, slots and blocks allow. Admission
+   never preempts.
+`scheduling_policy="priority"` (vLLM's) keeps the waiting queue in (priority, arrival) order and
+preempts the running request with the largest (priority, arrival) instead (one already
+scheduled in the step gives its tokens back).
 
 Invariants: every step's tokens <= max_num_batched_tokens; running <= min(max_num_seqs, slots);
 a plan never schedules a request twice. A request that cannot fit in the whole pool finishes
@@ -23,6 +27,7 @@ Applying a step's result (`update`, or `advance` and `resolve` under async sched
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from shoal.scheduler.config import SchedulerConfig
@@ -90,7 +95,7 @@ class Scheduler(StepResults):
         if error is not None:
             self._finish(request, reason, error)
         else:
-            self.waiting.append(request)
+            self._enqueue(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -142,7 +147,14 @@ class Scheduler(StepResults):
                 self._finish(request, FINISH_KV_CAPACITY, capacity_message(request, self.kv))
                 continue  # _finish removed it from running; the same index is the next one
             while not self.kv.can_allocate(request, num_new):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < index:  # (priority policy) scheduled already in this step: undone
+                    item = next(s for s in scheduled if s.request_id == victim.request_id)
+                    scheduled.remove(item)
+                    budget += item.num_new_tokens
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -253,8 +265,29 @@ class Scheduler(StepResults):
         request.spec_token_ids = []
         return item
 
+    def _victim(self) -> Request:
+        """The running request to preempt: the most recently admitted (fcfs), or the one with
+        the largest (priority, arrival) (priority policy)."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_index))
+        return self.running[-1]
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back, or the `front` (a preempted request), under
+        fcfs; in (priority, arrival) order under the priority policy."""
+        if self.config.scheduling_policy == "priority":
+            key = (request.priority, request.arrival_index)
+            at = bisect.bisect_right(self.waiting, key,
+                                     key=lambda r: (r.priority, r.arrival_index))
+            self.waiting.insert(at, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free everything, keep outputs, go to the front of the queue."""
+        """Recompute preemption: free everything, keep outputs, go back to the waiting queue
+        (its front under fcfs)."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -262,7 +295,7 @@ class Scheduler(StepResults):
         request.replay = None
         request.num_preemptions += 1
         request.needs_slot_reset = False
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _stop(self, request: Request, token: int) -> None:
         """Finish with `stop` at `token`; a request that finished since its token was advanced
@@ -301,3 +334,6 @@ class Scheduler(StepResults):
             assert request.num_computed_tokens == 0
         admissions = [r.admission_index for r in self.running]
         assert admissions == sorted(admissions), "running list out of admission order"
+        if self.config.scheduling_policy == "priority":
+            keys = [(r.priority, r.arrival_index) for r in self.waiting]
+            assert keys == sorted(keys), "waiting queue out of (priority, arrival) order"

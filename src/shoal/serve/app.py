@@ -75,9 +75,9 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", "not_found_error", "model")
 
-    def _submit(self, prompt, params, ids, field: str) -> Handle:
+    def _submit(self, prompt, params, ids, field: str, priority: int) -> Handle:
         try:
-            return self.loop.submit(prompt, params, ids)
+            return self.loop.submit(prompt, params, ids, priority)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error") from None
         except EngineStopped as exc:
@@ -177,7 +177,7 @@ class Server:
                 if prompt and ids is None:  # once, off the event loop (the engine takes ids)
                     ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                                   add_special_tokens=True)
-                handles.append(self._submit(prompt, params, ids, "prompt"))
+                handles.append(self._submit(prompt, params, ids, "prompt", body.priority))
             for handle in handles:
                 firsts.append(await self._first(handle, request))
         except BaseException:  # one prompt refused: none of them runs
@@ -257,7 +257,7 @@ class Server:
             raise APIError(400, str(exc)) from None
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                       add_special_tokens=False)
-        handle = self._submit(prompt, params, ids, "messages")
+        handle = self._submit(prompt, params, ids, "messages", body.priority)
         first = await self._first(handle, request)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:

@@ -99,7 +99,7 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: str | None, params: SamplingParams,
-               prompt_token_ids: Sequence[int] | None = None,
+               prompt_token_ids: Sequence[int] | None = None, priority: int = 0,
                sink: Callable[[Update], None] | None = None) -> Handle:
         """Queue a request; QueueFull past the limits. Its updates go to `sink`, by default
         to the returned handle's queue on the calling event loop."""
@@ -121,7 +121,7 @@ class EngineLoop:
                                 f"{self.limits.max_queued_prompt_tokens}); retry later")
             self._queued[0] += 1
             self._queued[1] += tokens
-            self._commands.put(("add", handle, (prompt, params, prompt_token_ids)))
+            self._commands.put(("add", handle, (prompt, params, prompt_token_ids, priority)))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -212,8 +212,9 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _add(self, handle: Handle, prompt, params: SamplingParams, ids) -> None:
-        handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids)
+    def _add(self, handle: Handle, prompt, params: SamplingParams, ids, priority: int) -> None:
+        handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids,
+                                               priority=priority)
         self._live[handle.group] = handle
         handle.sent = [[0, 0, 0] for _ in self.engine.groups[handle.group]]
 

@@ -100,6 +100,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # scheduling_policy='priority': lower runs sooner
 
     def sampling_fields(self) -> dict[str, Any]:
         names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",

@@ -55,14 +55,14 @@ class ReplicaLoop(EngineLoop):
             self._receive(timeout=0.005)
             self._snapshot()
 
-    def _add(self, handle: Handle, prompt, params: SamplingParams, ids) -> None:
+    def _add(self, handle: Handle, prompt, params: SamplingParams, ids, priority: int) -> None:
         key = str(next(self._keys))
         rank = min(range(self.replicas.size), key=lambda r: (self._load[r], r))
         handle.group = key
         handle.sent = [[0, 0, 0] for _ in range(params.n)]  # one per choice (aborted ends)
         self._live[key], self._rank[key] = handle, rank
         self._load[rank] += 1
-        self.replicas.commands[rank].put(("add", key, (prompt, params, ids)))
+        self.replicas.commands[rank].put(("add", key, (prompt, params, ids, priority)))
 
     def _abort(self, handle: Handle) -> None:
         self.replicas.commands[self._rank[handle.group]].put(("abort", handle.group, None))
@@ -109,8 +109,8 @@ class ReplicaLoop(EngineLoop):
 
 def serve_replica(engine: Engine, rank: int, commands, results) -> bool:
     """A replica's side of `shoal serve`: an EngineLoop of its own over `engine`, fed by the
-    front end's ("add", key, (prompt, params, ids)) and ("abort", key) commands; its updates
-    and snapshots go back on `results`. Ends at ("stop-serving") or ("stop"); returns True for
+    front end's ("add", key, (prompt, params, ids, priority)) and ("abort", key) commands; its
+    updates and snapshots go back on `results`. Ends at ("stop-serving") or ("stop"); returns True for
     "stop" (the LLM is closing: the replica process ends)."""
     loop = EngineLoop(engine, Limits(1 << 62, 1 << 62))  # the front end applies the limits
     handles: dict[str, Handle] = {}
