@@ -77,7 +77,6 @@ class Proposal:
     history: torch.Tensor
     keep: torch.Tensor
     positions: torch.Tensor  # [B] the last accepted input's position (the drafts' context end)
-    confidence: torch.Tensor  # [B, K] fp32 logits
     draft_probs: torch.Tensor | None  # [B, K, V] q of sampled drafts (rejection); None: greedy
 
 
@@ -209,7 +208,7 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
         q = torch.softmax(draft.logits[:, :k].float() / temps.view(-1, 1, 1), dim=-1)
     return Proposal({r: b for b, r in enumerate(ids)},
                     torch.cat([anchors.unsqueeze(1), draft.draft_ids[:, :k]], dim=1),
-                    got - sel[2], history, keep, positions, draft.confidence[:, :k], q)
+                    got - sel[2], history, keep, positions, q)
 
 
 def accept_on_host(layout: VerifyLayout, proposal: Proposal | None,
