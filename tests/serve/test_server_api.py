@@ -228,3 +228,26 @@ def test_tokenize_and_detokenize(live: LiveServer) -> None:
                              ("/tokenize", {"model": "other", "prompt": "x"}, 404)):
         status, _ = post(live, path, body)
         assert status == code, (path, body, status)
+
+
+def test_continue_final_message(live: LiveServer) -> None:
+    """vLLM's `continue_final_message`: the final assistant message is a prefix the model
+    continues (no end of turn, no new generation prompt), in /v1/chat/completions and
+    /tokenize alike; without a final assistant message it is a 400."""
+    messages = [{"role": "user", "content": "name a colour"},
+                {"role": "assistant", "content": "The colour is"}]
+    _, cont = post(live, "/tokenize", {"messages": messages, "continue_final_message": True,
+                                       "add_generation_prompt": False})
+    _, turn = post(live, "/tokenize", {"messages": messages})
+    assert cont["count"] < turn["count"]  # no end of turn, no next generation prompt
+    assert cont["tokens"] == turn["tokens"][:cont["count"]]
+    done = live.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert done.usage.prompt_tokens == cont["count"]
+    for body in ({"continue_final_message": True},  # the default add_generation_prompt: fine
+                 {"continue_final_message": True, "add_generation_prompt": True},
+                 {"continue_final_message": True, "messages": messages[:1]}):
+        status, _ = post(live, "/v1/chat/completions",
+                         {"model": "tiny", "messages": messages, "max_tokens": 1, **body})
+        assert status == (200 if len(body) == 1 else 400), body

@@ -80,6 +80,13 @@ def test_chat_mode_and_for_prompt():
     assert OutputParser.for_prompt(encode_messages([{"role": "user", "content": "x"}])).state is (
         ParserState.REASONING
     )
+    # a continued assistant prefix: mid-reasoning, or past it
+    user = {"role": "user", "content": "x"}
+    for assistant, state in (({"reasoning_content": "let me"}, ParserState.REASONING),
+                             ({"reasoning_content": "r", "content": "So"}, ParserState.CONTENT)):
+        prompt = encode_messages([user, {"role": "assistant", **assistant}],
+                                 continue_final_message=True)
+        assert OutputParser.for_prompt(prompt).state is state, prompt
 
 
 def test_json_values_kept_verbatim_and_lenient_fallback():

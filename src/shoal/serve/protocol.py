@@ -143,6 +143,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: continue the final assistant message (a prefix) instead of starting a new turn
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         fields = self.sampling_fields()
@@ -199,6 +202,13 @@ class ChatCompletionRequest(_Sampling):
         thinking = kwargs.get("enable_thinking", kwargs.get("thinking"))
         if thinking is not None:
             options["thinking"] = bool(thinking)
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message: add_generation_prompt must be false with it")
+        if not self.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.continue_final_message:
+            options["continue_final_message"] = True
         return options
 
     def message_dicts(self) -> list[dict[str, Any]]:

@@ -26,6 +26,8 @@ class TokenizeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -42,9 +44,12 @@ async def tokenize(body: TokenizeRequest, tokenizer, model_name: str,
     if (body.prompt is None) == (body.messages is None):
         raise ValueError("tokenize: give exactly one of prompt and messages")
     if body.messages is not None:
-        chat = ChatCompletionRequest(model=model_name, messages=body.messages, tools=body.tools,
-                                     reasoning_effort=body.reasoning_effort,
-                                     chat_template_kwargs=body.chat_template_kwargs)
+        chat = ChatCompletionRequest(
+            model=model_name, messages=body.messages, tools=body.tools,
+            reasoning_effort=body.reasoning_effort,
+            chat_template_kwargs=body.chat_template_kwargs,
+            **{k: getattr(body, k) for k in ("add_generation_prompt", "continue_final_message")
+               if k in body.model_fields_set})
         text = encode_messages(chat.message_dicts(), **chat.encode_options())
         ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
     else:

@@ -155,8 +155,9 @@ class OutputParser:
 
     @classmethod
     def for_prompt(cls, prompt: str) -> OutputParser:
-        """A parser whose start state follows the prompt's last thinking token."""
-        in_reasoning = prompt.endswith(THINK_START)
+        """A parser that starts in reasoning when the prompt leaves a thinking block open (the
+        generation prompt's `<think>`, or an assistant prefix being continued mid-reasoning)."""
+        in_reasoning = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
         return cls(ParserState.REASONING if in_reasoning else ParserState.CONTENT)
 
     # ----------------------------------------------------------------- streaming
