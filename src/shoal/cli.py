@@ -96,9 +96,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"default {shown}")
-        elif name == "stop":
+        elif name in ("stop", "bad_words"):
             g.add_argument(flag, dest=name, action="append", default=None,
-                           help="a stop string (repeatable)")
+                           help=f"a {'stop string' if name == 'stop' else 'bad word'} "
+                           "(repeatable)")
+        elif name == "bad_words_token_ids":
+            continue  # (bad words as strings; a JSONL line can give token-id lists)
         elif name in ("stop_token_ids", "allowed_token_ids"):
             g.add_argument(flag, dest=name, type=int, nargs="+", default=None)
         elif name == "logit_bias":

@@ -37,3 +37,22 @@ def test_logit_bias_then_penalties_and_allowed_token_ids() -> None:
     tokens = Sampler().sample(wide, batch).token_ids.tolist()
     assert set(tokens[:100]) <= {2, 11, 40} and set(tokens[100:200]) <= set(allowed)
     assert len(set(tokens[200:])) > 10  # unrestricted rows
+
+
+def test_bad_words_ban_the_last_token_after_their_prefix() -> None:
+    """bad_words_token_ids: a one-token word is always banned; a longer one bans its last
+    token only right after its other tokens (the outputs' tail), nowhere else."""
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=[[4], [1, 2, 3], [2, 5]])
+    assert p.reads_outputs and p.banned_after([]) == (4,)
+    assert p.banned_after([7, 1, 2]) == (4, 3, 5) and p.banned_after([2]) == (4, 5)
+    assert p.banned_after([1, 2, 7]) == (4,) and p.banned_after([1, 7]) == (4,)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0, 7.0]]).expand(3, 6)
+    rows = [p, p, SamplingParams(temperature=0.0)]
+    batch = make_batch(rows, 6, outputs=[[1, 2], [0, 0], [1, 2]])
+    assert Sampler().sample(logits, batch).token_ids.tolist() == [2, 3, 3]
+    for bad in (["x", ""], "word", [1]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    for bad in ([[]], [[-1]], [1, 2], "ab"):
+        with pytest.raises(ValueError, match="bad_words_token_ids"):
+            SamplingParams(bad_words_token_ids=bad)

@@ -137,6 +137,7 @@ class Engine:
         if error is None:
             try:
                 ids, matcher_spec = self._validate(prompt, params, prompt_token_ids)
+                params = self._with_bad_words(params)
             except ValueError as exc:
                 error = str(exc)
         children = []
@@ -207,6 +208,19 @@ class Engine:
         if spec is not None:
             self.structured_backend().compile(spec)  # raises ValueError on a bad schema
         return ids, spec
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words tokenized into bad_words_token_ids (each word as given
+        and after a space, as it reads mid-text)."""
+        if not params.bad_words:
+            return params
+        seqs = list(params.bad_words_token_ids)  # type: ignore[arg-type]
+        for word in params.bad_words:
+            for text in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                seq = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if seq and seq not in seqs:
+                    seqs.append(seq)
+        return params.replace(bad_words_token_ids=seqs)
 
     def abort(self, group: str) -> None:
         for rid in self.groups.get(group, []):
@@ -297,7 +311,7 @@ class Engine:
         for item in plan.scheduled:
             req = self.requests.get(item.request_id)
             if item.sample and req is not None and not req.finished and (
-                    req.params.has_penalties or req.matcher is not None or (
+                    req.params.reads_outputs or req.matcher is not None or (
                         self.draft_len and req.params.min_tokens > len(req.output_token_ids) + 1)):
                 return True
         return False

@@ -26,7 +26,7 @@ _PASSED = ("n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_
            "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
            "ignore_eos", "stop_token_ids", "skip_special_tokens",
            "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-           "truncate_prompt_tokens")
+           "truncate_prompt_tokens", "bad_words")
 _IGNORED = ("model", "user", "stream", "metadata", "store")
 
 

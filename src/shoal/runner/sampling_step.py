@@ -89,13 +89,14 @@ def sample(sampler: Sampler, logits: torch.Tensor, step: LaunchedStep, *, vocab_
         mask = to_device(mask, logits.device)
     history = []
     for d in draws:
-        if not d.state.params.has_penalties:
+        if not d.state.params.reads_outputs:
             history.append(())
             continue
         known = d.state.output_token_ids
         if len(known) != d.num_outputs - len(d.drafts):
-            raise RuntimeError(f"request {d.request_id!r}: a row with penalties was launched "
-                               "before its previous token was read back")
+            raise RuntimeError(f"request {d.request_id!r}: a row that reads its outputs "
+                               "(penalties, bad words) was launched before its previous token "
+                               "was read back")
         history.append(known + list(d.drafts) if d.drafts else known)
     batch = SamplingBatch.from_params(
         [d.state.params for d in draws], seeds=[d.state.seed for d in draws],

@@ -66,7 +66,7 @@ class SamplingBatch:
     positions: Tensor  # [B] int64, position of the token being sampled
     output_token_ids: Tensor  # [B, L] int64 (-1 pad); rows without penalties are empty
     prompt_token_ids: Tensor  # [B, P] int64 (-1 pad); rows without repetition penalty empty
-    suppressed_token_ids: Tensor  # [B, S] int64 (-1 pad): banned by min_tokens this step
+    suppressed_token_ids: Tensor  # [B, S] int64 (-1 pad): banned this step (min_tokens, bad words)
     # logit_bias: [B, L] int64 ids (-1 pad) and [B, L] f32 biases added to the logits
     bias_token_ids: Tensor
     bias_values: Tensor
@@ -113,8 +113,9 @@ class SamplingBatch:
             params: one `SamplingParams` per row (already validated).
             seeds: per-row resolved seed (`rng.request_seed`), any int in [-2**63, 2**64).
             positions: per-row position of the token being sampled (prompt_len + num_output).
-            output_token_ids: per-row tokens generated so far (penalties; min_tokens unless
-                `num_output_tokens` is given, and then rows without penalties may be empty).
+            output_token_ids: per-row tokens generated so far (penalties and bad words;
+                min_tokens unless `num_output_tokens` is given, and then rows that read no
+                outputs may be empty).
             num_output_tokens: per-row count of tokens generated so far (min_tokens).
             prompt_token_ids: per-row prompt tokens; needed only for repetition_penalty rows.
             vocab_size: V, the logits width.
@@ -159,12 +160,12 @@ class SamplingBatch:
             raise ValueError(f"SamplingBatch: num_output_tokens has {len(num_output_tokens)} "
                              f"rows, expected {num_rows}")
         suppressed: list[Sequence[int]] = []
-        for p, count in zip(params, num_output_tokens, strict=True):
+        for p, count, out in zip(params, num_output_tokens, output_token_ids, strict=True):
+            banned = p.banned_after(out) if p.bad_words_token_ids else ()
             if count < p.min_tokens:
                 eos = () if p.ignore_eos else tuple(eos_token_ids)
-                suppressed.append(tuple(p.stop_token_ids) + eos)  # type: ignore[arg-type]
-            else:
-                suppressed.append(())
+                banned += tuple(p.stop_token_ids) + eos  # type: ignore[operator]
+            suppressed.append(banned)
 
         # one host tensor per dtype, so a step uploads 2 small tensors (plus the padded id
         # lists when a row needs them) instead of one per field

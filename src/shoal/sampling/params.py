@@ -20,6 +20,9 @@ Semantics that differ from a plain reading of the names:
 - `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (with structured
   output: to those the grammar also allows).
 - `truncate_prompt_tokens=N` (vLLM's) keeps only the prompt's last N tokens.
+- `bad_words` (vLLM's): strings never generated. The engine tokenizes each (as is and after a
+  space) into `bad_words_token_ids`, which can also be given directly: a sequence's last token
+  is banned whenever the outputs end with the tokens before it (a one-token word: always).
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _token_sequences(value: object) -> tuple[tuple[int, ...], ...]:
+    """bad_words_token_ids as a tuple of non-empty tuples of token ids >= 0."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"SamplingParams.bad_words_token_ids={value!r} is invalid: expected "
+                         "a list of token-id lists")
+    out = []
+    for seq in value:
+        if isinstance(seq, str) or not isinstance(seq, Sequence) or not seq or not all(
+                _is_int(t) and t >= 0 for t in seq):
+            raise ValueError(f"SamplingParams.bad_words_token_ids has {seq!r}: expected a "
+                             "non-empty list of token ids >= 0")
+        out.append(tuple(seq))
+    return tuple(out)
+
+
 def _check_real(
     name: str, value: object, low: float, high: float, allowed: str, *, low_open: bool = False
 ) -> None:
@@ -116,6 +136,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
     allowed_token_ids: Sequence[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples (frozen dataclass: assign through object.__setattr__).
@@ -144,6 +166,15 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, Sequence) or not all(
+                    isinstance(w, str) and w for w in words):
+                raise ValueError(f"SamplingParams.bad_words={words!r} is invalid: expected a "
+                                 "list of non-empty strings or None")
+            object.__setattr__(self, "bad_words", tuple(words))
+        object.__setattr__(self, "bad_words_token_ids", _token_sequences(
+            self.bad_words_token_ids))
         allowed = self.allowed_token_ids
         if allowed is not None:
             if isinstance(allowed, str) or not isinstance(allowed, Sequence) or not allowed:
@@ -248,7 +279,8 @@ class SamplingParams:
             raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an integer >= 1")
         ids = {"stop_token_ids": self.stop_token_ids,
                "allowed_token_ids": self.allowed_token_ids or (),
-               "logit_bias": [t for t, _ in self.logit_bias]}  # type: ignore[union-attr]
+               "logit_bias": [t for t, _ in self.logit_bias],  # type: ignore[union-attr]
+               "bad_words_token_ids": [t for seq in self.bad_words_token_ids for t in seq]}
         for name, values in ids.items():
             for t in values:
                 if t >= vocab_size:
@@ -270,6 +302,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request samples by argmax."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def reads_outputs(self) -> bool:
+        """True when sampling a token reads the output tokens' values (penalties, a bad word
+        of several tokens)."""
+        return self.has_penalties or any(len(s) > 1 for s in self.bad_words_token_ids)
+
+    def banned_after(self, outputs: Sequence[int]) -> tuple[int, ...]:
+        """The bad words' tokens banned as the token after `outputs`."""
+        return tuple(s[-1] for s in self.bad_words_token_ids  # type: ignore[union-attr]
+                     if len(s) == 1 or tuple(outputs[len(outputs) - len(s) + 1:]) == s[:-1])
 
     @property
     def has_penalties(self) -> bool:

@@ -100,13 +100,14 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     priority: int = 0  # scheduling_policy='priority': lower runs sooner
 
     def sampling_fields(self) -> dict[str, Any]:
         names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                  "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-                 "logit_bias", "allowed_token_ids", "truncate_prompt_tokens")
+                 "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "bad_words")
         fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
