@@ -40,7 +40,11 @@ def llm(checkpoint: Path, cache: bool, **kwargs) -> LLM:
 
 
 def outputs(engine: LLM, batch: list[list[int]], params: SamplingParams) -> list:
-    outs = engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return view(engine.generate([{"prompt_token_ids": p} for p in batch], params,
+                                use_tqdm=False))
+
+
+def view(outs) -> list:
     return [[(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs or ()])
              for c in o.outputs] + [o.prompt_logprobs] for o in outs]
 
@@ -53,14 +57,21 @@ def test_resumed_requests_equal_a_run_without_the_cache(checkpoint: Path, mode: 
                                                         hits: int) -> None:
     """One request at a time (each finds the earlier ones cached). full: every later prompt
     resumes at its last block boundary with a cached block and snapshot (256, 256, 128, 128);
-    bounded: only where the new tail covers the replay window (W = 140)."""
+    bounded: only where the new tail covers the replay window (W = 140). Each output counts
+    the prompt tokens it did not compute."""
     batch = prompts(11)
     plain = llm(checkpoint, False, prefill_mode=mode, async_scheduling=False)
     cached = llm(checkpoint, True, prefill_mode=mode, async_scheduling=False)
+    spared = []
     for prompt in batch:
-        assert outputs(cached, [prompt], GREEDY) == outputs(plain, [prompt], GREEDY)
+        got = cached.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+        assert view(got) == outputs(plain, [prompt], GREEDY)
+        spared.append(got[0].num_cached_tokens)
     stats = cached.engine.scheduler.prefix_stats
     assert stats.hit_tokens == hits
+    assert spared[0] == 0 and sum(spared) == hits
+    if mode != "bounded":
+        assert spared == [0, 256, 256, 128, 128]
     assert stats.queries == len(batch)
     cached.engine.scheduler.check_invariants()
 

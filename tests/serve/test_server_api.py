@@ -251,3 +251,17 @@ def test_continue_final_message(live: LiveServer) -> None:
         status, _ = post(live, "/v1/chat/completions",
                          {"model": "tiny", "messages": messages, "max_tokens": 1, **body})
         assert status == (200 if len(body) == 1 else 400), body
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served() -> None:
+    from shoal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from shoal.serve.protocol import usage_of
+
+    def out(prompt: int, cached: int) -> RequestOutput:
+        return RequestOutput("r", None, list(range(prompt)),
+                             [CompletionOutput(0, "ab", [1, 2], "length")],
+                             metrics=RequestMetrics(0.0, num_cached_tokens=cached))
+
+    assert usage_of(out(300, 256), out(40, 0)) == {
+        "prompt_tokens": 340, "completion_tokens": 4, "total_tokens": 344,
+        "prompt_tokens_details": {"cached_tokens": 256}}

@@ -356,6 +356,7 @@ class Engine:
                     break
             if delta.finished and not req.finished:
                 req.metrics.num_preemptions = delta.num_preemptions
+                req.metrics.num_cached_tokens = delta.num_cached_tokens
                 req.finish(delta.finish_reason or "stop", delta.error, delta.stop_token_id)
                 newly.add(rid)
         return newly

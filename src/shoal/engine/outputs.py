@@ -39,6 +39,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (not computed)
 
     @property
     def latency(self) -> float | None:
@@ -55,6 +56,11 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (vLLM's name)."""
+        return 0 if self.metrics is None else self.metrics.num_cached_tokens
 
     @property
     def ok(self) -> bool:

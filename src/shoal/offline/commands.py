@@ -48,6 +48,8 @@ def record(request: RequestLine, out: RequestOutput) -> dict:
     rec["outputs"] = comps
     if out.metrics and out.metrics.latency is not None:
         rec["latency_s"] = round(out.metrics.latency, 4)
+    if out.num_cached_tokens:
+        rec["num_cached_tokens"] = out.num_cached_tokens
     return rec
 
 

@@ -99,6 +99,7 @@ class Request:
     stop_token_id: int | None = None  # the eos / stop id that ended it, if any
     error: str | None = None  # human-readable reason for FINISHED_ERROR
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache spared at the first admission
     # Tokens known when the current (re)prefill started: the prompt on first admission,
     # prompt + outputs after a preemption (recompute). 0 before the first admission.
     prefill_len: int = 0
@@ -152,7 +153,8 @@ class Request:
         if not finished:
             return RequestDelta(self.request_id, tuple(tokens))
         return RequestDelta(self.request_id, tuple(tokens), self.finish_reason,
-                            self.stop_token_id, self.error, self.num_preemptions)
+                            self.stop_token_id, self.error, self.num_preemptions,
+                            self.num_cached_tokens)
 
     def token_id(self, position: int) -> int:
         """The token at absolute position `position` (prompt first, then outputs)."""

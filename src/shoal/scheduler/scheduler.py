@@ -225,6 +225,8 @@ class Scheduler(StepResults):
             if hit is not None and hit.block_ids:
                 request.num_computed_tokens = start  # (allocate sets the snapshot to restore)
                 request.replay = (start, boundary) if hit.replay else None
+            if request.num_preemptions == 0:  # the prompt's first admission
+                request.num_cached_tokens = start
             self.kv.allocate(request, num_new, hit=hit)
             self.kv.admitted(request, hit)
             self.running.append(request)

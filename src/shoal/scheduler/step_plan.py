@@ -161,6 +161,7 @@ class RequestDelta(NamedTuple):
     stop_token_id: int | None = None  # the eos / stop id that ended it
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens computed by an earlier request (prefix cache)
 
     @property
     def finished(self) -> bool:

@@ -38,8 +38,10 @@ def usage_of(*outs: RequestOutput) -> dict:
     """OpenAI's `usage` of finished requests (one per prompt)."""
     prompt = sum(len(out.prompt_token_ids) for out in outs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def assistant_message(c: CompletionOutput) -> dict[str, Any]:
