@@ -193,19 +193,16 @@ def propose_drafts(model, caches, batch: ForwardBatch, captures: torch.Tensor | 
     history = torch.cat([batch.input_ids[rows].unsqueeze(1),
                          batch.engram_history[rows, :max(n_hist - 1, 0)]], dim=1)[:, :n_hist]
     request_states = [states[r] for r in ids]
+    sampler = DraftSampler.of_states(request_states, device) if rejection else None
     if drafter is not None and drafter.fits(len(ids), sampled=rejection):
         draft = drafter.draft_on_device(anchors, positions, slots, sampling=draft_sampling(
             request_states) if rejection else None)
     else:
-        sampler = DraftSampler.of_states(request_states, device) if rejection else greedy
-        draft = dspark_draft(model, caches, anchors, positions, slots, sample_fn=sampler)
+        draft = dspark_draft(model, caches, anchors, positions, slots,
+                             sample_fn=sampler or greedy)
     k = cfg.dspark_draft_len
     keep = verify_counts(draft.confidence[:, :k], confidence_threshold, verify_budget)
-    q = None
-    if rejection:
-        temps = to_device(torch.tensor([max(s.params.temperature, GREEDY_TEMPERATURE)
-                                        for s in request_states], dtype=torch.float32), device)
-        q = torch.softmax(draft.logits[:, :k].float() / temps.view(-1, 1, 1), dim=-1)
+    q = None if sampler is None else sampler.probs(draft.logits[:, :k])
     return Proposal({r: b for b, r in enumerate(ids)},
                     torch.cat([anchors.unsqueeze(1), draft.draft_ids[:, :k]], dim=1),
                     got - sel[2], history, keep, positions, q)
