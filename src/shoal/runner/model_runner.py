@@ -248,10 +248,9 @@ class ModelRunner:
                 state.draft_probs = None if proposal.draft_probs is None or \
                     state.params.temperature < GREEDY_TEMPERATURE else proposal.draft_probs[b]
         step.layout, step.proposal = layout, proposal
-        if layout.ids:
-            step.spec_tensors = [accepted, torch.minimum(limits, upload(
-                [layout.num_drafts], self.device)[0])] + ([] if proposal is None else
-                                                          [proposal.next_ids, proposal.keep])
+        if layout.ids:  # (the limits are the drafts each request verified)
+            step.spec_tensors = [accepted, limits] + (
+                [] if proposal is None else [proposal.next_ids, proposal.keep])
 
     def forget_last(self) -> None:
         """No later plan takes input ids from the latest launched step (it was discarded)."""
