@@ -16,7 +16,7 @@ from shoal.engine.engine import Engine
 from shoal.engine.outputs import RequestOutput
 from shoal.parallel.torchrun import launched_world
 from shoal.sampling import SamplingParams
-from shoal.tokenizer.encoding import encode_messages
+from shoal.tokenizer.encoding import encode_messages, template_kwargs_options
 from shoal.tokenizer.parser import OutputParser
 
 PromptLike = str | Sequence[int] | dict
@@ -133,11 +133,15 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, tools: Sequence[dict] | None = None,
-             reasoning_effort: str | int | None = None, **encode_options: Any,
+             reasoning_effort: str | int | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, **encode_options: Any,
              ) -> list[RequestOutput]:
         """Chat completions with the official V4.1 encoding: reasoning, content and DSML tool
         calls come back parsed on each CompletionOutput (reasoning_content, content,
-        tool_calls). One conversation (a list of messages) or a list of conversations."""
+        tool_calls). One conversation (a list of messages) or a list of conversations.
+        `encode_options`: `encode_messages`' (thinking, add_generation_prompt,
+        continue_final_message, ...); `chat_template_kwargs`: vLLM's (`enable_thinking`)."""
+        encode_options = {**template_kwargs_options(chat_template_kwargs), **encode_options}
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         items = self._items([{"messages": list(c)} for c in convs], sampling_params)
         for item in items:

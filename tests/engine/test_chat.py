@@ -6,6 +6,8 @@ follows the prompt's last thinking token); a bad conversation fails alone and in
 
 from __future__ import annotations
 
+import pytest
+
 from engine.refloop import assert_greedy, main_prompts, shared_llm, tokenizer
 from shoal import SamplingParams
 from shoal.tokenizer.encoding import encode_messages
@@ -58,3 +60,18 @@ def test_thinking_mode_multi_turn_prompt_and_parse() -> None:
     assert len(c.token_ids) <= 3
     assert isinstance(c.reasoning_content, str)
     check_parse(c, prompt)
+
+
+def test_vllm_chat_options() -> None:
+    """vLLM's `chat_template_kwargs={"enable_thinking": False}` is chat mode, as
+    reasoning_effort="none" is here; `continue_final_message` continues an assistant prefix
+    (its prompt ends with the prefix: no end of turn); an unknown template key is refused."""
+    conv = [{"role": "user", "content": "the quick brown fox"}]
+    llm = shared_llm()
+    (off,) = llm.chat(conv, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert off.prompt == encode_messages(conv, thinking=False) and off.prompt.endswith("</think>")
+    prefix = conv + [{"role": "assistant", "content": "jumps over"}]
+    (cont,) = llm.chat(prefix, GREEDY, use_tqdm=False, continue_final_message=True)
+    assert cont.error is None and cont.prompt.endswith("jumps over")
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(conv, GREEDY, use_tqdm=False, chat_template_kwargs={"x": 1})

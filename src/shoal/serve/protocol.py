@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.sampling import SamplingParams
 from shoal.sampling.structured import StructuredOutputSpec
+from shoal.tokenizer.encoding import template_kwargs_options
 from shoal.tokenizer.tool_grammar import tool_call_grammar
 
 
@@ -198,13 +199,7 @@ class ChatCompletionRequest(_Sampling):
             options["tools"] = self.tools
         if self.reasoning_effort is not None:
             options["reasoning_effort"] = self.reasoning_effort
-        kwargs = self.chat_template_kwargs or {}
-        unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
-        if unknown:
-            raise ValueError(f"chat_template_kwargs: unsupported key(s) {unknown}")
-        thinking = kwargs.get("enable_thinking", kwargs.get("thinking"))
-        if thinking is not None:
-            options["thinking"] = bool(thinking)
+        options.update(template_kwargs_options(self.chat_template_kwargs))
         if self.continue_final_message and self.add_generation_prompt and \
                 "add_generation_prompt" in self.model_fields_set:
             raise ValueError("continue_final_message: add_generation_prompt must be false with it")

@@ -265,6 +265,17 @@ def response_format_schema(response_format: Any) -> Any:
     return response_format
 
 
+def template_kwargs_options(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs` as `encode_messages` options: `enable_thinking` (or
+    `thinking`) -> `thinking`; ValueError for any other key (this encoding has no other)."""
+    kwargs = kwargs or {}
+    unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
+    if unknown:
+        raise ValueError(f"chat_template_kwargs: unsupported key(s) {unknown}")
+    thinking = kwargs.get("enable_thinking", kwargs.get("thinking"))
+    return {} if thinking is None else {"thinking": bool(thinking)}
+
+
 def encode_messages(
     messages: Sequence[Mapping[str, Any]],
     *,
