@@ -65,8 +65,6 @@ class Server:
         self.loop = EngineLoop(llm.engine, limits) if llm.replicas is None else \
             ReplicaLoop(llm.replicas, self.tokenizer, limits)
         self.metrics = Metrics(lambda: self.loop.snapshot)
-        context = llm.config.scheduler.max_model_len
-        self.default_max_tokens = max(1, min(4096, context // 2))
         self.logprobs = LogprobFormat(self.tokenizer)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -167,7 +165,7 @@ class Server:
         prompt i's j-th completion, as in OpenAI's API."""
         self._check_model(body.model)
         try:
-            params = body.params(self.default_max_tokens)
+            params = body.params()
             inputs = body.prompt_inputs()
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
@@ -250,7 +248,7 @@ class Server:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         try:
-            params = body.params(self.default_max_tokens)
+            params = body.params()
             options = body.encode_options()
             prompt = encode_messages(body.message_dicts(), **options)
         except (ValueError, TypeError) as exc:

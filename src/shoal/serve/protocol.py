@@ -151,10 +151,11 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def params(self, default_max_tokens: int) -> SamplingParams:
+    def params(self) -> SamplingParams:
+        """Without max_tokens / max_completion_tokens a chat answer runs until it ends or the
+        context is full (OpenAI's and vLLM's default)."""
         fields = self.sampling_fields()
-        fields["max_tokens"] = self.max_completion_tokens or self.max_tokens or \
-            default_max_tokens
+        fields["max_tokens"] = self.max_completion_tokens or self.max_tokens
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
         forced = self.forced_tool()
@@ -217,14 +218,15 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null: no limit
 
-    def params(self, default_max_tokens: int) -> SamplingParams:
+    def params(self) -> SamplingParams:
         """`echo` with `logprobs` asks for the prompt's log-probs too (the first token has
         none), as lm-eval-harness-style scoring does."""
         if self.echo and self.stream and self.logprobs is not None:
             raise ValueError("echo: with logprobs only without stream")
         fields = self.sampling_fields()
-        fields["max_tokens"] = self.max_tokens or default_max_tokens
+        fields["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
             if self.echo:
