@@ -265,3 +265,16 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served() -> None:
     assert usage_of(out(300, 256), out(40, 0)) == {
         "prompt_tokens": 340, "completion_tokens": 4, "total_tokens": 344,
         "prompt_tokens_details": {"cached_tokens": 256}}
+
+
+def test_max_tokens_defaults_are_openais() -> None:
+    """16 for a completion (OpenAI's and vLLM's default), none for a chat answer (it runs until
+    it ends or the context is full); an explicit value wins, `max_completion_tokens` first."""
+    from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert CompletionRequest(model="m", prompt="x").params().max_tokens == 16
+    assert CompletionRequest(model="m", prompt="x", max_tokens=None).params().max_tokens is None
+    assert ChatCompletionRequest(model="m", messages=messages).params().max_tokens is None
+    assert ChatCompletionRequest(model="m", messages=messages, max_tokens=5,
+                                 max_completion_tokens=7).params().max_tokens == 7
