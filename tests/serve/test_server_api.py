@@ -278,3 +278,24 @@ def test_max_tokens_defaults_are_openais() -> None:
     assert ChatCompletionRequest(model="m", messages=messages).params().max_tokens is None
     assert ChatCompletionRequest(model="m", messages=messages, max_tokens=5,
                                  max_completion_tokens=7).params().max_tokens == 7
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tmp_path) -> None:
+    """`shoal serve MODEL` (positional, as `vllm serve MODEL`) is `--model MODEL`; the app it
+    would run serves that model under its name."""
+    import signal
+
+    import uvicorn
+
+    from shoal.checkpoint.writer import write_checkpoint
+    from shoal.cli import main
+    from shoal.model.presets import TINY
+
+    path = str(write_checkpoint(TINY, tmp_path / "ckpt", seed=0))
+
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (cmd_serve replaces handlers)
+    assert main(["serve", path, "--device", "cpu", "--max-model-len", "64",
+                 "--port", "8123"]) == 0
+    assert ran["port"] == 8123 and ran["app"].state.server.model_name == path

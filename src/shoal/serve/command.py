@@ -13,6 +13,8 @@ from shoal.config import ShoalError
 
 
 def serve_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model gives it (`shoal serve PATH`, as `vllm serve`)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", dest="api_key", default=None,
@@ -35,6 +37,8 @@ def cmd_serve(args, check_config: Callable[[Any], None], make_llm: Callable[[Any
 
     if launched_world() > 1:
         raise ShoalError("shoal serve runs one front end: use --dp N (one node), not torchrun")
+    if args.model_path is not None:
+        args.model = args.model_path
     check_config(args)
     llm = make_llm(args)
     name = args.served_model_name or args.model
