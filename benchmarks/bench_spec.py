@@ -120,7 +120,8 @@ def main() -> None:
     if args.verify_budget > 0:
         runs.append((args.rates[-1], 0.0, args.verify_budget))
     spec, spec_rule = None, None
-    print("batch  rate  conf  budget   tok/s  plain tok/s  speed-up  mean accepted  skipped  same",
+    print("batch  rate  conf  budget   tok/s  plain tok/s  speed-up  mean accepted  skipped  "
+          "overlap  same",
           flush=True)
     for rate, conf, budget in runs:  # one engine at a time: each takes most of the free memory
         if spec is None or (conf, budget) != spec_rule:
@@ -139,16 +140,19 @@ def main() -> None:
             accepted = s.drafts_accepted - before["drafts_accepted"]
             verify = s.verify_rows - before["verify_rows"]
             skipped = s.drafts_skipped - before["drafts_skipped"]
+            steps = s.steps - before["steps"]  # share launched before the previous was read
+            overlap = (s.overlapped_steps - before["overlapped_steps"]) / steps if steps else 0.0
             tokens = b * args.max_tokens
             row = {"batch": b, "rate": rate, "confidence": conf, "verify_budget": budget,
                    "tok_s": tokens / secs,
                    "plain_tok_s": tokens / plain_s[b], "speedup": plain_s[b] / secs,
                    "mean_accepted": 1 + accepted / verify if verify else 0.0,
-                   "skipped": skipped, "same_tokens": got == expected[b]}
+                   "skipped": skipped, "overlap": overlap, "same_tokens": got == expected[b]}
             rows.append(row)
             print(f"{b:5d}  {rate:4.2f}  {conf:4.2f}  {budget:6d}  {row['tok_s']:6.1f}  "
                   f"{row['plain_tok_s']:11.1f}  {row['speedup']:8.2f}  "
-                  f"{row['mean_accepted']:13.2f}  {skipped:7d}  {row['same_tokens']}",
+                  f"{row['mean_accepted']:13.2f}  {skipped:7d}  {overlap:7.0%}  "
+                  f"{row['same_tokens']}",
                   flush=True)
     print(json.dumps({"bench": "spec", "commit": git_commit(), "model": args.model,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available()
