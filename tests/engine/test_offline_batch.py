@@ -74,9 +74,14 @@ def test_every_bad_line_becomes_its_entry(tmp_path: Path, capsys) -> None:
     assert "unknown field" in _records(strict)[len(BAD_IDS)]["error"]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_interrupt_leaves_the_llm_usable(async_scheduling: bool) -> None:
-    llm = LLM("tiny", async_scheduling=async_scheduling, **{**OPTS, "max_model_len": 256})
+@pytest.mark.parametrize("async_scheduling, speculative",
+                         [(False, False), (True, False), (True, True)])
+def test_interrupt_leaves_the_llm_usable(async_scheduling: bool, speculative: bool) -> None:
+    """An interrupt before, during and well into a run: the LLM serves the next request with
+    the same tokens and no leaked block (with speculative decoding: a verify step planned on
+    drafts in flight is settled too)."""
+    llm = LLM("tiny", async_scheduling=async_scheduling, speculative=speculative,
+              **{**OPTS, "max_model_len": 256})
     free = llm.engine.scheduler.usage().num_free_blocks
     (expected,) = LLM("tiny", **OPTS).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
     long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)  # seconds of work
