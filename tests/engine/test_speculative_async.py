@@ -98,3 +98,63 @@ def test_pipelined_verification_under_preemption(monkeypatch):
         assert got == expected, overlap
         assert engine.stats.preemptions >= 1 and engine.stats.drafts_accepted > 0
         assert engine.stats.overlapped_steps > 0 or not overlap
+
+
+def test_staggered_random_workload_keeps_plain_outputs(monkeypatch):
+    """Requests of random lengths and parameters (greedy and seeded sampling, logprobs, stop
+    ids, min_tokens, max_tokens of 1) arrive between steps, while drafts are right or wrong at
+    random: every output equals plain decoding's (tokens, finish reason, logprobs)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    params = []
+    for _ in prompts:
+        p = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.7, 1.0]), seed=rng.randrange(99),
+                           max_tokens=rng.choice([1, 2, 7, 15]), ignore_eos=True,
+                           logprobs=rng.choice([None, 1]))
+        params.append(p.replace(min_tokens=min(p.max_tokens, rng.choice([0, 3]))))
+    plain = LLM("tiny", async_scheduling=False, **OPTS)
+    long = plain.generate([{"prompt_token_ids": q} for q in prompts],
+                          [p.replace(max_tokens=15) for p in params], use_tqdm=False)
+    futures = [o.outputs[0].token_ids for o in long]
+    params = [p.replace(stop_token_ids=[f[4]]) if rng.random() < 0.3 else p
+              for p, f in zip(params, futures, strict=True)]
+    want = plain.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    draft_rng = random.Random(seed + 1)
+
+    class Oracle:  # drafts from the plain run, each wrong with probability 0.3
+        def __call__(self, *args, **kwargs):
+            proposal = _oracle(futures)(*args, **kwargs)
+            if proposal is not None:
+                for b in range(proposal.next_ids.shape[0]):
+                    for j in range(1, proposal.next_ids.shape[1]):
+                        if draft_rng.random() < 0.3:
+                            proposal.next_ids[b, j] += 1
+            return proposal
+
+    monkeypatch.setattr(runner_mod, "propose_drafts", Oracle())
+    spec = LLM("tiny", speculative=True, **OPTS)
+    engine = spec.engine
+    pending = list(range(len(prompts)))
+    groups: dict[int, str] = {}
+    for _ in range(400):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if pending:
+                i = pending.pop(0)
+                groups[i] = engine.add_request(None, params[i], prompt_token_ids=prompts[i],
+                                               request_index=i)
+        if not pending and not engine.has_unfinished():
+            break
+        if engine.has_unfinished():
+            engine.step()
+    engine.flush()
+    assert not pending and not engine.has_unfinished()
+
+    def view(out):
+        (c,) = out.outputs
+        return (c.token_ids, c.finish_reason,
+                [sorted((t, v.logprob) for t, v in e.items()) for e in c.logprobs or []])
+
+    assert [view(engine.output(groups[i])) for i in range(len(prompts))] == \
+        [view(o) for o in want], f"seed {seed}"
+    assert engine.stats.overlapped_steps > 0 and engine.stats.drafts_accepted > 0
