@@ -27,12 +27,12 @@ LENGTHS = {"tiny": (5, 200, 33, 1, 90), "mini": (5, 700, 33, 1, 260)}
 CONTEXT = {"tiny": 256, "mini": 1100}
 
 
-def _llm(model: str, graphs: bool, overlap: bool):
+def _llm(model: str, graphs: bool, overlap: bool, **options):
     from shoal import LLM
 
     return LLM(model, device="cuda", load_format="dummy", cuda_graphs=graphs,
                async_scheduling=overlap, kv_cache_memory_gb=2.0, max_num_seqs=6,
-               max_model_len=CONTEXT[model])
+               max_model_len=CONTEXT[model], **options)
 
 
 def _workload(llm) -> list[tuple]:
@@ -117,3 +117,49 @@ def test_decode_launch_makes_no_synchronising_call(graphs: bool) -> None:
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
     assert len(checked) >= 5, checked
     assert engine.stats.overlapped_steps >= 8
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_steps_overlap_without_a_synchronising_launch(graphs: bool) -> None:
+    """Speculative decoding under async scheduling on CUDA: a verify step launched while the
+    previous one runs (its anchor, drafts and positions patched on the device) makes no call
+    that synchronises with the device, and the outputs equal plain decoding's (tokens and
+    logprobs; greedy and seeded sampling)."""
+    from shoal import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=16,
+                             ignore_eos=True, logprobs=2)]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
+
+    def view(outs):
+        return [(o.outputs[0].token_ids, [sorted((t, v.logprob) for t, v in e.items())
+                                          for e in o.outputs[0].logprobs]) for o in outs]
+
+    plain = _llm("tiny", graphs, overlap=False)
+    want = view(plain.generate(prompts, params, use_tqdm=False))
+    del plain
+    llm = _llm("tiny", graphs, overlap=True, speculative=True)
+    engine = llm.engine
+    launch = engine.runner.launch
+    checked = []
+
+    def strict_launch(plan, grammar_masks):
+        verify = engine.executor.num_in_flight and plan.scheduled and all(
+            i.start_position >= i.prefill_len for i in plan.scheduled)
+        if not verify or engine.stats.steps < 3:
+            return launch(plan, grammar_masks)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = launch(plan, grammar_masks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(plan.step_id)
+        return step
+
+    engine.runner.launch = strict_launch
+    assert view(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert len(checked) >= 3, checked
+    assert engine.stats.overlapped_steps >= 3 and engine.stats.drafts_proposed > 0
