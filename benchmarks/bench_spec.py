@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="plain and speculative runs with async scheduling")
+    ap.add_argument("--spec-overlap", action="store_true",
+                    help="speculative verify steps planned while the previous one runs")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="a prompt's plain tokens do not depend on the batch (the oracle's "
                          "record is the largest batch's)")
@@ -129,7 +131,8 @@ def main() -> None:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            spec, spec_rule = LLM(args.model, speculative=True, spec_confidence=conf,
+            spec, spec_rule = LLM(args.model, speculative=True, spec_overlap=args.spec_overlap,
+                                  spec_confidence=conf,
                                   spec_verify_budget=budget, **opts), (conf, budget)
         for b in args.batches if (conf, budget) == (0, 0) else [max(args.batches)]:
             oracle.reset(rate, b)

@@ -49,6 +49,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="verify drafts while their chance of acceptance is >= this (0: all)")
     p.add_argument("--spec-verify-budget", dest="spec_verify_budget", type=int, default=None,
                    help="at most this many drafts verified per step, the likeliest (0: all)")
+    p.add_argument("--spec-overlap", dest="spec_overlap", action="store_true", default=None,
+                   help="plan each verify step while the previous one runs")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
     p.add_argument("--backends", dest="backends", default=None,
                    type=lambda v: tuple(v.split(",")),
@@ -75,7 +77,7 @@ ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
                 "kv_store_path", "kv_store_ttl_days", "block_size", "prefix_resume",
                 "expert_parallel", "expert_placement", "batch_invariant", "backends",
-                "collective_timeout_s", "scheduling_policy")
+                "collective_timeout_s", "scheduling_policy", "spec_overlap")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

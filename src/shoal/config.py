@@ -101,10 +101,13 @@ class RunnerConfig:
     processing of the previous step: detokenising, stops) with the device work of the step
     before it; outputs are identical to the synchronous loop. A step is launched ahead only
     when no request whose token is in flight needs its value on the host (penalties,
-    structured output; with speculative, min_tokens not yet met). Speculative verify steps are
-    planned as if the drafts in flight were all accepted and corrected on the device; they
-    run synchronously with prefix caching or a confidence rule (spec_confidence,
-    spec_verify_budget), whose counts must be known to plan fewer verify rows.
+    structured output; with speculative, min_tokens not yet met).
+    spec_overlap: with speculative and async_scheduling, plan each verify step while the
+    previous one runs (as if its drafts were all accepted; corrected on the device). Off by
+    default: on the H200 (mini) it measured slower than synchronous speculative steps, whose
+    host work already overlaps the device (docs in ARCHITECTURE.md). Ignored with prefix
+    caching or a confidence rule (spec_confidence, spec_verify_budget), whose counts must be
+    known to plan fewer verify rows.
     batch_invariant: on CUDA, ops whose bits depend on the rows in a call take a fixed tiling
     instead (backend 'triton_invariant' first): the MoE stays on its mma.sync tiles at every
     size, the FP8 GEMM and sparse attention keep their decode K / key partitions at every size,
@@ -135,6 +138,7 @@ class RunnerConfig:
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     async_scheduling: bool = True
+    spec_overlap: bool = False
     batch_invariant: bool = False
     expert_parallel: bool = False
     expert_placement: str | None = None

@@ -141,7 +141,7 @@ def test_speculative_steps_overlap_without_a_synchronising_launch(graphs: bool) 
     plain = _llm("tiny", graphs, overlap=False)
     want = view(plain.generate(prompts, params, use_tqdm=False))
     del plain
-    llm = _llm("tiny", graphs, overlap=True, speculative=True)
+    llm = _llm("tiny", graphs, overlap=True, speculative=True, spec_overlap=True)
     engine = llm.engine
     launch = engine.runner.launch
     checked = []

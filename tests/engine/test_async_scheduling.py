@@ -80,7 +80,7 @@ def test_mixed_batch_equals_sync(speculative: bool) -> None:
     prompts = ps.engine_prompts()
     refs = ps.refs()
     eos_seed = find_eos_seed(refs[0], 1.0, rng)
-    engines = pair(speculative=speculative)
+    engines = pair(speculative=speculative, spec_overlap=speculative)
     tokens, text = greedy_tokens(engines[0], prompts[1], 8)  # (on both: request ids, seeds
     assert greedy_tokens(engines[1], prompts[1], 8) == (tokens, text)  # stay in step)
     # a stop id that first occurs as token k: with max_tokens=k, stop must beat length
@@ -181,10 +181,12 @@ def test_async_steps_overlap(monkeypatch) -> None:
     for step in range(stats.steps - 1):
         assert order[("launch", step + 1)] < order[("finish", step)], events
     assert sum(patched) == stats.output_tokens - len(prompts)  # every decode input patched
-    assert LLM("tiny", speculative=True, **OPTS).engine.overlap
+    assert not LLM("tiny", speculative=True, **OPTS).engine.overlap  # (spec_overlap is off)
+    assert LLM("tiny", speculative=True, spec_overlap=True, **OPTS).engine.overlap
     # speculative steps planned before their drafts are known would hash unknown tokens
-    assert not LLM("tiny", speculative=True, enable_prefix_caching=True, **OPTS).engine.overlap
-    assert not LLM("tiny", speculative=True, spec_confidence=0.5, **OPTS).engine.overlap
+    for extra in ({"enable_prefix_caching": True}, {"spec_confidence": 0.5}):
+        assert not LLM("tiny", speculative=True, spec_overlap=True, **extra,
+                       **OPTS).engine.overlap
 
 
 def test_staggered_arrivals_abort_and_bad_rows() -> None:

@@ -81,7 +81,7 @@ def test_interrupt_leaves_the_llm_usable(async_scheduling: bool, speculative: bo
     the same tokens and no leaked block (with speculative decoding: a verify step planned on
     drafts in flight is settled too)."""
     llm = LLM("tiny", async_scheduling=async_scheduling, speculative=speculative,
-              **{**OPTS, "max_model_len": 256})
+              spec_overlap=speculative, **{**OPTS, "max_model_len": 256})
     free = llm.engine.scheduler.usage().num_free_blocks
     (expected,) = LLM("tiny", **OPTS).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
     long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)  # seconds of work

@@ -54,7 +54,7 @@ def test_pipelined_verification_keeps_plain_outputs(plain, static, wrong_at, mon
     expected, ref_outs = _run(plain, prompts, params)
     monkeypatch.setattr(runner_mod, "propose_drafts", _oracle(expected, wrong_at))
     patches = _count_patches(monkeypatch)
-    spec = LLM("tiny", speculative=True, **OPTS)
+    spec = LLM("tiny", speculative=True, spec_overlap=True, **OPTS)
     if static:
         _static_paths(spec)
     got, outs = _run(spec, prompts, params)
@@ -81,7 +81,8 @@ def test_pipelined_verification_under_preemption(monkeypatch):
     def run(speculative: bool, overlap: bool) -> tuple[list[list[int]], Engine]:
         config = small_pool_config(num_blocks=3, num_slots=2)
         config = dataclasses.replace(config, runner=dataclasses.replace(
-            config.runner, async_scheduling=overlap, speculative=speculative))
+            config.runner, async_scheduling=overlap, speculative=speculative,
+            spec_overlap=True))
         engine = Engine(config)
         groups = [engine.add_request(p, params) for p in prompts]
         for _ in range(60):
@@ -133,7 +134,7 @@ def test_staggered_random_workload_keeps_plain_outputs(monkeypatch):
             return proposal
 
     monkeypatch.setattr(runner_mod, "propose_drafts", Oracle())
-    spec = LLM("tiny", speculative=True, **OPTS)
+    spec = LLM("tiny", speculative=True, spec_overlap=True, **OPTS)
     engine = spec.engine
     pending = list(range(len(prompts)))
     groups: dict[int, str] = {}

@@ -87,13 +87,14 @@ class Engine:
         # drafts each sampled request gets on the device (speculative decoding)
         self.draft_len = config.model_config.dspark_draft_len if self.executor.speculative \
             else 0
-        # speculative steps run synchronously with the prefix cache (a step planned before
-        # its drafts are known would hash unknown tokens) and with a confidence rule (whose
-        # counts must be known to plan fewer verify rows)
+        # speculative steps overlap only with spec_overlap, and never with the prefix cache
+        # (a step planned before its drafts are known would hash unknown tokens) or a
+        # confidence rule (whose counts must be known to plan fewer verify rows)
         run = config.runner
         self.overlap = OverlappedSteps(self) if run.async_scheduling and not (
-            self.draft_len and (config.cache.enable_prefix_caching or run.spec_confidence > 0
-                                or run.spec_verify_budget > 0)) else None
+            self.draft_len and (not run.spec_overlap or config.cache.enable_prefix_caching
+                                or run.spec_confidence > 0 or run.spec_verify_budget > 0)
+        ) else None
         # expert parallelism: every rank steps while any has work (parallel/expert_parallel.py);
         # `cancel_asked` is the front end's stop, seen by every rank at the same step
         self.ep = self.runner.ep

@@ -14,10 +14,11 @@ that token's value on the host to be sampled again (penalties read the output id
 structured-output matcher must accept the token first, min_tokens counts the outputs under
 speculative decoding).
 
-Speculative decoding: step n+1 is planned as if every draft verified in step n were accepted,
-and verifies the drafts step n proposed on the device; its inputs, positions and checks come
-from step n's `Proposal` (`runner/draft_patch.py`), and `resolve(n)` takes the rejected
-positions back (`Scheduler.advance`).
+Speculative decoding (with `spec_overlap`): step n+1 is planned as if every draft verified in
+step n were accepted, and verifies the drafts step n proposed on the device; its inputs,
+positions and checks come from step n's `Proposal` (`runner/draft_patch.py`), and
+`resolve(n)` takes the rejected positions back (`Scheduler.advance`).
+
 Outputs (tokens, text, finish reasons, logprobs) equal the synchronous loop's: samples depend
 on (seed, position) and the forward is batch-invariant, so the plans may differ (a request
 stopping at step n still occupies step n+1's batch and blocks) without changing any output;
