@@ -33,7 +33,7 @@ from shoal.tokenizer.synthetic import build_synthetic_tokenizer
 from shoal.tokenizer.tokenizer import Tokenizer
 
 EOS = 1  # TINY.eos_token_id (the synthetic tokenizer's layout)
-PLAIN_IDS = (3, 491)  # byte-level and merged BPE ids of the synthetic tokenizer (no specials)
+PLAIN_IDS = (3, 471)  # byte-level and merged BPE ids of the synthetic tokenizer (specials: 471+)
 
 
 @functools.cache
