@@ -84,22 +84,16 @@ def test_async_equals_sync_on_cuda(model: str, graphs: bool) -> None:
         assert a[2] == b[2], f"request {i}: logprobs differ with async scheduling"
 
 
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_decode_launch_makes_no_synchronising_call(graphs: bool) -> None:
-    from shoal import SamplingParams
-
-    llm = _llm("tiny", graphs, overlap=True)
-    engine = llm.engine
-    runner = engine.runner
-    launch = runner.launch
-    checked = []
+def _strict_launches(engine) -> list[int]:
+    """Make the runner's launches of decode and verify steps (every row past its prefill)
+    issued while a step is in flight fail on any synchronising call (after 3 warm-up steps);
+    returns the ids of the steps so checked, filled as they launch."""
+    launch, checked = engine.runner.launch, []
 
     def strict_launch(plan, grammar_masks):
-        decode = engine.executor.num_in_flight and plan.scheduled and all(
-            i.num_new_tokens == 1 for i in plan.scheduled)
-        if not decode or engine.stats.steps < 3:  # prefill steps and warm-up: unchecked
+        ahead = engine.executor.num_in_flight and plan.scheduled and all(
+            i.start_position >= i.prefill_len for i in plan.scheduled)
+        if not ahead or engine.stats.steps < 3:
             return launch(plan, grammar_masks)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -109,7 +103,19 @@ def test_decode_launch_makes_no_synchronising_call(graphs: bool) -> None:
         checked.append(plan.step_id)
         return step
 
-    runner.launch = strict_launch
+    engine.runner.launch = strict_launch
+    return checked
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_launch_makes_no_synchronising_call(graphs: bool) -> None:
+    from shoal import SamplingParams
+
+    llm = _llm("tiny", graphs, overlap=True)
+    engine = llm.engine
+    checked = _strict_launches(engine)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=1,
                              max_tokens=10, ignore_eos=True, logprobs=2)]
@@ -143,23 +149,7 @@ def test_speculative_steps_overlap_without_a_synchronising_launch(graphs: bool) 
     del plain
     llm = _llm("tiny", graphs, overlap=True, speculative=True, spec_overlap=True)
     engine = llm.engine
-    launch = engine.runner.launch
-    checked = []
-
-    def strict_launch(plan, grammar_masks):
-        verify = engine.executor.num_in_flight and plan.scheduled and all(
-            i.start_position >= i.prefill_len for i in plan.scheduled)
-        if not verify or engine.stats.steps < 3:
-            return launch(plan, grammar_masks)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step = launch(plan, grammar_masks)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked.append(plan.step_id)
-        return step
-
-    engine.runner.launch = strict_launch
+    checked = _strict_launches(engine)
     assert view(llm.generate(prompts, params, use_tqdm=False)) == want
     assert len(checked) >= 3, checked
     assert engine.stats.overlapped_steps >= 3 and engine.stats.drafts_proposed > 0
