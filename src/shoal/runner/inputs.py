@@ -70,9 +70,10 @@ def prepare_inputs(config: EngineConfig, plan: StepPlan, states: Mapping[str, Re
         if item.sample:
             first = at + (item.num_new_tokens - 1 - item.num_spec_tokens
                           if logits == "all" else 0)
-            k = item.num_spec_tokens
-            spec.append((item.request_id, index, len(draws), row + item.num_new_tokens - 1 - k,
-                         k, not state.structured))
+            if speculative:
+                k = item.num_spec_tokens
+                spec.append((item.request_id, index, len(draws),
+                              row + item.num_new_tokens - 1 - k, k, not state.structured))
             for j, draw in enumerate(draws_of(item, state)):
                 draws.append(draw)
                 sample_rows.append(first + j)
