@@ -197,6 +197,9 @@ class SamplingBatch:
             return _upload(padded, device)
 
         floats, ints = _upload(floats, device), _upload(ints, device)
+        biases = _pad_float([[b for _, b in p.logit_bias] for p in params])
+        bias_values = _upload(biases, device) if biases.shape[1] else \
+            torch.empty(biases.shape, dtype=torch.float32, device=device)  # (no upload)
 
         on_device = {
             "temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
@@ -214,8 +217,7 @@ class SamplingBatch:
             ),
             "suppressed_token_ids": ids(suppressed),
             "bias_token_ids": ids([[t for t, _ in p.logit_bias] for p in params]),
-            "bias_values": _upload(_pad_float([[b for _, b in p.logit_bias] for p in params]),
-                                   device),
+            "bias_values": bias_values,
             "allowed_token_ids": ids([p.allowed_token_ids or () for p in params]),
         }
         return cls(
