@@ -240,7 +240,8 @@ def test_static_padded_draft_equals_eager(model: DeepseekV41) -> None:
         sampling = ([rng.random() < 0.3 for _ in live], [rng.uniform(0.5, 1.5) for _ in live],
                     [rng.randrange(1 << 40) for _ in live])
         for mode in (None, sampling):
-            got = drafter.draft(a, p, s, sampling=mode)
+            got = drafter.draft_on_device(torch.tensor(a), torch.tensor(p), torch.tensor(s),
+                                          sampling=mode)
             fn = greedy if mode is None else DraftSampler(
                 torch.tensor(mode[0]), torch.tensor(mode[1]), torch.tensor(mode[2]))
             want = dspark_draft(model, caches, torch.tensor(a), torch.tensor(p),
@@ -249,6 +250,7 @@ def test_static_padded_draft_equals_eager(model: DeepseekV41) -> None:
             torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
             torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="DraftGraphs.draft"):
-        drafter.draft([1] * 5, [3] * 5, [0, 1, 2, 3, 5])
+        five = torch.tensor([1] * 5)
+        drafter.draft_on_device(five, five, torch.tensor([0, 1, 2, 3, 5]))
     assert not DraftGraphs(model, caches, sizes=[1], pad_slot=PAD_SLOT,
                            use_graphs=False).fits(1, sampled=True)

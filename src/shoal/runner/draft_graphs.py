@@ -55,12 +55,13 @@ class DraftGraphs:
         return (bool(self.sizes) and 0 < num_requests <= self.sizes[-1]
                 and sampled in self.modes)
 
-    def _fill(self, anchors: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              size: int, sampling: tuple[Sequence, Sequence, Sequence] | None) -> None:
+    def _fill(self, n: int, size: int,
+              sampling: tuple[Sequence, Sequence, Sequence] | None) -> None:
+        """Stage and upload the pad rows n .. size - 1 and the sampling rows of the first n
+        (whose anchors, positions and slots the caller copies on the device)."""
         if self._uploaded is not None:  # the previous upload may still read the staging
             self._uploaded.synchronize()
-        n, h, ht = len(anchors), self._host.numpy(), self._host_t.numpy()
-        h[0, :n], h[1, :n], h[2, :n] = anchors, positions, slots
+        h, ht = self._host.numpy(), self._host_t.numpy()
         h[0, n:size], h[1, n:size], h[2, n:size] = 0, 0, self.pad_slot
         h[3, :size], h[4, :size], ht[:size] = 1, 0, 1.0  # pad (and greedy) rows: argmax
         if sampling is not None and n:
@@ -77,21 +78,6 @@ class DraftGraphs:
         sample = DraftSampler(d[3].bool(), self._dev_t[:size], d[4]) if sampled else greedy
         return dspark_draft(self.model, self.caches, d[0], d[1], d[2], sample_fn=sample)
 
-    def draft(self, anchors: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              sampling: tuple[Sequence, Sequence, Sequence] | None = None) -> DraftOutput:
-        """The drafts of len(anchors) requests (see `dspark_draft`; positions >= 0): greedy,
-        or with `sampling` (per request: greedy flag, temperature, seed; `draft_sampling`)
-        drawn as `DraftSampler` draws them, through the captured graph of the next size up.
-        The result views the graph's outputs: consume it before the next draft."""
-        n = len(anchors)
-        if not self.fits(n, sampling is not None) or min(positions) < 0:
-            raise ValueError(f"DraftGraphs.draft: {n} requests (sizes {self.sizes}, sampled "
-                             f"{sampling is not None}) at positions >= "
-                             f"{min(positions, default=0)}")
-        size = next(b for b in self.sizes if b >= n)
-        self._fill(anchors, positions, slots, size, sampling)
-        return self._replay(n, size, sampling is not None)
-
     def _replay(self, n: int, size: int, sampled: bool) -> DraftOutput:
         key = (size, sampled)
         if key in self._graphs:
@@ -104,14 +90,17 @@ class DraftGraphs:
     def draft_on_device(self, anchors: torch.Tensor, positions: torch.Tensor,
                         slots: torch.Tensor, sampling: tuple[Sequence, Sequence, Sequence]
                         | None = None) -> DraftOutput:
-        """`draft` with anchors, positions and slots ([B] int64) already on the device (a step
-        that verified drafts there): copied into the static rows on the device, no sync."""
+        """The drafts of B requests (see `dspark_draft`; anchors, positions >= 0 and slots:
+        [B] int64 on the device, copied into the static rows there, no sync): greedy, or with
+        `sampling` (per request: greedy flag, temperature, seed; `draft_sampling`) drawn as
+        `DraftSampler` draws them, through the captured graph of the next size up. The result
+        views the graph's outputs: consume it before the next draft."""
         n = int(anchors.shape[0])
         if not self.fits(n, sampling is not None):
             raise ValueError(f"DraftGraphs.draft_on_device: {n} requests (sizes {self.sizes}, "
                              f"sampled {sampling is not None})")
         size = next(b for b in self.sizes if b >= n)
-        self._fill([0] * n, [0] * n, [0] * n, size, sampling)
+        self._fill(n, size, sampling)
         for i, values in enumerate((anchors, positions, slots)):
             self._dev[i, :n].copy_(values)
         return self._replay(n, size, sampling is not None)
@@ -126,7 +115,7 @@ class DraftGraphs:
         with torch.inference_mode():
             for sampled in self.modes:
                 for size in reversed(self.sizes):
-                    self._fill((), (), (), size, None)
+                    self._fill(0, size, None)
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
                         self._call(size, sampled)
