@@ -6,7 +6,7 @@ its anchors, positions, slots (and sampling parameters) into static buffers and 
 Owns `DraftGraphs`. Padded requests draft greedily from position 0 of the reserved pad slot,
 whose draft rings no request owns; the draft only reads the rings and writes scratch rows, and
 every row's result depends on its own request only, so the real rows equal the eager draft's.
-Without CUDA (or with graphs off) `draft` runs the same static padded call eagerly (the CPU
+Without CUDA (or with graphs off) `draft_on_device` runs the same static padded call eagerly (the CPU
 tests).
 """
 
