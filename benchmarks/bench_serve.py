@@ -2,7 +2,9 @@
 (a loopback server over the same engine, streaming clients of the `openai` library at a given
 concurrency and request rate, in a separate process so that they do not share the server's
 interpreter lock), in one run. Reports output tok/s of both, the server's share of
-the offline throughput, and TTFT / inter-token / end-to-end latency percentiles.
+the offline throughput, TTFT / inter-token / end-to-end latency percentiles, and the CPU
+seconds of the engine's thread and of the web thread in each phase (/proc, Linux): the
+server's host work shares one interpreter lock with the engine loop.
 
     python benchmarks/bench_serve.py --model mini --load-format dummy --num-prompts 256 \\
         --concurrency 64 --prompt-len 512 --output-len 128
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import socket
 import statistics
@@ -22,6 +25,25 @@ import time
 
 from shoal import LLM, SamplingParams
 from shoal.bench import git_commit
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's Python threads, by thread name (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu[t.name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return cpu
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(v - before.get(name, 0.0), 2) for name, v in after.items()
+            if v - before.get(name, 0.0) > 0.005}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -105,9 +127,10 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             logprobs=0)
     llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)  # warm
-    t0 = time.perf_counter()
+    cpu0, t0 = _thread_cpu(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     offline_s = time.perf_counter() - t0
+    offline_cpu = _spent(cpu0, _thread_cpu())
     offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
     app = create_app(llm, model_name="bench", limits=Limits(max_queued_requests=1 << 20,
@@ -126,8 +149,10 @@ def main() -> None:
     client = ctx.Process(target=_client_process, args=(
         f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency,
         args.request_rate, queue))
+    cpu0 = _thread_cpu()
     client.start()
     results, served_s = queue.get()
+    served_cpu = _spent(cpu0, _thread_cpu())
     client.join()
     server.should_exit = True
     thread.join(60)
@@ -137,8 +162,10 @@ def main() -> None:
         "num_prompts": args.num_prompts, "concurrency": args.concurrency,
         "request_rate": args.request_rate, "prompt_len": args.prompt_len,
         "output_len": args.output_len,
-        "offline": {"seconds": offline_s, "output_tok_s": offline_tokens / offline_s},
-        "served": {"seconds": served_s, "output_tok_s": served_tokens / served_s},
+        "offline": {"seconds": offline_s, "output_tok_s": offline_tokens / offline_s,
+                    "thread_cpu_s": offline_cpu},
+        "served": {"seconds": served_s, "output_tok_s": served_tokens / served_s,
+                   "thread_cpu_s": served_cpu},
         "served_share_of_offline": (served_tokens / served_s) / (offline_tokens / offline_s),
         "ttft_ms": _percentiles([r["ttft"] for r in results]),
         "itl_ms": _percentiles([x for r in results for x in r["itl"]]),
@@ -147,6 +174,7 @@ def main() -> None:
     print(f"offline {summary['offline']['output_tok_s']:.1f} tok/s | served "
           f"{summary['served']['output_tok_s']:.1f} tok/s "
           f"({summary['served_share_of_offline']:.1%} of offline)")
+    print("thread CPU s: offline", offline_cpu, "| served", served_cpu)
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         print(key, {k: round(v, 2) for k, v in summary[key].items()})
     print(json.dumps(summary))

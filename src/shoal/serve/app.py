@@ -73,20 +73,38 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", "not_found_error", "model")
 
-    def _submit(self, prompt, params, ids, field: str, priority: int) -> Handle:
+    def _submit(self, prompt, params, ids, field: str, priority: int,
+                request: Request) -> Handle:
         try:
-            return self.loop.submit(prompt, params, ids, priority)
+            handle = self.loop.submit(prompt, params, ids, priority)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error") from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), "server_error") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=field) from None
+        handle.watcher = asyncio.create_task(self._watch(handle, request))
+        return handle
 
-    async def _first(self, handle: Handle, request: Request) -> Update:
+    async def _watch(self, handle: Handle, request: Request) -> None:
+        """Every DISCONNECT_POLL_S until the request ends, a look whether its client is still
+        there; if not: abort (freeing its blocks) and wake its handler (one task per request,
+        not a timeout per update)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                self.loop.abort(handle)
+                handle.updates.put_nowait(None)
+                return
+
+    def _abort(self, handle: Handle) -> None:
+        handle.watcher.cancel()
+        self.loop.abort(handle)
+
+    async def _first(self, handle: Handle) -> Update:
         """The first update; a request rejected by the engine becomes a 400, one the engine
         ended before it produced anything (shutdown, an engine failure) a 503."""
-        update = await self._next(handle, request)
+        update = await self._next(handle)
         if all(r == "abort" for r in update.finish_reasons) and not any(update.token_ids):
             raise APIError(503, self.loop.stopped_reason(), "server_error")
         out = update.output
@@ -95,23 +113,13 @@ class Server:
                            else None)
         return update
 
-    async def _next(self, handle: Handle, request: Request) -> Update:
-        """The request's next update; every DISCONNECT_POLL_S, updates coming or not, a look
-        whether its client is still there (if not: abort, freeing its blocks)."""
-        while True:
-            try:
-                update = await asyncio.wait_for(handle.updates.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                update = None
-            now = time.perf_counter()
-            if now - handle.checked >= DISCONNECT_POLL_S:
-                handle.checked = now
-                if await request.is_disconnected():
-                    self.loop.abort(handle)
-                    raise APIError(499, "client disconnected")
-            if update is not None:
-                self._observe(handle, update)
-                return update
+    async def _next(self, handle: Handle) -> Update:
+        """The request's next update (APIError 499 once its client has gone)."""
+        update = await handle.updates.get()
+        if update is None:
+            raise APIError(499, "client disconnected")
+        self._observe(handle, update)
+        return update
 
     def _observe(self, handle: Handle, update: Update) -> None:
         now = time.perf_counter()
@@ -126,13 +134,15 @@ class Server:
             handle.last_token_time = now
         if update.output is not None:
             self.metrics.e2e.observe(now - handle.submitted)
+        if update.output is not None or all(r == "abort" for r in update.finish_reasons):
+            handle.watcher.cancel()  # the last update
 
-    async def _collect(self, first: Update, handle: Handle, request: Request) -> RequestOutput:
+    async def _collect(self, first: Update, handle: Handle) -> RequestOutput:
         update = first
         while update.output is None:
             if all(r == "abort" for r in update.finish_reasons):
                 raise APIError(503, self.loop.stopped_reason(), "server_error")
-            update = await self._next(handle, request)
+            update = await self._next(handle)
         return update.output
 
     def _stream_end(self, updates: list[Update], body, rid: str, created: int,
@@ -175,21 +185,22 @@ class Server:
                 if prompt and ids is None:  # once, off the event loop (the engine takes ids)
                     ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                                   add_special_tokens=True)
-                handles.append(self._submit(prompt, params, ids, "prompt", body.priority))
+                handles.append(self._submit(prompt, params, ids, "prompt", body.priority,
+                                            request))
             for handle in handles:
-                firsts.append(await self._first(handle, request))
+                firsts.append(await self._first(handle))
         except BaseException:  # one prompt refused: none of them runs
             for handle in handles:
-                self.loop.abort(handle)
+                self._abort(handle)
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             echoes = [(text if text is not None else self.tokenizer.decode(ids))
                       if body.echo else "" for text, ids in inputs]
             return StreamingResponse(self._completion_streams(
-                firsts, handles, request, rid, created, params, body, echoes),
+                firsts, handles, rid, created, params, body, echoes),
                 media_type="text/event-stream")
-        outs = [await self._collect(f, h, request) for f, h in zip(firsts, handles, strict=True)]
+        outs = [await self._collect(f, h) for f, h in zip(firsts, handles, strict=True)]
         want_lp, echoes = params.logprobs, [self._echo(out, body) for out in outs]
         choices = [{"index": i * params.n + c.index, "text": echoes[i][0] + c.text,
                     "finish_reason": _finish_reason(c.finish_reason), "logprobs":
@@ -201,19 +212,19 @@ class Server:
                 "model": self.model_name, "choices": choices, "usage": usage_of(*outs)}
 
     async def _completion_streams(self, firsts: list[Update], handles: list[Handle],
-                                  request: Request, rid: str, created: int, params,
+                                  rid: str, created: int, params,
                                   body, echoes: list[str]) -> AsyncIterator[str]:
         """The prompts' chunks as they come (merged), then the end over all of them."""
         lasts: list[Update] = list(firsts)
-        async for line in merge([self._completion_chunks(i, lasts, handle, request, rid,
-                                                         created, params, echoes[i])
+        async for line in merge([self._completion_chunks(i, lasts, handle, rid, created,
+                                                         params, echoes[i])
                                  for i, handle in enumerate(handles)]):
             yield line
         for line in self._stream_end(lasts, body, rid, created, "text_completion"):
             yield line
 
     async def _completion_chunks(self, i: int, lasts: list[Update], handle: Handle,
-                                 request: Request, rid: str, created: int, params, echo: str
+                                 rid: str, created: int, params, echo: str
                                  ) -> AsyncIterator[str]:
         """Prompt i's chunks (after `echo`, its text when echoed), from its update in lasts[i]
         to its last (kept in lasts[i])."""
@@ -238,11 +249,11 @@ class Server:
                 if update.output is not None or all(r is not None
                                                     for r in update.finish_reasons):
                     break
-                update = lasts[i] = await self._next(handle, request)
+                update = lasts[i] = await self._next(handle)
             done = True
         finally:
             if not done:
-                self.loop.abort(handle)
+                self._abort(handle)
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -255,14 +266,14 @@ class Server:
             raise APIError(400, str(exc)) from None
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                       add_special_tokens=False)
-        handle = self._submit(prompt, params, ids, "messages", body.priority)
-        first = await self._first(handle, request)
+        handle = self._submit(prompt, params, ids, "messages", body.priority, request)
+        first = await self._first(handle)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._chat_stream(first, handle, request, rid, created,
-                                                       prompt, params.logprobs, body),
+            return StreamingResponse(self._chat_stream(first, handle, rid, created, prompt,
+                                                       params.logprobs, body),
                                      media_type="text/event-stream")
-        out = await self._collect(first, handle, request)
+        out = await self._collect(first, handle)
         parse_chat_output(out, prompt)
         choices = []
         for c in out.outputs:
@@ -275,7 +286,7 @@ class Server:
         return {"id": rid, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": usage_of(out)}
 
-    async def _chat_stream(self, update: Update, handle: Handle, request: Request, rid: str,
+    async def _chat_stream(self, update: Update, handle: Handle, rid: str,
                            created: int, prompt: str, want_lp: int | None, body
                            ) -> AsyncIterator[str]:
         n = len(update.text)
@@ -313,13 +324,13 @@ class Server:
                         yield chunk(i, {}, _finish_reason(reason, bool(calls[i])))
                 if all(ended) or update.output is not None:
                     break
-                update = await self._next(handle, request)
+                update = await self._next(handle)
             done = True
             for line in self._stream_end([update], body, rid, created, "chat.completion.chunk"):
                 yield line
         finally:
             if not done:
-                self.loop.abort(handle)
+                self._abort(handle)
 
 def create_app(llm, *, model_name: str, api_key: str | None = None,
                limits: Limits | None = None) -> FastAPI:

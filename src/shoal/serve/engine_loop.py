@@ -58,17 +58,41 @@ class Handle:
     started: bool = False  # produced a token (or finished): no longer queued
     last_token_time: float | None = None  # (metrics: inter-token latency)
     sent: list[list[int]] = field(default_factory=list)  # per choice: text, tokens, logprobs
-    checked: float = field(default_factory=time.perf_counter)  # last look for a disconnect
+    watcher: asyncio.Task | None = None  # the web side's disconnect watch
 
     @classmethod
-    def on_event_loop(cls, prompt_tokens: int) -> Handle:
-        """A handle whose updates arrive in `updates` on the calling event loop."""
-        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-        return cls(prompt_tokens, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u),
-                   updates)
+    def on_event_loop(cls, prompt_tokens: int, mailbox: Mailbox) -> Handle:
+        """A handle whose updates arrive in `updates` on `mailbox`'s event loop."""
+        updates: asyncio.Queue = asyncio.Queue()
+        return cls(prompt_tokens, lambda u: mailbox.post(updates, u), updates)
 
     def push(self, update: Update) -> None:
         self.sink(update)
+
+
+class Mailbox:
+    """Updates from the loop thread to queues on one asyncio event loop, delivered in batches:
+    the first post after a delivery schedules the next one, so a step that updates every
+    running request wakes the event loop once (a `call_soon_threadsafe` per update writes to
+    the loop's self-pipe and takes the interpreter lock once per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, Update]] = []
+        self._lock = threading.Lock()
+
+    def post(self, updates: asyncio.Queue, update: Update) -> None:
+        with self._lock:
+            self._pending.append((updates, update))
+            first = len(self._pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for updates, update in pending:
+            updates.put_nowait(update)
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,7 @@ class EngineLoop:
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.limits = limits or Limits()
         self._commands: queue.Queue = queue.Queue()
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # (submitting side)
         self._live: dict[str, Handle] = {}  # group -> handle (loop thread only)
         self._lock = threading.Lock()
         self._queued = [0, 0]  # requests, prompt tokens not yet started (under _lock)
@@ -109,7 +134,14 @@ class EngineLoop:
             raise ValueError(f"the prompt has {tokens} tokens, more than this server queues "
                              f"at once (max_queued_prompt_tokens = "
                              f"{self.limits.max_queued_prompt_tokens})")
-        handle = Handle.on_event_loop(tokens) if sink is None else Handle(tokens, sink)
+        if sink is None:
+            loop = asyncio.get_running_loop()
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = Mailbox(loop)
+            handle = Handle.on_event_loop(tokens, mailbox)
+        else:
+            handle = Handle(tokens, sink)
         with self._lock:
             if self._closed:
                 raise EngineStopped(self.stopped_reason())

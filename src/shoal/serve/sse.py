@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -15,6 +16,11 @@ def sse(obj: Any) -> str:
 async def merge(streams: Sequence[AsyncIterator[str]]) -> AsyncIterator[str]:
     """The streams' items in arrival order. An error in one ends the merge with it; closing
     the merge closes every stream (their `finally` blocks run)."""
+    if len(streams) == 1:  # no pump task and queue hop per item
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield item
+        return
     items: asyncio.Queue = asyncio.Queue()
     done = object()
 
