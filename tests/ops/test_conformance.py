@@ -30,7 +30,7 @@ load_backends()
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 HEAVY = os.environ.get("SHOAL_HEAVY", "") == "1"
-GPU_BACKENDS = ("triton", "triton_invariant", "cuda")
+GPU_BACKENDS = ("triton", "triton_invariant", "triton_exact", "cuda")
 STRIDED_MAX_ELEMENTS = 1 << 22  # CPU strided re-runs only where cheap
 
 

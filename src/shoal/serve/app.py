@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -28,6 +27,7 @@ from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
 from shoal.serve.auth import RequireKey
 from shoal.serve.engine_loop import EngineLoop, EngineStopped, Handle, Limits, QueueFull, Update
+from shoal.serve.errors import APIError, install_error_handlers
 from shoal.serve.logprobs import LogprobFormat
 from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
@@ -46,13 +46,6 @@ from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
 DISCONNECT_POLL_S = 0.25
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 class Server:
@@ -348,19 +341,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status),
-                            status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", param=param,
-                                       code=400), status_code=400)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health():

@@ -11,6 +11,7 @@ from shoal.ops.triton import (  # noqa: F401
     cache,
     engram,
     gemm,
+    gemm_exact,
     gemm_grouped,
     head,
     hyper_connections,
