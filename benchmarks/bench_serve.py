@@ -20,6 +20,7 @@ import os
 import random
 import socket
 import statistics
+import sys
 import threading
 import time
 
@@ -111,6 +112,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--switch-intervals", type=float, nargs="+", default=None,
+                    help="serve once per interpreter switch interval (sys.setswitchinterval, "
+                         "seconds; default: the interpreter's)")
     args = ap.parse_args()
     import uvicorn
 
@@ -145,39 +149,44 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    client = ctx.Process(target=_client_process, args=(
-        f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency,
-        args.request_rate, queue))
-    cpu0 = _thread_cpu()
-    client.start()
-    results, served_s = queue.get()
-    served_cpu = _spent(cpu0, _thread_cpu())
-    client.join()
+    default_interval = sys.getswitchinterval()
+    for interval in args.switch_intervals or [default_interval]:
+        sys.setswitchinterval(interval)
+        queue = ctx.Queue()
+        client = ctx.Process(target=_client_process, args=(
+            f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency,
+            args.request_rate, queue))
+        cpu0 = _thread_cpu()
+        client.start()
+        results, served_s = queue.get()
+        served_cpu = _spent(cpu0, _thread_cpu())
+        client.join()
+        served_tokens = sum(r["tokens"] for r in results)
+        summary = {
+            "bench": "serve", "commit": git_commit(), "model": args.model,
+            "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+            "request_rate": args.request_rate, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "switch_interval_s": interval,
+            "offline": {"seconds": offline_s, "output_tok_s": offline_tokens / offline_s,
+                        "thread_cpu_s": offline_cpu},
+            "served": {"seconds": served_s, "output_tok_s": served_tokens / served_s,
+                       "thread_cpu_s": served_cpu},
+            "served_share_of_offline": (served_tokens / served_s) / (offline_tokens / offline_s),
+            "ttft_ms": _percentiles([r["ttft"] for r in results]),
+            "itl_ms": _percentiles([x for r in results for x in r["itl"]]),
+            "e2e_ms": _percentiles([r["e2e"] for r in results]),
+        }
+        print(f"switch interval {interval * 1e3:g} ms: offline "
+              f"{summary['offline']['output_tok_s']:.1f} tok/s | served "
+              f"{summary['served']['output_tok_s']:.1f} tok/s "
+              f"({summary['served_share_of_offline']:.1%} of offline)")
+        print("thread CPU s: offline", offline_cpu, "| served", served_cpu)
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            print(key, {k: round(v, 2) for k, v in summary[key].items()})
+        print(json.dumps(summary))
+    sys.setswitchinterval(default_interval)
     server.should_exit = True
     thread.join(60)
-    served_tokens = sum(r["tokens"] for r in results)
-    summary = {
-        "bench": "serve", "commit": git_commit(), "model": args.model,
-        "num_prompts": args.num_prompts, "concurrency": args.concurrency,
-        "request_rate": args.request_rate, "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "offline": {"seconds": offline_s, "output_tok_s": offline_tokens / offline_s,
-                    "thread_cpu_s": offline_cpu},
-        "served": {"seconds": served_s, "output_tok_s": served_tokens / served_s,
-                   "thread_cpu_s": served_cpu},
-        "served_share_of_offline": (served_tokens / served_s) / (offline_tokens / offline_s),
-        "ttft_ms": _percentiles([r["ttft"] for r in results]),
-        "itl_ms": _percentiles([x for r in results for x in r["itl"]]),
-        "e2e_ms": _percentiles([r["e2e"] for r in results]),
-    }
-    print(f"offline {summary['offline']['output_tok_s']:.1f} tok/s | served "
-          f"{summary['served']['output_tok_s']:.1f} tok/s "
-          f"({summary['served_share_of_offline']:.1%} of offline)")
-    print("thread CPU s: offline", offline_cpu, "| served", served_cpu)
-    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
-        print(key, {k: round(v, 2) for k, v in summary[key].items()})
-    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

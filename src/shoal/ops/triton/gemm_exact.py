@@ -50,8 +50,8 @@ def _gemm_fp8_exact_body(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, M_BUCKET,
     b_ptrs = b_ptr + rn[None, :] * K + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, kb_count):
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
+        a = tl.load(a_ptrs).to(tl.bfloat16)  # e4m3 values are bf16 values: exact
+        b = tl.load(b_ptrs).to(tl.bfloat16)
         sa = _ue8m0(tl.load(as_ptr + rm * kb_count + kb))
         sb = _ue8m0(tl.load(bs_ptr + (rn // 32) * kb_count + kb))
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
