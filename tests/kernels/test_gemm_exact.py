@@ -10,24 +10,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernels.test_gemm_fp8 import _inputs  # noqa: E402
 from shoal.ops.reference import gemm as ref_gemm  # noqa: E402
-from shoal.quant.fp8 import quant_fp8_act, quant_fp8_weight  # noqa: E402
 from support.triton_interpreter import DEV, INTERP, needs_kernels, patch_interpreter  # noqa: E402
 
 # (M, N, K): decode rows, odd N (a partial 32-row weight block), several tiles
 CASES = [(1, 96, 256), (5, 769, 128), (37, 100, 320), (70, 33, 64)]
 MAX_ULP_FLIPS = 0.01  # share of outputs allowed one bf16 ulp off (the in-block order)
-
-
-def _inputs(m: int, n: int, k: int, seed: int, spread: bool):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    if spread:  # per-block magnitudes over 2^-12 .. 2^12: scales that a fold would round
-        x = x * torch.exp2(torch.randint(-12, 13, (m, k // 32), generator=g).float()
-                           ).repeat_interleave(32, 1)
-    w = torch.randn(n, k, generator=g) / k**0.5
-    wc, ws = quant_fp8_weight(w, 32)
-    return x.to(torch.bfloat16), wc, ws
 
 
 def _check(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -46,8 +35,7 @@ def test_blockwise_kernel_has_the_references_bits(monkeypatch, m, n, k, spread) 
 
     if INTERP:
         patch_interpreter(monkeypatch)
-    xb, wc, ws = _inputs(m, n, k, 11 * m + n + spread, spread)
-    q, qs = quant_fp8_act(xb, 32)
+    xb, q, qs, wc, ws = _inputs(m, n, k, 11 * m + n + spread, spread)
     got = torch.full((m, n), float("nan"), dtype=torch.bfloat16)  # poisoned: all written
     got.copy_(gemm_fp8_blockwise(q.to(DEV), qs.to(DEV), wc.to(DEV), ws.to(DEV),
                                  tile=(64, 64, 4, 2) if INTERP else None).cpu())
@@ -59,7 +47,7 @@ def test_blockwise_kernel_has_the_references_bits(monkeypatch, m, n, k, spread) 
 def test_op_has_the_references_bits_and_rows_do_not_depend_on_the_batch(m: int) -> None:
     from shoal.ops.triton.gemm_exact import gemm_fp8_exact
 
-    xb, wc, ws = _inputs(m, 1280, 4096, m, False)
+    xb, _, _, wc, ws = _inputs(m, 1280, 4096, m, False)
     dev = {"weight": wc.cuda(), "weight_scale": ws.cuda()}
     got = gemm_fp8_exact(x=xb.cuda(), **dev).cpu()
     _check(got, ref_gemm.gemm_fp8(x=xb, weight=wc, weight_scale=ws))
