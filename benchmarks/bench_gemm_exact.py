@@ -22,7 +22,7 @@ from shoal.quant.fp8 import quant_fp8_weight
 
 HBM, FP8_PEAK = 4.24e12, 1343e12
 SHAPES = {"wq_a|wkv": (1792, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192)}
-ROWS = (1, 16, 64, 512, 4096)
+ROWS = (1, 64, 4096)
 
 
 def main() -> None:
