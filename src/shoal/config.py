@@ -74,7 +74,7 @@ class CacheConfig:
 class RunnerConfig:
     """How the model runs. device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1'.
     backends: op backend priority (None: triton on sm_90+, else the reference;
-    ('triton_exact', 'triton'): the FP8 GEMM with the official kernel's rounding, slower).
+    ('triton_exact', 'triton'): the FP8 GEMM with the official kernel's rounding).
     prefill_mode: decoder tail-only prefill, 'full' | 'staircase' (both exact) | 'bounded'
     (approximate, replay_window rows). load_format: 'auto' (checkpoint weights; random for a
     preset), 'dummy' (random weights created on the device), 'safetensors'.
