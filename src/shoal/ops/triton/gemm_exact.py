@@ -1,15 +1,18 @@
 """`gemm_fp8` with the official kernel's rounding (backend `triton_exact`, opt-in through
 `backends=("triton_exact", "triton")`): each 32-K block's product formed from zero by one
-FP8 wgmma, scaled by its activation and weight UE8M0 scales in fp32, and added to the fp32
-accumulator in K order, one program per output tile (no split-K, no folded scales). That is
-the reference's definition; the only deviation left is the order of the 32 products inside
-one block on the tensor core (at most a few fp32 ulp, rarely one bf16 ulp of the output).
+bf16 MMA (the e4m3 codes widened to bf16 in registers, exact: an FP8 wgmma already rounds
+inside one K = 32 block on the H200), scaled by its activation and weight UE8M0 scales in
+fp32, and added to the fp32 accumulator in K order, one program per output tile (no split-K,
+no folded scales). That is the reference's definition; the only deviation left is the order
+of the 32 products inside one block on the tensor core (a few fp32 ulp at most, rarely one
+bf16 ulp of the output; none in situ on the official fixture, H200 2026-12-05).
 
-The default `triton` gemm_fp8 (gemm.py) folds the scales and promotes every 128 K, several
-times faster and within the op's tolerance, but not the reference's bits: one flipped bf16
-ulp re-quantises differently downstream and moves discrete choices (index top-k, routing),
-which the official per-layer comparison (tests/model/test_official_layers.py) sees. A row's
-bits never depend on the other rows (batch-invariant).
+The default `triton` gemm_fp8 (gemm.py) folds the scales and promotes every 128 K, within the
+op's tolerance but not the reference's bits (2-5% of outputs one bf16 ulp off in situ): a
+flipped ulp re-quantises differently downstream and moves discrete choices (index top-k,
+routing), which the official per-layer comparison (tests/model/test_official_layers.py) sees.
+A row's bits never depend on the other rows (batch-invariant). Speed against the default:
+benchmarks/bench_gemm_exact.py (not yet run).
 """
 
 from __future__ import annotations
@@ -20,19 +23,11 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.act_quant import act_quant
+from shoal.ops.triton.engram import ue8m0_value
 from shoal.ops.triton.gemm import _supports_gemm, tile_offsets
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
 BLOCK = 32  # the UE8M0 scale block along K (and along N for the weight)
-
-
-@triton.jit
-def _ue8m0(s):
-    """UE8M0 byte -> fp32 2^(s - 127) (exact; 0 is 2^-127, 255 NaN, as the reference decodes)."""
-    e = s.to(tl.int32)
-    v = (e << 23).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, 5.877471754111438e-39, v)
-    return tl.where(e == 255, float("nan"), v)
 
 
 def _gemm_fp8_exact_body(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, M_BUCKET,
@@ -52,8 +47,8 @@ def _gemm_fp8_exact_body(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, M_BUCKET,
     for kb in range(0, kb_count):
         a = tl.load(a_ptrs).to(tl.bfloat16)  # e4m3 values are bf16 values: exact
         b = tl.load(b_ptrs).to(tl.bfloat16)
-        sa = _ue8m0(tl.load(as_ptr + rm * kb_count + kb))
-        sb = _ue8m0(tl.load(bs_ptr + (rn // 32) * kb_count + kb))
+        sa = ue8m0_value(tl.load(as_ptr + rm * kb_count + kb).to(tl.int32))
+        sb = ue8m0_value(tl.load(bs_ptr + (rn // 32) * kb_count + kb).to(tl.int32))
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += 32
         b_ptrs += 32
