@@ -2,6 +2,8 @@
 128 SWA + 512 compressed rows per token) over the kernel's knob variants (ATTN_VARIANTS; "op" is
 what the registered op runs): a correctness line per variant, then time, FLOPs, bytes and the
 fraction of floor per (T, variant). Run through bench_ops.py (--only attn or attn=V1+V2).
+Variants "cuda" and "cuda-perN" run the CUDA kernel (ops/cuda/sparse_attn.py; N index blocks per
+split at decode sizes).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 from op_bench import BF16_PEAK, HBM, bench, copies, log, record, rel_err
 
+from shoal.ops.cuda import sparse_attn as cuda_attn
 from shoal.ops.reference import attention as ref_attn
 from shoal.ops.triton import attention as tri_attn
 from shoal.quant.records import pack_compressed_record, pack_swa_record
@@ -28,6 +31,8 @@ def attn_inputs(t: int, n_swa: int, n_comp: int, h: int = 64, d: int = 512, gen=
     return dict(q=q, swa_cache=swa, swa_idx=swa_idx, comp_cache=comp, comp_idx=sel, sink=sink,
                 scale=d**-0.5)
 
+
+DECODE_ROWS = tri_attn.DECODE_MAX_TOKENS
 
 ATTN_VARIANTS = {
     # name: sparse_attn knobs (see tri_attn.sparse_attn); "op" is what the registered op runs
@@ -53,6 +58,28 @@ ATTN_VARIANTS = {
 }
 
 
+CUDA_VARIANTS = ("cuda", "cuda-per1", "cuda-per3", "cuda-per5", "cuda-per10")
+
+
+def _variant(name: str):
+    """(run(inputs, split) -> out, splits(T, n_swa, n_comp)) of a variant."""
+    if name.startswith("cuda"):
+        per = int(name.partition("-per")[2] or cuda_attn.BLOCKS_PER_SPLIT)
+        state = cuda_attn.SparseAttnState(per)
+        return (lambda kw, split=None: cuda_attn.sparse_attn_sink(**kw, state=state),
+                lambda t, n_swa, n_comp: cuda_attn.partition(t, _blocks(n_swa, n_comp, 64),
+                                                             per)[0])
+    opts = ATTN_VARIANTS[name]
+    bn = opts.get("block_n", 64)
+    return (lambda kw, split=None: tri_attn.sparse_attn(**kw, **{"split": split, **opts}),
+            lambda t, n_swa, n_comp: tri_attn.partition(t, _blocks(n_swa, n_comp, bn),
+                                                        opts.get("split"))[0])
+
+
+def _blocks(n_swa: int, n_comp: int, block_n: int) -> int:
+    return -(-n_swa // block_n) + -(-n_comp // block_n)
+
+
 def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
     """sparse_attn_sink at the Flash decode shape, every variant in `names` (default: all of
     ATTN_VARIANTS): a correctness line per variant (T=8, split 1 and the automatic split),
@@ -61,25 +88,28 @@ def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
     h, d, n_swa, n_comp = 64, 512, 128, 512
     kw = attn_inputs(8, n_swa, n_comp, gen=gen)
     ref = ref_attn.sparse_attn_sink(**kw)
-    variants = [(n, ATTN_VARIANTS[n]) for n in (names or list(ATTN_VARIANTS))]
+    variants = [(n, _variant(n)) for n in (names or [*ATTN_VARIANTS, *CUDA_VARIANTS])]
+    wide = attn_inputs(DECODE_ROWS + 3, n_swa, n_comp, gen=gen)  # one program per row
+    wide_ref = ref_attn.sparse_attn_sink(**wide)
     ok = []
-    for vname, opts in variants:
+    for vname, (run, splits) in variants:
         good = True
-        for split in (1, None):
+        for split in (1, None, "wide"):
             try:
-                got = tri_attn.sparse_attn(**kw, **{"split": split, **opts})
+                got = run(wide) if split == "wide" else run(kw, split)
                 torch.cuda.synchronize()
             except Exception as exc:  # a variant that fails to compile is reported, not fatal
                 log(f"check sparse_attn_sink[{vname}]: failed {type(exc).__name__}: "
                     f"{exc!s:.200}")
                 good = False
                 break
-            err = rel_err(got, ref)
+            want = wide_ref if split == "wide" else ref
+            err = rel_err(got, want)
             good &= err < 2e-2
-            log(f"check sparse_attn_sink[{vname}] T=8 split={split or 'auto'}: rel err "
-                f"{err:.2e}, max abs {float((got.float() - ref.float()).abs().max()):.2e}")
+            log(f"check sparse_attn_sink[{vname}] T={got.shape[0]} split={split or 'auto'}: rel "
+                f"err {err:.2e}, max abs {float((got.float() - want.float()).abs().max()):.2e}")
         if good:
-            ok.append((vname, opts))
+            ok.append((vname, run, splits))
         else:
             log(f"sparse_attn_sink[{vname}]: WRONG or failed, not timed")
     best: dict[int, tuple[float, str]] = {}
@@ -88,15 +118,13 @@ def bench_attention(batches: list[int], names: list[str] | None = None) -> None:
         sets = [attn_inputs(t, n_swa, n_comp, gen=gen) for _ in range(copies(rec_bytes))]
         flops = 4.0 * t * h * (n_swa + n_comp) * d
         nbytes = rec_bytes + 2 * t * h * d * 2 + t * (n_swa + n_comp) * 4
-        for vname, opts in ok:
+        for vname, run, splits in ok:
             try:
-                ms = bench([lambda s=s, o=opts: tri_attn.sparse_attn(**s, **o) for s in sets])
+                ms = bench([lambda s=s, r=run: r(s) for s in sets])
             except Exception as exc:  # a variant that fails to compile is reported, not fatal
                 log(f"sparse_attn_sink {vname} T{t}: failed: {type(exc).__name__}: {exc}"[:300])
                 continue
-            block_n = opts.get("block_n", 64)
-            nb = -(-n_swa // block_n) + -(-n_comp // block_n)
-            split = tri_attn.partition(t, nb, opts.get("split"))[0]
+            split = splits(t, n_swa, n_comp)
             record(f"sparse_attn[{vname}]", f"T{t}xH{h}xD{d} swa{n_swa}+comp{n_comp}", ms,
                    flops, nbytes, BF16_PEAK, split=split,
                    frac_hbm=round(nbytes / HBM / (ms * 1e-3), 3))

@@ -44,3 +44,23 @@ def test_options_change_the_key(monkeypatch, tmp_path) -> None:
     a = nvrtc.compile_cubin(src, name="k.cu", options=("-DV=1",))
     b = nvrtc.compile_cubin(src, name="k.cu", options=("-DV=2",))
     assert not a.cached and not b.cached and a.cubin != b.cubin
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernels_do_not_spill(monkeypatch, tmp_path, source: str) -> None:
+    """Every kernel of every source fits its registers (cuobjdump's STACK:0): a spill in a
+    hot loop costs more than any tiling gains."""
+    import re
+    import subprocess
+
+    from shoal.ops.triton import aot
+
+    if not aot.has_tools():
+        pytest.skip("Triton's bundled cuobjdump is missing")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "k.cubin"
+    path.write_bytes(nvrtc.compile_file(source).cubin)
+    usage = subprocess.run([f"{aot.TOOLS}/cuobjdump", "--dump-resource-usage", str(path)],
+                           capture_output=True, text=True, check=True).stdout
+    stacks = re.findall(r"STACK:(\d+)", usage)
+    assert stacks and all(s == "0" for s in stacks), usage

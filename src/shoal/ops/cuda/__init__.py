@@ -3,4 +3,4 @@ driver API (`driver.py`); registered as backend "cuda" (not in the default prior
 kernels are measured on the device; `RunnerConfig.backends` opts in). Each kernel family is a
 Python front `<family>.py` beside its source `<family>.cu`."""
 
-from shoal.ops.cuda import moe_decode  # noqa: F401  (registers its ops)
+from shoal.ops.cuda import moe_decode, sparse_attn  # noqa: F401  (register their ops)

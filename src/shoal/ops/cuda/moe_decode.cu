@@ -26,12 +26,7 @@
 // routed row's sums use only its own activations: its result does not depend on the other rows
 // of its tile or the batch.
 
-// No includes: NVRTC from PyPI ships no headers (bf16 rounding is written out below).
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef unsigned short bf16_t;  // bfloat16 bits
-typedef long long int64_t;
+#include "common.cuh"
 
 #define WARPS 4
 #define TILE_M 8  // routed rows per tile: the MMA's n
@@ -95,50 +90,12 @@ __device__ Tile find_tile(const int* __restrict__ counts, int num_experts, int j
     return found;
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-    uint32_t d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
 // Four e2m1 codes (the low 16 bits of `codes`, code i in nibble i) -> four e4m3 bytes through
 // the 8-byte magnitude table (lo, hi), the sign bit moved to bit 7 of each byte.
 __device__ __forceinline__ uint32_t e2m1x4_to_e4m3(uint32_t codes, uint32_t lo, uint32_t hi) {
     uint32_t mag = prmt(lo, hi, codes & 0x7777u);
     uint32_t sign = prmt(0x00008000u, 0u, (codes >> 3) & 0x1111u);
     return mag | sign;
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// four e4m3 bytes -> two f16x2 (bytes 0, 1 -> lo; bytes 2, 3 -> hi; the lower byte in the
-// lower half), exact
-__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
-        " cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-        : "=r"(lo), "=r"(hi) : "r"(x));
-}
-
-// fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN)
-__device__ __forceinline__ bf16_t to_bf16(float x) {
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
-    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float bf16_round(float x) {
-    return __uint_as_float((uint32_t)to_bf16(x) << 16);
-}
-
-__device__ __forceinline__ void store_bf16x2(bf16_t* p, float lo, float hi) {
-    *reinterpret_cast<uint32_t*>(p) = (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16);
 }
 
 __device__ __forceinline__ float col_scale(int smax) {

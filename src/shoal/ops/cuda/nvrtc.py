@@ -2,7 +2,8 @@
 (`cuda-bindings` and `nvidia-cuda-nvrtc` from PyPI: a user needs no CUDA toolkit), with the
 cubins cached on disk.
 
-A cubin is keyed by its source, the compile options and NVRTC's version, and kept in
+Every compile gets the headers beside this module (`*.cuh`, included by name). A cubin is keyed
+by its source, the headers, the compile options and NVRTC's version, and kept in
 `<cache>/cuda/<key>.cubin` (`<cache>`: $SHOAL_CACHE_DIR, else $XDG_CACHE_HOME/shoal, else
 ~/.cache/shoal), written to a temporary name and renamed, so concurrent processes never read a
 partial file and a second start compiles nothing. Compiling needs no GPU (CPU tests build the
@@ -68,11 +69,15 @@ def compile_cubin(source: str, *, name: str, arch: str = "sm_90a",
     from cuda.bindings import nvrtc
 
     opts = (f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options)
-    key = hashlib.sha256("\0".join((source, *opts, repr(version()))).encode()).hexdigest()[:32]
+    headers = headers_here()
+    key = hashlib.sha256("\0".join((source, *opts, *(f"{n}\0{t}" for n, t in headers),
+                                     repr(version()))).encode()).hexdigest()[:32]
     path = cache_dir() / f"{Path(name).stem}-{key}.cubin"
     if path.exists():
         return Compiled(path.read_bytes(), cached=True)
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), len(headers),
+                                         [t.encode() for _, t in headers],
+                                         [n.encode() for n, _ in headers])
     _check(err, "nvrtcCreateProgram")
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
@@ -90,6 +95,11 @@ def compile_cubin(source: str, *, name: str, arch: str = "sm_90a",
         f.write(cubin)
     os.replace(f.name, path)
     return Compiled(cubin, cached=False)
+
+
+def headers_here() -> list[tuple[str, str]]:
+    """(name, text) of the headers beside this module, in name order."""
+    return [(p.name, p.read_text()) for p in sorted(SOURCE_DIR.glob("*.cuh"))]
 
 
 def compile_file(file: str, **kwargs) -> Compiled:

@@ -328,11 +328,18 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
             HAS_COMP=has_comp, KEEP_K=keep_k, P_MEM=p_mem, Q_RES=q_res, num_warps=num_warps,
             num_stages=num_stages, **PDL_LAUNCH)
     if split > 1:
-        hb, db = 16, min(d, 128)  # 16 heads x 128 columns (timing: docs/perf/attention.md)
-        _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
-                                                          NSPLIT=split, HB=hb, DB=db,
-                                                          num_warps=4, **PDL_LAUNCH)
+        combine(part, ml, sink, out)
     return out
+
+
+def combine(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H, D] bf16 from the splits' fp32 partials part [T, S, H, D] and ml [T, S, H, 2]
+    (running max, denominator) and the sink [H] fp32 (`_combine_kernel`)."""
+    t, split, h, d = part.shape
+    hb, db = 16, min(d, 128)  # 16 heads x 128 columns (timing: docs/perf/attention.md)
+    _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
+                                                      NSPLIT=split, HB=hb, DB=db, num_warps=4,
+                                                      **PDL_LAUNCH)
 
 
 def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, **_) -> bool:
