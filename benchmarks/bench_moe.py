@@ -8,7 +8,9 @@ everywhere: on the decode tiles the fp16 LUT conversion that conversion 3 replac
 decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_swap_p` (the same tiles
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
-ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight). For T = 8192 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
+ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
+`cuda_sN`: chunks staged in shared memory by cp.async, N stages). For T = 8192
+(compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
 syncs); the floor max(HBM bytes of the touched experts' weights + scales / 4.24e12,
@@ -140,10 +142,14 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "w4a16":
         return {"w4a8": False}
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
-        # cuda_dN: MOE_DEPTH N)
-        depth = name.removeprefix("cuda").removeprefix("_d")
-        return ({"cuda": int(depth) if depth else cuda_moe.DEPTH}
-                if rows <= cuda_moe.MAX_ROWS else None)
+        # cuda_dN: MOE_DEPTH N; cuda_sN: MOE_STAGES N, the shared-memory staged loads)
+        knob = name.removeprefix("cuda").removeprefix("_")
+        depth, stages = cuda_moe.DEPTH, cuda_moe.STAGES
+        if knob.startswith("d"):
+            depth = int(knob[1:])
+        elif knob.startswith("s"):
+            stages = int(knob[1:])
+        return {"cuda": (depth, stages)} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
 
 
@@ -153,8 +159,8 @@ CUDA_STATE: dict = {}
 def run(kw: dict, **inputs) -> torch.Tensor:
     """The op of a variant: `moe_experts` with its kwargs, or the CUDA kernels."""
     if kw.get("cuda"):
-        depth = kw["cuda"]
-        state = CUDA_STATE.setdefault(depth, cuda_moe.DecodeMoEState(depth))
+        depth, stages = kw["cuda"]
+        state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(depth, stages))
         return cuda_moe.moe_mxfp4(**inputs, state=state)
     return tmoe.moe_experts(**inputs, **kw)
 

@@ -1,4 +1,5 @@
-"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda"; loads in flight 1 and 2) on the H200:
+"""The CUDA decode MoE (ops/cuda/moe_decode.py, backend "cuda"; loads in flight 1 and 2, or staged
+in shared memory) on the H200:
 within the op's tolerance of the reference at mini's expert shapes (the conformance suite runs
 the registry's cases too), a token's bits the same alone and in a batch, and the op captured in
 a CUDA graph replays the eager result."""
@@ -25,14 +26,15 @@ def _inputs(t: int, e: int = 16, d: int = 5120, inter: int = 2304, k: int = 6, s
                 w2_scale=s2, limit=10.0)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(depth: int) -> None:
+@pytest.mark.parametrize("depth,stages", [(1, 0), (2, 0), (2, 2), (2, 4)])
+def test_matches_the_reference_and_rows_do_not_depend_on_the_batch(depth: int,
+                                                                   stages: int) -> None:
     from shoal.ops.cuda import moe_decode
     from shoal.ops.reference.moe import _moe_compare, moe_mxfp4
     from shoal.ops.registry import load_backends
 
     load_backends()
-    state = moe_decode.DecodeMoEState(depth)
+    state = moe_decode.DecodeMoEState(depth, stages)
     kw = _inputs(64)
     assert moe_decode._supports(**kw)
     whole = moe_decode.moe_mxfp4(**kw, state=state)
@@ -60,3 +62,15 @@ def test_graph_replay_equals_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+def test_staged_loads_give_the_register_paths_bits(stages: int) -> None:
+    """The staged path changes where a chunk waits, not its arithmetic: the same bits."""
+    from shoal.ops.cuda import moe_decode
+
+    for t in (1, 8, 64):
+        kw = _inputs(t, seed=t)
+        want = moe_decode.moe_mxfp4(**kw, state=moe_decode.DecodeMoEState())
+        got = moe_decode.moe_mxfp4(**kw, state=moe_decode.DecodeMoEState(stages=stages))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), t

@@ -25,10 +25,11 @@ def test_kernels_build_for_sm90a_and_are_cached(monkeypatch, tmp_path, source: s
     assert [p.suffix for p in (tmp_path / "cuda").iterdir()] == [".cubin"]  # no partial files
 
 
-@pytest.mark.parametrize("depth", [1, 3, 4])
-def test_moe_decode_depths_build(monkeypatch, tmp_path, depth: int) -> None:
+@pytest.mark.parametrize("option", ["MOE_DEPTH=1", "MOE_DEPTH=3", "MOE_DEPTH=4", "MOE_STAGES=2",
+                                    "MOE_STAGES=4", "MOE_STAGES=6"])
+def test_moe_decode_variants_build(monkeypatch, tmp_path, option: str) -> None:
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
-    cubin = nvrtc.compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={depth}",)).cubin
+    cubin = nvrtc.compile_file("moe_decode.cu", options=(f"-D{option}",)).cubin
     assert cubin[:4] == b"\x7fELF"
 
 

@@ -33,7 +33,10 @@
 #define CHUNK_K 128
 #define LUT_ROWS 32
 #ifndef MOE_DEPTH
-#define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane
+#define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane (register path)
+#endif
+#ifndef MOE_STAGES
+#define MOE_STAGES 0  // > 1: chunks staged in shared memory by cp.async instead (stage_issue)
 #endif
 
 struct Tile {
@@ -103,8 +106,8 @@ __device__ __forceinline__ float col_scale(int smax) {
 }
 
 // One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each group's row)
-// and their block scales. The activations are read when the chunk is consumed (mostly from L1:
-// fewer registers per chunk in flight).
+// and their block scales. On the register path the activations are read when the chunk is
+// consumed (mostly from L1: fewer registers per chunk in flight).
 struct Stage {
     uint4 b0, b1;
     int s0, s1;
@@ -117,6 +120,72 @@ struct Stage {
         s1 = ps1[k0 / 32];
     }
 };
+
+// One 128-K chunk into the lane's accumulators: its weight codes (cur) widened to fp16 through
+// the shift tables of their block scales, times the activations act (fp16 pairs: codes 2m,
+// 2m + 1 of the block in word m).
+__device__ __forceinline__ void chunk_mma(float (&acc)[4], const Stage& cur,
+                                          const uint32_t (&act)[16], const uint2* lut,
+                                          int smax0, int smax1) {
+    const uint2 l0 = lut[min(smax0 - cur.s0, LUT_ROWS - 1)];
+    const uint2 l1 = lut[min(smax1 - cur.s1, LUT_ROWS - 1)];
+    const uint32_t wb0[4] = {cur.b0.x, cur.b0.y, cur.b0.z, cur.b0.w};
+    const uint32_t wb1[4] = {cur.b1.x, cur.b1.y, cur.b1.z, cur.b1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            uint32_t af[4];  // rows g, g+8 x slots {2t, 2t+1}, then {2t+8, 2t+9}
+            e4m3x4_to_f16(e2m1x4_to_e4m3(wb0[j] >> (16 * h), l0.x, l0.y), af[0], af[2]);
+            e4m3x4_to_f16(e2m1x4_to_e4m3(wb1[j] >> (16 * h), l1.x, l1.y), af[1], af[3]);
+            mma_f16(acc, af, act[4 * j + 2 * h], act[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
+#if MOE_STAGES > 0
+// The staged load path: per stage and lane, six 16-byte slots (the two weight blocks, the 64
+// activation bytes) at ring[(6 stage + slot) THREADS + tid], then the two 4-byte words holding
+// the chunk's four block scales of each row at ((uint2*)(ring + 6 MOE_STAGES THREADS))[stage
+// THREADS + tid]. Each lane reads only what it copied, so cp.async.wait_group is the only wait.
+#define MOE_THREADS (WARPS * 32)
+
+__device__ __forceinline__ void stage_issue(uint4* ring, int s, const uint8_t* pw0,
+                                            const uint8_t* pw1, const uint32_t* psw0,
+                                            const uint32_t* psw1, const uint4* pa, int kc,
+                                            int K) {
+    if (kc < K) {
+        const uint4* slot = ring + 6 * s * MOE_THREADS + threadIdx.x;
+        const uint32_t base = smem_addr(slot);
+        cp_async16(base, pw0 + kc / 2, true);
+        cp_async16(base + 16 * MOE_THREADS, pw1 + kc / 2, true);
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+            cp_async16(base + 16 * (2 + v) * MOE_THREADS, pa + kc / 8 + v, true);
+        const uint2* scales = reinterpret_cast<const uint2*>(ring + 6 * MOE_STAGES * MOE_THREADS);
+        const uint32_t sc = smem_addr(scales + s * MOE_THREADS + threadIdx.x);
+        cp_async4(sc, psw0 + kc / CHUNK_K);
+        cp_async4(sc + 4, psw1 + kc / CHUNK_K);
+    }
+    cp_async_commit();  // (an empty group past K keeps the wait count uniform)
+}
+
+__device__ __forceinline__ void stage_read(const uint4* ring, int s, int t, Stage& cur,
+                                           uint32_t (&act)[16]) {
+    const uint4* slot = ring + 6 * s * MOE_THREADS + threadIdx.x;
+    cur.b0 = slot[0];
+    cur.b1 = slot[MOE_THREADS];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+        const uint4 q = slot[(2 + v) * MOE_THREADS];
+        act[4 * v] = q.x, act[4 * v + 1] = q.y, act[4 * v + 2] = q.z, act[4 * v + 3] = q.w;
+    }
+    const uint2 sc = reinterpret_cast<const uint2*>(ring + 6 * MOE_STAGES * MOE_THREADS)[
+        s * MOE_THREADS + threadIdx.x];
+    cur.s0 = (sc.x >> (8 * t)) & 0xff;
+    cur.s1 = (sc.y >> (8 * t)) & 0xff;
+}
+#endif
 
 // A lane's share of its CTA: the tile (expert, routed rows), the lane's coordinates, the first
 // output column of its warp, and its two weight rows (one per group; row 0 stands in past N)
@@ -182,6 +251,27 @@ __device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict
     // (the table in shared memory is visible: find_tile ends with a barrier)
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if MOE_STAGES > 0
+    // chunks staged in shared memory by cp.async, MOE_STAGES - 1 ahead (the lane's own slots)
+    extern __shared__ uint4 ring[];
+    const uint32_t* psw0 = reinterpret_cast<const uint32_t*>(ps0 - t);
+    const uint32_t* psw1 = reinterpret_cast<const uint32_t*>(ps1 - t);
+#pragma unroll
+    for (int s = 0; s < MOE_STAGES - 1; ++s)
+        stage_issue(ring, s, pw0, pw1, psw0, psw1, pa, s * CHUNK_K, K);
+    int s = 0;
+    for (int kc = 0; kc < K; kc += CHUNK_K) {
+        cp_async_wait<MOE_STAGES - 2>();
+        Stage cur;
+        uint32_t act[16];
+        stage_read(ring, s, t, cur, act);
+        const int refill = s == 0 ? MOE_STAGES - 1 : s - 1;  // the slot read last chunk
+        stage_issue(ring, refill, pw0, pw1, psw0, psw1, pa, kc + (MOE_STAGES - 1) * CHUNK_K,
+                    K);
+        chunk_mma(acc, cur, act, lut, smax0, smax1);
+        s = s == MOE_STAGES - 1 ? 0 : s + 1;
+    }
+#else
     Stage st[MOE_DEPTH];
 #pragma unroll
     for (int s = 0; s < MOE_DEPTH; ++s)
@@ -198,28 +288,13 @@ __device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict
                     act[4 * v] = q.x, act[4 * v + 1] = q.y, act[4 * v + 2] = q.z;
                     act[4 * v + 3] = q.w;
                 }
-                const Stage& cur = st[s];
-                const uint2 l0 = lut[min(smax0 - cur.s0, LUT_ROWS - 1)];
-                const uint2 l1 = lut[min(smax1 - cur.s1, LUT_ROWS - 1)];
-                const uint32_t wb0[4] = {cur.b0.x, cur.b0.y, cur.b0.z, cur.b0.w};
-                const uint32_t wb1[4] = {cur.b1.x, cur.b1.y, cur.b1.z, cur.b1.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        uint32_t af[4];  // rows g, g+8 x slots {2t, 2t+1}, then {2t+8, 2t+9}
-                        e4m3x4_to_f16(e2m1x4_to_e4m3(wb0[j] >> (16 * h), l0.x, l0.y), af[0],
-                                      af[2]);
-                        e4m3x4_to_f16(e2m1x4_to_e4m3(wb1[j] >> (16 * h), l1.x, l1.y), af[1],
-                                      af[3]);
-                        mma_f16(acc, af, act[4 * j + 2 * h], act[4 * j + 2 * h + 1]);
-                    }
-                }
+                chunk_mma(acc, st[s], act, lut, smax0, smax1);
                 const int kn = kc + MOE_DEPTH * CHUNK_K;
                 if (kn < K) st[s].load(pw0, pw1, ps0, ps1, kn);
             }
         }
     }
+#endif
 
     // epilogue: routed rows 2t and 2t + 1 of the tile
 #pragma unroll

@@ -31,22 +31,28 @@ TILE_M, THREADS, CHUNK_K, LUT_ROWS = 8, 128, 128, 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
 DEPTH = 2  # 128-K chunks of weight loads in flight per lane (docs/perf/moe.md)
+STAGES = 0  # > 1: chunks staged in shared memory by cp.async, STAGES - 1 ahead (not measured)
+STAGE_BYTES = THREADS * (6 * 16 + 8)  # per stage: each lane's weights, activations, scales
 
 
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
-    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: the kernel's
-    MOE_DEPTH (benchmarks sweep it)."""
+    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth, stages: the
+    kernel's MOE_DEPTH and MOE_STAGES (benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH) -> None:
+    def __init__(self, depth: int = DEPTH, stages: int = STAGES) -> None:
+        if stages == 1 or stages < 0:
+            raise ValueError(f"stages must be 0 (loads into registers) or >= 2, got {stages}")
         self.depth = depth
+        self.stages = stages
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax = TensorMemo()
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",)).cubin
+            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",
+                                                           f"-DMOE_STAGES={self.stages}")).cubin
             self._module = Module(cubin, device)
         return self._module
 
@@ -85,6 +91,10 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     module, lut = state.module(x.device), state.lut(x.device)
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
+    wmax13, wmax2 = state.row_max(s13), state.row_max(s2)
+    if state.stages:  # the staged path copies each chunk's four scale bytes as one word
+        s13, s2 = (sc if sc.data_ptr() % 4 == 0 else sc.clone() for sc in (s13, s2))
+    shared = state.stages * STAGE_BYTES
     tok, orow, rw, counts = route(ids, weights, e)
     rows = t * k
     m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
@@ -92,12 +102,12 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     xq = xq.to(torch.float16)  # the folded e4m3 values as fp16 (exact)
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w13_decode")((triton.cdiv(inter, W13_COLUMNS), m_tiles), (THREADS,),
-                                    xq, xs, tok, h, rw, w13, s13, state.row_max(s13), lut,
-                                    counts, inter, e, d, float(limit))
+                                    xq, xs, tok, h, rw, w13, s13, wmax13, lut,
+                                    counts, inter, e, d, float(limit), shared=shared)
     hq, hs = _quant_folded(h)
     hq = hq.to(torch.float16)
     y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
     module.kernel("moe_w2_decode")((triton.cdiv(d, W2_COLUMNS), m_tiles), (THREADS,),
-                                   hq, hs, y, orow, w2, s2, state.row_max(s2), lut, counts,
-                                   d, e, inter)
+                                   hq, hs, y, orow, w2, s2, wmax2, lut, counts,
+                                   d, e, inter, shared=shared)
     return _combine(y, t, k, d, shared)

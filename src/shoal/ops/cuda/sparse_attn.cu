@@ -47,24 +47,6 @@
 #define OFF_ML (OFF_ALPHA + HEADS * 4)
 #define SMEM_BYTES (OFF_ML + HEADS * 8)
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (nothing is read then)
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -231,7 +213,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
 
     for (int b = b0; b < b1; ++b) {
         const int* cur_idx = sidx + ((b - b0) & 1) * BLOCK_N;
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // the block's records are in; the previous P.V is done with sK
         dequant_block(b < L.nb_swa, smem);
         __syncthreads();  // sK complete; sRaw free
