@@ -10,7 +10,11 @@
 # invariance (scripts/probe_row_invariance.py: which fast ops change a row's bits with the batch),
 # spec (benchmarks/bench_spec.py; SPEC_ARGS adds arguments), startup (benchmarks/bench_startup.py:
 # a cold then a warm LLM("mini")), official (the fast ops against the official reference's
-# fixture: tests/model/test_official_layers.py and test_official_goldens.py, CUDA cases).
+# fixture: tests/model/test_official_layers.py and test_official_goldens.py, CUDA cases),
+# ep (machines of several GPUs: `shoal bench --expert-parallel` under torchrun on every GPU,
+# EP_MODEL (default flash), EP_ARGS adds arguments, e.g. "--engram-placement host"), dp (the
+# offline workload: `shoal generate --dp N --expert-parallel` on DP_REQUESTS (default 4000)
+# requests of 1-4K random prompt tokens and 256 output tokens; requests/s and tok/s on stderr).
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
@@ -56,6 +60,19 @@ for spec in "$@"; do
         official) timeout "$limit" python3 -m pytest tests/model/test_official_layers.py \
                       tests/model/test_official_goldens.py -k cuda -rfEsx -s --tb=short \
                       -p no:cacheprovider > "$OUT/official.txt" 2>&1 ;;
+        ep) timeout "$limit" python3 -m torch.distributed.run --standalone \
+                --nproc-per-node "$(nvidia-smi -L | wc -l)" -m shoal.cli bench --expert-parallel \
+                --model "${EP_MODEL:-flash}" --plot "$OUT/bench_ep_tpot.png" ${EP_ARGS:-} \
+                > "$OUT/ep.txt" 2>&1 ;;
+        dp) python3 -c "import json, random; r = random.Random(0); print('\n'.join(json.dumps(
+                {'prompt_token_ids': [r.randrange(1000, 100000) for _ in range(r.randint(1024, 4096))]})
+                for _ in range(${DP_REQUESTS:-4000})))" > "$OUT/dp_in.jsonl"
+            timeout "$limit" python3 -m shoal.cli generate --model "${EP_MODEL:-flash}" \
+                --load-format dummy --dp "$(nvidia-smi -L | wc -l)" --expert-parallel \
+                --max-tokens 256 --ignore-eos --temperature 0 --quiet --input "$OUT/dp_in.jsonl" \
+                --output "$OUT/dp_out.jsonl" ${DP_ARGS:-} > "$OUT/dp.txt" 2>&1
+            echo "output lines: $(wc -l < "$OUT/dp_out.jsonl")" >> "$OUT/dp.txt"
+            rm -f "$OUT/dp_in.jsonl" "$OUT/dp_out.jsonl" ;;
         *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
     echo "$stage rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/stages.txt"

@@ -11,6 +11,12 @@ Floor of a decode step = bytes that must move / 4.24 TB/s: every non-expert weig
 backbone, the expected number of distinct routed experts touched by B tokens
 (E * (1 - (1 - k/E)^B) per layer), the LM head, Engram rows and the KV records read.
 Prints a table and ends with one JSON line.
+
+Several GPUs: `torchrun --nproc-per-node N -m shoal.cli bench --expert-parallel --model flash`
+(one engine per GPU, the experts sharded): B is the batch per rank, and a rank's floor counts
+its share, E/N experts touched by the N x B tokens of all ranks, plus its all-to-all bytes
+over NVLink (each remote (token, expert) pair out as FP8 codes + scales and back as bf16, at
+NVLINK bytes/s per direction); the table is rank 0's, tok/s per GPU = B / TPOT.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from shoal import LLM, SamplingParams
 from shoal.quant.records import compressed_record_bytes, index_k_record_bytes, swa_record_bytes
 
 HBM = 4.24e12
+NVLINK = 450e9  # bytes/s per direction per GPU (H100 / H200 SXM: 18 NVLink 4 links)
 
 
 def git_commit() -> str:
@@ -69,11 +76,15 @@ def weight_bytes(llm: LLM) -> tuple[int, int, int]:
     return dense, expert, cfg.num_layers
 
 
-def decode_floor(llm: LLM, batch: int, context: int) -> float:
+def decode_floor(llm: LLM, batch: int, context: int, world: int = 1) -> float:
+    """Seconds of one decode step of `batch` requests per rank on `world` expert-parallel
+    ranks (module docstring)."""
     cfg = llm.config.model_config
     dense, expert, layers = weight_bytes(llm)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    touched = e * (1 - (1 - k / e) ** batch)
+    touched = e / world * (1 - (1 - k / e) ** (world * batch))
+    pair = cfg.hidden_size * (1 + 1 / 32) + 8 + 2 * cfg.hidden_size  # out (FP8) and back (bf16)
+    exchange = layers * batch * k * (world - 1) / world * pair / NVLINK
     kv = 0
     for spec in cfg.backbone:
         kv += min(context, cfg.sliding_window) * swa_record_bytes(cfg.head_dim)
@@ -84,7 +95,7 @@ def decode_floor(llm: LLM, batch: int, context: int) -> float:
                 kv += rows * index_k_record_bytes(cfg.index_head_dim)
     engram = len(cfg.engram_layer_ids) * cfg.engram_heads_total * (cfg.engram_head_dim + 8)
     total = dense + layers * touched * expert + batch * (kv + engram)
-    return total / HBM
+    return total / HBM + exchange
 
 
 def sync() -> None:
@@ -136,6 +147,7 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
             tokens.append((stats.output_tokens - out_before) / batch)
             prep.append(llm.engine.stats.prepare_time - before)
             dev.append(llm.engine.stats.device_time - dev_before)
+    llm.engine.serve_until_idle()  # expert parallelism: until every rank's batch is done
     errors = [e for e in (llm.engine.output(g_id).error for g_id in groups) if e]
     for g_id in groups:
         llm.engine.release(g_id)
@@ -148,7 +160,8 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         return {"batch": batch, "error": f"{len(errors)} of {batch} requests failed; the "
                 f"first: {errors[0]}"}
     decode = times[1:] if len(times) > 2 else times  # first pure-decode step compiles
-    floor = decode_floor(llm, batch, prompt_len + steps // 2)
+    world = llm.engine.ep.world if llm.engine.ep is not None else 1
+    floor = decode_floor(llm, batch, prompt_len + steps // 2, world)
     spec = {}
     if llm.config.runner.speculative:  # a step emits 1 + accepted tokens per request
         per = tokens[1:] if len(tokens) > 2 else tokens
@@ -170,7 +183,8 @@ def bench_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
                 "acceptance_by_position": [a / p if p else None for a, p in at]}
     else:
         tpot = statistics.median(decode)
-    return {"batch": batch, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3, **spec,
+    return {"batch": batch, "world": world, "tpot_ms": tpot * 1e3, "floor_ms": floor * 1e3,
+            "tokens_per_s_per_gpu": batch / tpot, **spec,
             "fraction_of_floor": floor / tpot,
             "host_prepare_share": statistics.median(prep[1:] or prep) / tpot,
             # the share of the step with no device work queued (host: scheduling, input
@@ -269,11 +283,15 @@ def main(argv: list[str] | None = None) -> int:
                          "benchmarks/bench_spec.py sets the acceptance)")
     ap.add_argument("--spec-confidence", type=float, default=0.0,
                     help="RunnerConfig.spec_confidence with --speculative")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="under torchrun: shard the routed experts over the ranks (--batches "
+                         "are per rank; the floor adds the all-to-all bytes)")
     args = ap.parse_args(argv)
     commit = git_commit()
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
     result = {"bench": "e2e", "commit": commit, "gpu": gpu, "model": args.model,
+              "expert_parallel": args.expert_parallel,
               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling,
               "engram_placement": args.engram_placement,
               "batch_invariant": args.batch_invariant, "backends": args.backends,
@@ -296,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
               cuda_graph_batch_sizes=() if args.all_graph_sizes else tuple(args.batches),
               max_num_seqs=max(max(args.batches), args.prefill_prompts),
               max_num_batched_tokens=budget,
-              max_model_len=longest)
+              max_model_len=longest, expert_parallel=args.expert_parallel)
+    say = print if llm.primary else (lambda *a, **k: None)  # rank 0 reports
     origins = dict(llm.engine.runner.ops.origin)
     fallback = sorted(op for op, backend in origins.items() if backend == "reference")
     listed = "all" if len(fallback) == len(origins) else ", ".join(fallback) or "none"
@@ -306,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                            "prefill_warmup": runner.warmup_seconds,
                            "graph_capture": graphs.capture_seconds if graphs else 0.0,
                            "graphs": graphs.num_graphs if graphs else 0}
-    print(f"engine ready in {result['startup_s']['total']:.1f} s ({args.model}, {gpu}, "
+    say(f"engine ready in {result['startup_s']['total']:.1f} s ({args.model}, {gpu}, "
           f"async_scheduling={args.async_scheduling}, engram {args.engram_placement}, "
           f"batch_invariant={args.batch_invariant}, "
           f"cuda_graphs={args.cuda_graphs}: {result['startup_s']['graphs']} graphs captured in "
@@ -316,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_prefill:
         for mode in args.modes:
             prefill.append(bench_prefill(llm, args.prefill_prompts, args.prefill_len, mode))
-            print(f"prefill {mode:9s} {prefill[-1]['tokens_per_s']:10.0f} tok/s "
+            say(f"prefill {mode:9s} {prefill[-1]['tokens_per_s']:10.0f} tok/s "
                   f"({prefill[-1]['decoder_row_layers_skipped']:.1%} decoder row-layers "
                   f"skipped; {prefill[-1]['compiled_in_run']} kernels compiled in the run)",
                   flush=True)
@@ -327,33 +346,35 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_bytes_per_token"] = llm.engine.runner.layout.bytes_per_context_token()
     result["op_table"] = dict(llm.engine.runner.ops.origin)
     decode = []
-    print(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'host share':>10s} "
-          f"{'GPU idle':>9s} {'overlap':>8s}"
+    say(f"{'batch':>5s} {'TPOT ms':>9s} {'floor ms':>9s} {'fraction':>9s} {'tok/s/GPU':>9s} "
+          f"{'host share':>10s} {'GPU idle':>9s} {'overlap':>8s}"
           + (f" {'step ms':>8s} {'tok/step':>8s} {'accepted':>15s} {'skipped':>7s}"
              if args.speculative else ""))
     for b in args.batches:
         d = bench_decode(llm, b, args.prompt_len, args.steps)
         decode.append(d)
         if "error" in d:
-            print(f"{b:5d} {d['error']}", flush=True)
+            say(f"{b:5d} {d['error']}", flush=True)
             continue
         idle = d["device_idle_share"]
         extra = (f" {d['step_ms']:8.2f} {d['tokens_per_step']:8.2f} "
                  f"{d['drafts_accepted']:>7d}/{d['drafts_verified']:<7d} "
                  f"{d['drafts_skipped']:7d}" if args.speculative else "")
-        print(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
-              f"{d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s} "
+        say(f"{b:5d} {d['tpot_ms']:9.2f} {d['floor_ms']:9.3f} {d['fraction_of_floor']:9.3f} "
+              f"{d['tokens_per_s_per_gpu']:9.1f} {d['host_prepare_share']:10.1%} {'-' if idle is None else f'{idle:.1%}':>9s} "
               f"{d['overlapped_share']:8.0%}{extra}", flush=True)
         if args.speculative:
-            print(f"      mean accepted length {d['mean_accepted_length']:.2f}; acceptance "
+            say(f"      mean accepted length {d['mean_accepted_length']:.2f}; acceptance "
                   "by draft position " + " ".join("-" if r is None else f"{r:.2f}"
                                                   for r in d["acceptance_by_position"]))
     result["decode"] = decode
     declined = dict(llm.engine.runner.ops.declined)
     result["declined_calls"] = declined  # op -> calls the fast backend handed to the reference
     if declined:
-        print("reference ran for unsupported arguments: "
+        say("reference ran for unsupported arguments: "
               + ", ".join(f"{op} x{n}" for op, n in sorted(declined.items())))
+    if not llm.primary:
+        return 0
     try:
         import matplotlib
 
@@ -372,6 +393,6 @@ def main(argv: list[str] | None = None) -> int:
         plt.legend()
         plt.savefig(args.plot, dpi=120)
     except ImportError:
-        print("(matplotlib missing: no plot)")
-    print(json.dumps(result))
+        say("(matplotlib missing: no plot)")
+    say(json.dumps(result))
     return 0

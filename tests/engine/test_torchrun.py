@@ -2,7 +2,7 @@
 returns one engine's outputs in input order, across calls and with expert parallelism, also
 with decode steps on the static path of CUDA graphs (agreed padded sizes, fixed exchanges); then
 `shoal generate` in the same processes writes the output file once (rank 0), equal to a single
-engine's."""
+engine's, and `shoal bench --expert-parallel` reports world-2 decode rows from rank 0 only."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ got += [view(llm.generate(items, params, use_tqdm=False)) for items, params in C
 assert max(agreed) > 0 and min(agreed) < 0, agreed  # static steps, and eager ones
 with open(f"{sys.argv[1]}/rank{llm.torchrun.rank}.json", "w") as f:
     json.dump(got, f)
+# `shoal bench --expert-parallel` in the same processes: rank 0 reports world-2 decode rows
+import contextlib, io
+from shoal.bench import main as bench_main
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    bench_main(["--model", "tiny", "--device", "cpu", "--expert-parallel", "--batches", "1", "3",
+                "--steps", "3", "--skip-prefill", "--prompt-len", "8", "--prefill-budget", "16",
+                "--plot", f"{sys.argv[1]}/bench.png"])
+with open(f"{sys.argv[1]}/bench{llm.torchrun.rank}.txt", "w") as f:
+    f.write(printed.getvalue())
 sys.exit(main([*CLI, "--input", "in.jsonl", "--output", "dp.jsonl"]))
 """
 CLI = ["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
@@ -83,3 +93,8 @@ def test_every_rank_returns_one_engines_outputs_and_the_cli_writes_once(tmp_path
     got = records("dp.jsonl")
     assert [r["line"] for r in got] == [1, 2, 3, 4, 5]
     assert got == records("one.jsonl")
+    assert (tmp_path / "bench1.txt").read_text() == ""  # rank 0 reports
+    report = json.loads((tmp_path / "bench0.txt").read_text().splitlines()[-1])
+    assert report["expert_parallel"] and [d["batch"] for d in report["decode"]] == [1, 3]
+    for d in report["decode"]:
+        assert d["world"] == 2 and d["tpot_ms"] > 0 and d["floor_ms"] > 0, d
