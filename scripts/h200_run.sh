@@ -14,7 +14,9 @@
 # ep (machines of several GPUs: `shoal bench --expert-parallel` under torchrun on every GPU,
 # EP_MODEL (default flash), EP_ARGS adds arguments, e.g. "--engram-placement host"), dp (the
 # offline workload: `shoal generate --dp N --expert-parallel` on DP_REQUESTS (default 4000)
-# requests of 1-4K random prompt tokens and 256 output tokens; requests/s and tok/s on stderr).
+# requests of 1-4K random prompt tokens and 256 output tokens; requests/s and tok/s on stderr),
+# epmoe (benchmarks/bench_ep.py on every GPU: one MoE layer's exchange against its experts;
+# EPMOE_ARGS adds arguments, e.g. "--model flash").
 # Packages the machine lacks travel as wheels in .whl/ (README, Tests and benchmarks).
 set -u
 OUT=${OUT:-h200_out}
@@ -64,6 +66,9 @@ for spec in "$@"; do
                 --nproc-per-node "$(nvidia-smi -L | wc -l)" -m shoal.cli bench --expert-parallel \
                 --model "${EP_MODEL:-flash}" --plot "$OUT/bench_ep_tpot.png" ${EP_ARGS:-} \
                 > "$OUT/ep.txt" 2>&1 ;;
+        epmoe) timeout "$limit" python3 -m torch.distributed.run --standalone \
+                   --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/bench_ep.py \
+                   ${EPMOE_ARGS:-} > "$OUT/epmoe.txt" 2>&1 ;;
         dp) python3 -c "import json, random; r = random.Random(0); print('\n'.join(json.dumps(
                 {'prompt_token_ids': [r.randrange(1000, 100000) for _ in range(r.randint(1024, 4096))]})
                 for _ in range(${DP_REQUESTS:-4000})))" > "$OUT/dp_in.jsonl"
