@@ -57,6 +57,45 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def bench_tokens(t: int, cfg, ep: ExpertParallel, ops, experts: dict, device: torch.device,
+                 gen: torch.Generator, reps: int) -> dict:
+    """One row of the table: the four timings at T = t tokens per rank."""
+    e, k, d, world = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, ep.world
+    x = (torch.randn(t, d, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device=device, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, device=device, generator=gen)
+    shared = torch.zeros(t, d, dtype=torch.bfloat16, device=device)
+
+    def by_counts():
+        ep.moe(ops, x, ids, weights, shared, experts, cfg.swiglu_limit)
+
+    def fixed():
+        with ep.fixed_exchange(t):
+            ep.moe(ops, x, ids, weights, shared, experts, cfg.swiglu_limit)
+
+    xr = (torch.randn(t * k, d, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    idr = torch.randint(0, e // world, (t * k, 1), device=device, generator=gen)
+    wr = torch.ones(t * k, 1, device=device)
+
+    def experts_alone():
+        ops.moe_mxfp4(x=xr, ids=idr, weights=wr, limit=cfg.swiglu_limit, **experts)
+
+    width = d + d // 32 + 8  # a packed pair: FP8 codes, UE8M0 scales, local id, weight
+    send = torch.zeros(world * t * k, width, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+
+    def exchange():
+        dist.all_to_all_single(recv, send)
+
+    row: dict = {"T": t, "world": world}
+    for name, fn in (("moe_counts", by_counts), ("moe_fixed", fixed),
+                     ("experts_alone", experts_alone), ("all_to_all", exchange)):
+        row[f"{name}_ms"] = timed(fn, device, reps)
+    row["fixed_bytes_sent"] = int(send.numel() * (world - 1) / world)
+    row["all_to_all_GB_s"] = row["fixed_bytes_sent"] / (row["all_to_all_ms"] * 1e-3) / 1e9
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mini")
@@ -71,47 +110,14 @@ def main() -> None:
     dist.init_process_group("nccl" if on_cuda else "gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = get_preset(args.model)
-    e, k, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
     ep = ExpertParallel.from_process_group(device, None, 600.0)
     assert ep is not None, "run under torchrun with at least two processes"
     ops = resolve_ops(device)
     gen = torch.Generator(device=device).manual_seed(rank)
-    experts = local_experts(cfg, e // world, device, gen)
-    width = d + d // 32 + 8  # a packed pair: FP8 codes, UE8M0 scales, local id, weight
+    experts = local_experts(cfg, cfg.n_routed_experts // world, device, gen)
     rows = []
     for t in args.tokens:
-        x = (torch.randn(t, d, device=device, generator=gen) * 0.5).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=device, generator=gen)[:k]
-                           for _ in range(t)])
-        weights = torch.rand(t, k, device=device, generator=gen)
-        shared = torch.zeros(t, d, dtype=torch.bfloat16, device=device)
-
-        def by_counts():
-            ep.moe(ops, x, ids, weights, shared, experts, cfg.swiglu_limit)
-
-        def fixed():
-            with ep.fixed_exchange(t):
-                ep.moe(ops, x, ids, weights, shared, experts, cfg.swiglu_limit)
-
-        xr = (torch.randn(t * k, d, device=device, generator=gen) * 0.5).to(torch.bfloat16)
-        idr = torch.randint(0, e // world, (t * k, 1), device=device, generator=gen)
-        wr = torch.ones(t * k, 1, device=device)
-
-        def experts_alone():
-            ops.moe_mxfp4(x=xr, ids=idr, weights=wr, limit=cfg.swiglu_limit, **experts)
-
-        send = torch.zeros(world * t * k, width, dtype=torch.uint8, device=device)
-        recv = torch.empty_like(send)
-
-        def exchange():
-            dist.all_to_all_single(recv, send)
-
-        row = {"T": t, "world": world}
-        for name, fn in (("moe_counts", by_counts), ("moe_fixed", fixed),
-                         ("experts_alone", experts_alone), ("all_to_all", exchange)):
-            row[f"{name}_ms"] = timed(fn, device, args.reps)
-        row["fixed_bytes_sent"] = int(send.numel() * (world - 1) / world)
-        row["all_to_all_GB_s"] = row["fixed_bytes_sent"] / (row["all_to_all_ms"] * 1e-3) / 1e9
+        row = bench_tokens(t, cfg, ep, ops, experts, device, gen, args.reps)
         rows.append(row)
         if rank == 0:
             print(f"T={t:4d} x{world}: moe by counts {row['moe_counts_ms']:.3f} ms, fixed "
