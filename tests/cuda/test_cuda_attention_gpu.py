@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.graphs import replayed
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs CUDA sm_90")]
@@ -88,14 +89,4 @@ def test_graph_replay_equals_eager() -> None:
     state = cuda_attn.SparseAttnState()
     kw = _inputs(16, 64, 128, 512, seed=5)
     want = cuda_attn.sparse_attn_sink(**kw, state=state)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        cuda_attn.sparse_attn_sink(**kw, state=state)  # warm (the combine compiled)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_attn.sparse_attn_sink(**kw, state=state)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    assert torch.equal(replayed(lambda: cuda_attn.sparse_attn_sink(**kw, state=state)), want)

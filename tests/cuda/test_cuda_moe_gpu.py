@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.graphs import replayed
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs CUDA sm_89+")]
@@ -51,17 +52,7 @@ def test_graph_replay_equals_eager() -> None:
     state = moe_decode.DecodeMoEState()
     kw = _inputs(8, seed=3)
     want = moe_decode.moe_mxfp4(**kw, state=state)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        moe_decode.moe_mxfp4(**kw, state=state)  # warm (route buffers, module loaded)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_decode.moe_mxfp4(**kw, state=state)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    assert torch.equal(replayed(lambda: moe_decode.moe_mxfp4(**kw, state=state)), want)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 6])

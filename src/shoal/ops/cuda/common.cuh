@@ -52,24 +52,18 @@ __device__ __forceinline__ void store_bf16x2(bf16_t* p, float lo, float hi) {
 }
 
 // d += a . b on m16n8k16, fp32 accumulators; a: rows g, g+8 x k {2t, 2t+1} then {2t+8, 2t+9};
-// b: k {2t, 2t+1}, then {2t+8, 2t+9} x column g (g = lane / 4, t = lane % 4)
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// b: k {2t, 2t+1}, then {2t+8, 2t+9} x column g (g = lane / 4, t = lane % 4). mma_f16: fp16
+// operands; mma_bf16: bf16.
+#define SHOAL_MMA_M16N8K16(NAME, TYPE)                                                         \
+    __device__ __forceinline__ void NAME(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,  \
+                                         uint32_t b1) {                                       \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "           \
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));         \
+    }
+SHOAL_MMA_M16N8K16(mma_f16, "f16")
+SHOAL_MMA_M16N8K16(mma_bf16, "bf16")
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
