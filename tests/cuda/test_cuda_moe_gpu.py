@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from support.graphs import replayed
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
