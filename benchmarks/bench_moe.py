@@ -9,7 +9,8 @@ decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_sw
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
-`cuda_sN`: chunks staged in shared memory by cp.async, N stages). For T = 8192
+`cuda_sN`: chunks staged in shared memory by cp.async, N stages, each lane its own loads;
+`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row). For T = 8192
 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
@@ -143,13 +144,18 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"w4a8": False}
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
         # cuda_dN: MOE_DEPTH N; cuda_sN: MOE_STAGES N, the shared-memory staged loads)
+        # cuda_wN[cM]: MOE_STAGES N staged per warp, M chunks per stage (default 4)
         knob = name.removeprefix("cuda").removeprefix("_")
-        depth, stages = cuda_moe.DEPTH, cuda_moe.STAGES
+        depth, stages, warp, chunks = cuda_moe.DEPTH, cuda_moe.STAGES, False, 4
         if knob.startswith("d"):
             depth = int(knob[1:])
         elif knob.startswith("s"):
             stages = int(knob[1:])
-        return {"cuda": (depth, stages)} if rows <= cuda_moe.MAX_ROWS else None
+        elif knob.startswith("w"):
+            stages, _, c = knob[1:].partition("c")
+            stages, warp, chunks = int(stages), True, int(c or 4)
+        return ({"cuda": (depth, stages, warp, chunks)} if rows <= cuda_moe.MAX_ROWS
+                else None)
     raise ValueError(name)
 
 
@@ -159,8 +165,7 @@ CUDA_STATE: dict = {}
 def run(kw: dict, **inputs) -> torch.Tensor:
     """The op of a variant: `moe_experts` with its kwargs, or the CUDA kernels."""
     if kw.get("cuda"):
-        depth, stages = kw["cuda"]
-        state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(depth, stages))
+        state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(*kw["cuda"]))
         return cuda_moe.moe_mxfp4(**inputs, state=state)
     return tmoe.moe_experts(**inputs, **kw)
 

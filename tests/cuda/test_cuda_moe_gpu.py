@@ -56,13 +56,17 @@ def test_graph_replay_equals_eager() -> None:
     assert torch.equal(replayed(lambda: moe_decode.moe_mxfp4(**kw, state=state)), want)
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4, 6])
-def test_staged_loads_give_the_register_paths_bits(stages: int) -> None:
-    """The staged path changes where a chunk waits, not its arithmetic: the same bits."""
+@pytest.mark.parametrize("stages,warp,chunks", [(2, False, 4), (3, False, 4), (6, False, 4),
+                                                (2, True, 4), (3, True, 2), (4, True, 4),
+                                                (3, True, 8)])
+def test_staged_loads_give_the_register_paths_bits(stages: int, warp: bool, chunks: int) -> None:
+    """The staged paths change where a chunk waits, not its arithmetic: the same bits (K = 2304
+    ends inside a warp stage of 4 or 8 chunks)."""
     from shoal.ops.cuda import moe_decode
 
+    state = moe_decode.DecodeMoEState(stages=stages, warp_stage=warp, stage_chunks=chunks)
     for t in (1, 8, 64):
         kw = _inputs(t, seed=t)
         want = moe_decode.moe_mxfp4(**kw, state=moe_decode.DecodeMoEState())
-        got = moe_decode.moe_mxfp4(**kw, state=moe_decode.DecodeMoEState(stages=stages))
+        got = moe_decode.moe_mxfp4(**kw, state=state)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), t

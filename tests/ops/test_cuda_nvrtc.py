@@ -25,12 +25,16 @@ def test_kernels_build_for_sm90a_and_are_cached(monkeypatch, tmp_path, source: s
     assert [p.suffix for p in (tmp_path / "cuda").iterdir()] == [".cubin"]  # no partial files
 
 
-@pytest.mark.parametrize("option", ["MOE_DEPTH=1", "MOE_DEPTH=3", "MOE_DEPTH=4", "MOE_STAGES=2",
-                                    "MOE_STAGES=4", "MOE_STAGES=6"])
-def test_moe_decode_variants_build(monkeypatch, tmp_path, option: str) -> None:
+@pytest.mark.parametrize("options", ["MOE_DEPTH=1", "MOE_DEPTH=3", "MOE_DEPTH=4", "MOE_STAGES=2",
+                                     "MOE_STAGES=6", "MOE_STAGES=3 MOE_WARP_STAGE=1",
+                                     "MOE_STAGES=4 MOE_WARP_STAGE=1 MOE_STAGE_CHUNKS=2",
+                                     "MOE_STAGES=2 MOE_WARP_STAGE=1 MOE_STAGE_CHUNKS=8"])
+def test_moe_decode_variants_build(monkeypatch, tmp_path, options: str) -> None:
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
-    cubin = nvrtc.compile_file("moe_decode.cu", options=(f"-D{option}",)).cubin
+    cubin = nvrtc.compile_file("moe_decode.cu",
+                               options=tuple(f"-D{o}" for o in options.split())).cubin
     assert cubin[:4] == b"\x7fELF"
+    _assert_no_spills(cubin, tmp_path)
 
 
 def test_compile_error_carries_the_log(monkeypatch, tmp_path) -> None:
@@ -51,6 +55,11 @@ def test_options_change_the_key(monkeypatch, tmp_path) -> None:
 def test_kernels_do_not_spill(monkeypatch, tmp_path, source: str) -> None:
     """Every kernel of every source fits its registers (cuobjdump's STACK:0): a spill in a
     hot loop costs more than any tiling gains."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    _assert_no_spills(nvrtc.compile_file(source).cubin, tmp_path)
+
+
+def _assert_no_spills(cubin: bytes, tmp_path) -> None:
     import re
     import subprocess
 
@@ -58,9 +67,8 @@ def test_kernels_do_not_spill(monkeypatch, tmp_path, source: str) -> None:
 
     if not aot.has_tools():
         pytest.skip("Triton's bundled cuobjdump is missing")
-    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
     path = tmp_path / "k.cubin"
-    path.write_bytes(nvrtc.compile_file(source).cubin)
+    path.write_bytes(cubin)
     usage = subprocess.run([f"{aot.TOOLS}/cuobjdump", "--dump-resource-usage", str(path)],
                            capture_output=True, text=True, check=True).stdout
     stacks = re.findall(r"STACK:(\d+)", usage)

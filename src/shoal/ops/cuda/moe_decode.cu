@@ -36,7 +36,7 @@
 #define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane (register path)
 #endif
 #ifndef MOE_STAGES
-#define MOE_STAGES 0  // > 1: chunks staged in shared memory by cp.async instead (stage_issue)
+#define MOE_STAGES 0  // > 1: loads staged in shared memory by cp.async instead (moe_stages.cuh)
 #endif
 
 struct Tile {
@@ -143,49 +143,6 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[4], const Stage& cur,
     }
 }
 
-#if MOE_STAGES > 0
-// The staged load path: per stage and lane, six 16-byte slots (the two weight blocks, the 64
-// activation bytes) at ring[(6 stage + slot) THREADS + tid], then the two 4-byte words holding
-// the chunk's four block scales of each row at ((uint2*)(ring + 6 MOE_STAGES THREADS))[stage
-// THREADS + tid]. Each lane reads only what it copied, so cp.async.wait_group is the only wait.
-#define MOE_THREADS (WARPS * 32)
-
-__device__ __forceinline__ void stage_issue(uint4* ring, int s, const uint8_t* pw0,
-                                            const uint8_t* pw1, const uint32_t* psw0,
-                                            const uint32_t* psw1, const uint4* pa, int kc,
-                                            int K) {
-    if (kc < K) {
-        const uint4* slot = ring + 6 * s * MOE_THREADS + threadIdx.x;
-        const uint32_t base = smem_addr(slot);
-        cp_async16(base, pw0 + kc / 2, true);
-        cp_async16(base + 16 * MOE_THREADS, pw1 + kc / 2, true);
-#pragma unroll
-        for (int v = 0; v < 4; ++v)
-            cp_async16(base + 16 * (2 + v) * MOE_THREADS, pa + kc / 8 + v, true);
-        const uint2* scales = reinterpret_cast<const uint2*>(ring + 6 * MOE_STAGES * MOE_THREADS);
-        const uint32_t sc = smem_addr(scales + s * MOE_THREADS + threadIdx.x);
-        cp_async4(sc, psw0 + kc / CHUNK_K);
-        cp_async4(sc + 4, psw1 + kc / CHUNK_K);
-    }
-    cp_async_commit();  // (an empty group past K keeps the wait count uniform)
-}
-
-__device__ __forceinline__ void stage_read(const uint4* ring, int s, int t, Stage& cur,
-                                           uint32_t (&act)[16]) {
-    const uint4* slot = ring + 6 * s * MOE_THREADS + threadIdx.x;
-    cur.b0 = slot[0];
-    cur.b1 = slot[MOE_THREADS];
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-        const uint4 q = slot[(2 + v) * MOE_THREADS];
-        act[4 * v] = q.x, act[4 * v + 1] = q.y, act[4 * v + 2] = q.z, act[4 * v + 3] = q.w;
-    }
-    const uint2 sc = reinterpret_cast<const uint2*>(ring + 6 * MOE_STAGES * MOE_THREADS)[
-        s * MOE_THREADS + threadIdx.x];
-    cur.s0 = (sc.x >> (8 * t)) & 0xff;
-    cur.s1 = (sc.y >> (8 * t)) & 0xff;
-}
-#endif
 
 // A lane's share of its CTA: the tile (expert, routed rows), the lane's coordinates, the first
 // output column of its warp, and its two weight rows (one per group; row 0 stands in past N)
@@ -223,6 +180,8 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
     return true;
 }
 
+#include "moe_stages.cuh"  // the staged load paths (MOE_STAGES >= 2)
+
 // a [*, K] fp16 (folded e4m3 values) with row scales a_scale [*]; rows of the tile read a row
 // arow[r] (GATHER: the token of routed row r) else r; a row past the tile's end reads row 0 (an
 // MMA column never mixes into the others, and its results are not stored). w [E, NW, K/2]
@@ -252,25 +211,7 @@ __device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #if MOE_STAGES > 0
-    // chunks staged in shared memory by cp.async, MOE_STAGES - 1 ahead (the lane's own slots)
-    extern __shared__ uint4 ring[];
-    const uint32_t* psw0 = reinterpret_cast<const uint32_t*>(ps0 - t);
-    const uint32_t* psw1 = reinterpret_cast<const uint32_t*>(ps1 - t);
-#pragma unroll
-    for (int s = 0; s < MOE_STAGES - 1; ++s)
-        stage_issue(ring, s, pw0, pw1, psw0, psw1, pa, s * CHUNK_K, K);
-    int s = 0;
-    for (int kc = 0; kc < K; kc += CHUNK_K) {
-        cp_async_wait<MOE_STAGES - 2>();
-        Stage cur;
-        uint32_t act[16];
-        stage_read(ring, s, t, cur, act);
-        const int refill = s == 0 ? MOE_STAGES - 1 : s - 1;  // the slot read last chunk
-        stage_issue(ring, refill, pw0, pw1, psw0, psw1, pa, kc + (MOE_STAGES - 1) * CHUNK_K,
-                    K);
-        chunk_mma(acc, cur, act, lut, smax0, smax1);
-        s = s == MOE_STAGES - 1 ? 0 : s + 1;
-    }
+    staged_chunks(acc, lut, L, pa, K);
 #else
     Stage st[MOE_DEPTH];
 #pragma unroll

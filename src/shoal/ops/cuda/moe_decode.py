@@ -28,31 +28,44 @@ from shoal.ops.triton.moe import _combine, _quant_folded, empty_result
 from shoal.ops.triton.moe_route import route
 
 TILE_M, THREADS, CHUNK_K, LUT_ROWS = 8, 128, 128, 32
+WARPS = THREADS // 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
 DEPTH = 2  # 128-K chunks of weight loads in flight per lane (docs/perf/moe.md)
-STAGES = 0  # > 1: chunks staged in shared memory by cp.async, STAGES - 1 ahead (not measured)
-STAGE_BYTES = THREADS * (6 * 16 + 8)  # per stage: each lane's weights, activations, scales
+STAGES = 0  # >= 2: loads staged in shared memory by cp.async (moe_stages.cuh; not measured)
+
+
+def stage_bytes(warp_stage: bool, chunks: int) -> int:
+    """Shared memory per stage of a CTA (moe_stages.cuh): per lane its weights, activations and
+    scale words; per warp its 16 rows' weights and scales over `chunks` chunks."""
+    return WARPS * 16 * chunks * (64 + 4) if warp_stage else THREADS * (6 * 16 + 8)
+
 
 
 class DecodeMoEState:
     """Per op table: the loaded module and each weight's row maxima of its block scales
-    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth, stages: the
-    kernel's MOE_DEPTH and MOE_STAGES (benchmarks sweep them)."""
+    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth, stages,
+    warp_stage, stage_chunks: the kernel's MOE_DEPTH, MOE_STAGES, MOE_WARP_STAGE and
+    MOE_STAGE_CHUNKS (benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH, stages: int = STAGES) -> None:
+    def __init__(self, depth: int = DEPTH, stages: int = STAGES, warp_stage: bool = False,
+                 stage_chunks: int = 4) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages must be 0 (loads into registers) or >= 2, got {stages}")
-        self.depth = depth
-        self.stages = stages
+        if warp_stage and stage_chunks not in (2, 4, 8):
+            raise ValueError(f"stage_chunks must be 2, 4 or 8, got {stage_chunks}")
+        self.depth, self.stages = depth, stages
+        self.warp_stage, self.stage_chunks = warp_stage, stage_chunks
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax = TensorMemo()
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            cubin = compile_file("moe_decode.cu", options=(f"-DMOE_DEPTH={self.depth}",
-                                                           f"-DMOE_STAGES={self.stages}")).cubin
+            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_STAGES={self.stages}",
+                       f"-DMOE_WARP_STAGE={int(self.warp_stage)}",
+                       f"-DMOE_STAGE_CHUNKS={self.stage_chunks}")
+            cubin = compile_file("moe_decode.cu", options=options).cubin
             self._module = Module(cubin, device)
         return self._module
 
@@ -92,9 +105,11 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
     wmax13, wmax2 = state.row_max(s13), state.row_max(s2)
-    if state.stages:  # the staged path copies each chunk's four scale bytes as one word
-        s13, s2 = (sc if sc.data_ptr() % 4 == 0 else sc.clone() for sc in (s13, s2))
-    shared = state.stages * STAGE_BYTES
+    if state.stages:  # the staged paths copy scale bytes 4 (per lane) or 8 (per warp) at once
+        if state.warp_stage and (d % 256 or inter % 256):
+            raise ValueError(f"warp-staged loads need K % 256 == 0 (D={d}, I={inter})")
+        s13, s2 = (sc if sc.data_ptr() % 8 == 0 else sc.clone() for sc in (s13, s2))
+    shared = state.stages * stage_bytes(state.warp_stage, state.stage_chunks)
     tok, orow, rw, counts = route(ids, weights, e)
     rows = t * k
     m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
