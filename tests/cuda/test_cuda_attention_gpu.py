@@ -47,9 +47,10 @@ SHAPES = [(1, 64, 128, 512), (5, 64, 128, 512), (64, 64, 128, 512), (65, 64, 128
           (33, 17, 128, 200)]
 
 
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("per", [1, 2, 3, 10])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}xH{}-swa{}-comp{}".format(*s))
-def test_matches_the_reference(shape: tuple[int, int, int, int], per: int) -> None:
+def test_matches_the_reference(shape: tuple[int, int, int, int], per: int, wgmma: bool) -> None:
     from shoal.ops.compare import check_output
     from shoal.ops.cuda import sparse_attn as cuda_attn
     from shoal.ops.reference import attention as ref_attn
@@ -57,20 +58,21 @@ def test_matches_the_reference(shape: tuple[int, int, int, int], per: int) -> No
 
     kw = _inputs(*shape, seed=sum(shape) + per)
     assert cuda_attn._supports(**kw)
-    state = cuda_attn.SparseAttnState(per)
+    state = cuda_attn.SparseAttnState(per, wgmma)
     state.module(torch.device("cuda"))  # loaded before the poison
     _poison()
     got = cuda_attn.sparse_attn_sink(**kw, state=state)
     torch.cuda.synchronize()
     want = ref_attn.sparse_attn_sink(**kw)
     op = REGISTRY.ops["sparse_attn_sink"]
-    check_output(op, "out", got, want, f"cuda sparse_attn {shape} per={per}")
+    check_output(op, "out", got, want, f"cuda sparse_attn {shape} per={per} wgmma={wgmma}")
 
 
-def test_rows_do_not_depend_on_the_batch_or_padding() -> None:
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_rows_do_not_depend_on_the_batch_or_padding(wgmma: bool) -> None:
     from shoal.ops.cuda import sparse_attn as cuda_attn
 
-    state = cuda_attn.SparseAttnState()
+    state = cuda_attn.SparseAttnState(wgmma=wgmma)
     kw = _inputs(64, 64, 128, 300, seed=11)
     whole = cuda_attn.sparse_attn_sink(**kw, state=state)
     rows_of = {"q", "swa_idx", "comp_idx"}

@@ -73,3 +73,11 @@ def _assert_no_spills(cubin: bytes, tmp_path) -> None:
                            capture_output=True, text=True, check=True).stdout
     stacks = re.findall(r"STACK:(\d+)", usage)
     assert stacks and all(s == "0" for s in stacks), usage
+
+
+def test_sparse_attn_wgmma_builds(monkeypatch, tmp_path) -> None:
+    """The wgmma variant of the sparse attention builds for sm_90a (at 255 registers ptxas
+    spills 8 bytes, stored and loaded once per index block after the score loop: accepted)."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    cubin = nvrtc.compile_file("sparse_attn.cu", options=("-DATTN_WGMMA=1",)).cubin
+    assert cubin[:4] == b"\x7fELF"

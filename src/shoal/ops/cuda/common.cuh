@@ -8,6 +8,7 @@ typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned short bf16_t;  // bfloat16 bits
 typedef long long int64_t;
+typedef unsigned long long uint64_t;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t d;

@@ -33,13 +33,13 @@
 #define THREADS (WARPS * 32)
 #define SWA_REC (D + D / 32)      // e4m3 codes, then UE8M0 scales (one per 32)
 #define COMP_REC (D / 2 + D / 16) // e2m1 pairs (low nibble = even dim), then e4m3 scales (/16)
-#define ROW_BYTES (D * 2)         // a bf16 row of Q or K
+#define SLAB (64 * 128)           // Q or K: 64 rows x 64 dims of bf16 (see qk_off)
 #define S_STRIDE (BLOCK_N + 8)    // fp32 score row (padded: fewer bank conflicts)
 
 // shared memory layout (bytes)
 #define OFF_Q 0
-#define OFF_K (OFF_Q + HEADS * ROW_BYTES)
-#define OFF_RAW (OFF_K + BLOCK_N * ROW_BYTES)
+#define OFF_K (OFF_Q + HEADS * D * 2)
+#define OFF_RAW (OFF_K + BLOCK_N * D * 2)
 #define OFF_P (OFF_RAW + BLOCK_N * SWA_REC)
 #define OFF_S (OFF_P + HEADS * BLOCK_N * 2)
 #define OFF_IDX (OFF_S + HEADS * S_STRIDE * 4)
@@ -62,9 +62,42 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
     return row * row_bytes + ((chunk ^ (row & 7)) << 4);
 }
 
+// byte offset of 16-byte chunk `chunk` (0 .. D/8) of row `row` of Q or K: D/64 slabs of 64 rows
+// x 128 bytes (64 dims), each in the K-major 128-byte swizzle of wgmma (chunk c of a slab row at
+// c ^ (row % 8)); ldmatrix phases over 8 rows hit 8 distinct bank groups as well
+__device__ __forceinline__ uint32_t qk_off(int row, int chunk) {
+    return (chunk >> 3) * SLAB + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
 __device__ __forceinline__ float exp_ref(float x) {  // the reference's exp: fp64, then fp32
     return (float)exp((double)x);
 }
+
+#ifndef ATTN_WGMMA
+#define ATTN_WGMMA 0  // 1: the scores by one warpgroup's wgmma (Q and K read once per block)
+#endif
+
+#if ATTN_WGMMA
+// wgmma descriptor of a K-major operand in the 128-byte swizzle at shared address `addr` (a
+// slab's row 0, plus 32 bytes per 16-dim step inside the slab): 8-row groups 1024 bytes apart
+// (stride byte offset), leading byte offset unused (1)
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// d (this thread's 32 fp32 of the warpgroup's 64 x 64 tile) = A B^T (+ d when accumulate):
+// m64n64k16, bf16, both operands K-major in shared memory
+__device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_t db,
+                                            int accumulate) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+#endif
 
 // The lists of block b: SWA blocks first (keys b * 64..), then compressed.
 struct Lists {
@@ -150,7 +183,7 @@ __device__ __forceinline__ void dequant_block(bool swa, uint8_t* smem) {
             }
             out = make_uint4(o[0], o[1], o[2], o[3]);
         }
-        *reinterpret_cast<uint4*>(sk + swz(r, c, ROW_BYTES)) = out;
+        *reinterpret_cast<uint4*>(sk + qk_off(r, c)) = out;
     }
 }
 
@@ -167,10 +200,12 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                    uint16_t* __restrict__ out, float* __restrict__ part, float* __restrict__ ml,
                    int H, int n_swa, int n_comp, int per, float scale, int stride_qt,
                    int stride_qh, int stride_si, int stride_ci) {
-    extern __shared__ __align__(128) uint8_t smem[];
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
     uint32_t smem_size;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
-    if (smem_size < SMEM_BYTES) __trap();  // the front's SMEM_BYTES is out of date
+    if (smem_size < SMEM_BYTES + 1024) __trap();  // the front's SMEM_BYTES is out of date
+    // the slabs' swizzle repeats every 1024 bytes of address: start there
+    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, tq = lane % 4;
     const int64_t t = blockIdx.x;
@@ -193,7 +228,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
         for (int i = tid; i < HEADS * (D / 8); i += THREADS) {
             const int h = i / (D / 8), c = i % (D / 8);
             const uint16_t* src = q + t * stride_qt + (int64_t)(h < H ? h : 0) * stride_qh + c * 8;
-            cp_async16(sq + swz(h, c, ROW_BYTES), src, h < H);
+            cp_async16(sq + qk_off(h, c), src, h < H);
         }
         issue_block(L, b0, smem, sidx);
     }
@@ -216,9 +251,38 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
         cp_async_wait<0>();
         __syncthreads();  // the block's records are in; the previous P.V is done with sK
         dequant_block(b < L.nb_swa, smem);
+#if ATTN_WGMMA
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma
+#endif
         __syncthreads();  // sK complete; sRaw free
         if (b + 1 < b1) issue_block(L, b + 1, smem, sidx + ((b + 1 - b0) & 1) * BLOCK_N);
 
+#if ATTN_WGMMA
+        if (warp < 4) {  // scores: warpgroup 0, warp w: heads 16 w + {g, g + 8} x all 64 keys
+            float sacc[32];
+#pragma unroll
+            for (int e = 0; e < 32; ++e) sacc[e] = 0.f;
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const uint32_t off = (kk >> 2) * SLAB + (kk & 3) * 32;
+                wgmma_64x64(sacc, kmajor_desc(sq + off), kmajor_desc(sk + off), kk > 0);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            const float ninf = -__int_as_float(0x7f800000);
+            const int r0 = 16 * warp + g;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = 8 * j + 2 * tq;
+                const bool v0 = cur_idx[col] >= 0, v1 = cur_idx[col + 1] >= 0;
+                *reinterpret_cast<float2*>(s_s + r0 * S_STRIDE + col) = make_float2(
+                    v0 ? sacc[4 * j] * scale : ninf, v1 ? sacc[4 * j + 1] * scale : ninf);
+                *reinterpret_cast<float2*>(s_s + (r0 + 8) * S_STRIDE + col) = make_float2(
+                    v0 ? sacc[4 * j + 2] * scale : ninf, v1 ? sacc[4 * j + 3] * scale : ninf);
+            }
+        }
+#else
         {  // scores: heads 16 rg.. x keys 32 ch..
             const int rg = warp % 4, ch = warp / 4;
             float s[4][4];
@@ -231,10 +295,10 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
 #pragma unroll 4
             for (int kk = 0; kk < D / 16; ++kk) {
                 uint32_t a[4], b01[4], b23[4];
-                ldmatrix_x4(a, sq + swz(arow, 2 * kk + (lane >> 4), ROW_BYTES));
+                ldmatrix_x4(a, sq + qk_off(arow, 2 * kk + (lane >> 4)));
                 const int kc = 2 * kk + ((lane >> 3) & 1);
-                ldmatrix_x4(b01, sk + swz(key0, kc, ROW_BYTES));
-                ldmatrix_x4(b23, sk + swz(key0 + 16, kc, ROW_BYTES));
+                ldmatrix_x4(b01, sk + qk_off(key0, kc));
+                ldmatrix_x4(b23, sk + qk_off(key0 + 16, kc));
                 mma_bf16(s[0], a, b01[0], b01[1]);
                 mma_bf16(s[1], a, b01[2], b01[3]);
                 mma_bf16(s[2], a, b23[0], b23[1]);
@@ -252,6 +316,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                     make_float2(v0 ? s[j][2] * scale : ninf, v1 ? s[j][3] * scale : ninf);
             }
         }
+#endif
         __syncthreads();  // sS complete
 
         {  // softmax of row srow, keys 16 squart..
@@ -314,8 +379,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
 #pragma unroll
                 for (int jp = 0; jp < 8; ++jp) {
                     uint32_t bv[4];
-                    ldmatrix_x4_trans(bv, sk + swz(krow, 16 * cg + 2 * jp + (lane >> 4),
-                                                   ROW_BYTES));
+                    ldmatrix_x4_trans(bv, sk + qk_off(krow, 16 * cg + 2 * jp + (lane >> 4)));
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         mma_bf16(acc[mi][2 * jp], a[mi], bv[0], bv[1]);

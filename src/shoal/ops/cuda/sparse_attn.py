@@ -1,6 +1,7 @@
 """CUDA sparse decode attention: `sparse_attn_sink` (backend "cuda") at D = 512 and up to 64
-heads, in CUDA C++ (sparse_attn.cu: bf16 mma.sync m16n8k16, the records copied by cp.async while
-the previous block computes, compiled by NVRTC), with the Triton combine pass
+heads, in CUDA C++ (sparse_attn.cu: bf16 mma.sync m16n8k16, or the scores by one warpgroup's
+wgmma, the records copied by cp.async while the previous block computes, compiled by NVRTC),
+with the Triton combine pass
 (ops/triton/attention.py `combine`) where a token's blocks are split.
 
 Partition: a token's index blocks (SWA first, then compressed, 64 keys each) go to splits of
@@ -30,20 +31,25 @@ SWA_REC, COMP_REC = D + D // 32, D // 2 + D // 16
 # sparse_attn.cu's SMEM_BYTES: Q and K (64 rows x 1 KB each), the raw records, P, the scores
 # (64 x 72 fp32), two index lists, alpha, (m, l)
 SMEM_BYTES = 2 * 64 * 2 * D + BLOCK_N * SWA_REC + 64 * BLOCK_N * 2 + 64 * 72 * 4 + 2 * 64 * 4 \
-    + 64 * 4 + 64 * 8
+    + 64 * 4 + 64 * 8 + 1024  # (+ the slack that aligns the slabs to 1024 bytes)
 BLOCKS_PER_SPLIT = 2  # the Triton op's decode partition (benchmarks sweep it)
 
 
-class SparseAttnState:
-    """Per op table: the loaded module; per: index blocks per split at decode sizes."""
+WGMMA = False  # the scores by wgmma (ATTN_WGMMA; not yet run on a GPU)
 
-    def __init__(self, per: int = BLOCKS_PER_SPLIT) -> None:
-        self.per = per
+
+class SparseAttnState:
+    """Per op table: the loaded module; per: index blocks per split at decode sizes; wgmma: the
+    kernel's ATTN_WGMMA (benchmarks sweep both)."""
+
+    def __init__(self, per: int = BLOCKS_PER_SPLIT, wgmma: bool = WGMMA) -> None:
+        self.per, self.wgmma = per, wgmma
         self._module: Module | None = None
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            self._module = Module(compile_file("sparse_attn.cu").cubin, device)
+            cubin = compile_file("sparse_attn.cu", options=(f"-DATTN_WGMMA={int(self.wgmma)}",))
+            self._module = Module(cubin.cubin, device)
         return self._module
 
 
