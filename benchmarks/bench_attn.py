@@ -2,8 +2,8 @@
 128 SWA + 512 compressed rows per token) over the kernel's knob variants (ATTN_VARIANTS; "op" is
 what the registered op runs): a correctness line per variant, then time, FLOPs, bytes and the
 fraction of floor per (T, variant). Run through bench_ops.py (--only attn or attn=V1+V2).
-Variants "cuda[-wgmma][-perN]" run the CUDA kernel (ops/cuda/sparse_attn.py; N index blocks per
-split at decode sizes; -wgmma: the scores by wgmma).
+Variants "cuda[-wgmmaM][-perN]" run the CUDA kernel (ops/cuda/sparse_attn.py; N index blocks per
+split at decode sizes; M = 1: the scores by wgmma, 2: P.V too).
 """
 
 from __future__ import annotations
@@ -58,15 +58,16 @@ ATTN_VARIANTS = {
 }
 
 
-CUDA_VARIANTS = ("cuda", "cuda-per1", "cuda-per3", "cuda-per5", "cuda-per10", "cuda-wgmma",
-                 "cuda-wgmma-per5")
+CUDA_VARIANTS = ("cuda", "cuda-per1", "cuda-per3", "cuda-per5", "cuda-per10", "cuda-wgmma1",
+                 "cuda-wgmma2", "cuda-wgmma2-per5", "cuda-wgmma2-per10")
 
 
 def _variant(name: str):
     """(run(inputs, split) -> out, splits(T, n_swa, n_comp)) of a variant."""
     if name.startswith("cuda"):
         per = int(name.partition("-per")[2] or cuda_attn.BLOCKS_PER_SPLIT)
-        state = cuda_attn.SparseAttnState(per, wgmma="wgmma" in name)
+        mode = name.partition("-wgmma")[2][:1]
+        state = cuda_attn.SparseAttnState(per, wgmma=int(mode or 0))
         return (lambda kw, split=None: cuda_attn.sparse_attn_sink(**kw, state=state),
                 lambda t, n_swa, n_comp: cuda_attn.partition(t, _blocks(n_swa, n_comp, 64),
                                                              per)[0])

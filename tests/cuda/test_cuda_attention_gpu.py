@@ -47,10 +47,10 @@ SHAPES = [(1, 64, 128, 512), (5, 64, 128, 512), (64, 64, 128, 512), (65, 64, 128
           (33, 17, 128, 200)]
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma1", "wgmma2"])
 @pytest.mark.parametrize("per", [1, 2, 3, 10])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}xH{}-swa{}-comp{}".format(*s))
-def test_matches_the_reference(shape: tuple[int, int, int, int], per: int, wgmma: bool) -> None:
+def test_matches_the_reference(shape: tuple[int, int, int, int], per: int, wgmma: int) -> None:
     from shoal.ops.compare import check_output
     from shoal.ops.cuda import sparse_attn as cuda_attn
     from shoal.ops.reference import attention as ref_attn
@@ -68,8 +68,8 @@ def test_matches_the_reference(shape: tuple[int, int, int, int], per: int, wgmma
     check_output(op, "out", got, want, f"cuda sparse_attn {shape} per={per} wgmma={wgmma}")
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
-def test_rows_do_not_depend_on_the_batch_or_padding(wgmma: bool) -> None:
+@pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma1", "wgmma2"])
+def test_rows_do_not_depend_on_the_batch_or_padding(wgmma: int) -> None:
     from shoal.ops.cuda import sparse_attn as cuda_attn
 
     state = cuda_attn.SparseAttnState(wgmma=wgmma)

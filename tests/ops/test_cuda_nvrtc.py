@@ -75,9 +75,13 @@ def _assert_no_spills(cubin: bytes, tmp_path) -> None:
     assert stacks and all(s == "0" for s in stacks), usage
 
 
-def test_sparse_attn_wgmma_builds(monkeypatch, tmp_path) -> None:
-    """The wgmma variant of the sparse attention builds for sm_90a (at 255 registers ptxas
-    spills 8 bytes, stored and loaded once per index block after the score loop: accepted)."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_sparse_attn_wgmma_builds(monkeypatch, tmp_path, mode: int) -> None:
+    """The wgmma variants of the sparse attention build for sm_90a with their wgmmas (mode 1
+    at 255 registers spills 8 bytes, stored and loaded once per index block after the score
+    loop: accepted; mode 2 does not spill)."""
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
-    cubin = nvrtc.compile_file("sparse_attn.cu", options=("-DATTN_WGMMA=1",)).cubin
+    cubin = nvrtc.compile_file("sparse_attn.cu", options=(f"-DATTN_WGMMA={mode}",)).cubin
     assert cubin[:4] == b"\x7fELF"
+    if mode == 2:
+        _assert_no_spills(cubin, tmp_path)

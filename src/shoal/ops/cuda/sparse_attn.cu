@@ -1,5 +1,5 @@
 // Sparse MQA with a per-head sink over quantised KV records (`sparse_attn_sink`), D = 512,
-// up to 64 heads, on bf16 mma.sync m16n8k16 (sm_90). See sparse_attn.py for the contract.
+// up to 64 heads, on bf16 tensor cores (sm_90a). See sparse_attn.py for the contract.
 //
 // One CTA = one query token x all heads (padded to 64 rows: the MMAs' M) x a range of 64-key
 // index blocks (SWA blocks first, then compressed; the front's partition). 8 warps. Per block:
@@ -7,18 +7,24 @@
 //      copied raw into shared memory by cp.async while the previous block computed;
 //   2. all threads dequantise them to bf16 keys sK [64 keys x D] (exact, as the Triton kernel):
 //      SWA: e4m3 * 2^(e - 127); compressed: e2m1 (its bits placed in an fp16) * e4m3 * 2^14;
-//   3. scores S = Q K^T: warp (rg = w % 4, ch = w / 4) computes heads 16 rg.. x keys 32 ch..,
-//      scaled and masked (-inf for empty keys), into sS (fp32);
+//   3. scores S = Q K^T, scaled and masked (-inf for empty keys), into sS (fp32): mma.sync warp
+//      (rg = w % 4, ch = w / 4) computes heads 16 rg.. x keys 32 ch..; ATTN_WGMMA >= 1: the
+//      first warpgroup's m64n64k16 wgmma from the Q and K slabs;
 //   4. softmax, one row per 4 threads (16 keys each): running max from -1e30, p = exp(s - m)
 //      (exp in fp64, rounded to fp32, as the reference), the row's sum in fp64 (fixed order),
 //      l = l * alpha + sum, P = bf16(p) into sP, alpha = exp(m_old - m) into sAlpha;
-//   5. O = O * alpha + P V: warp (rg2 = w % 2, cg = w / 2) owns heads 32 rg2.. x columns
-//      128 cg.. (128 fp32 accumulators per lane) and reads V = sK through ldmatrix.trans.
+//   5. O = O * alpha + P V (128 fp32 accumulators per thread): mma.sync warp (rg2 = w % 2,
+//      cg = w / 2) owns heads 32 rg2.. x columns 128 cg.. and reads V = sK by ldmatrix.trans;
+//      ATTN_WGMMA == 2: warpgroup wg's m64n256k16 wgmma over columns 256 wg.., A = sP, B = the
+//      K slabs read N-major.
 // The CTA then writes either the output (one split: o = O / (l + exp(sink - m)), bf16) or its
 // fp32 partials (O, m, l) for the combine pass (the Triton kernel's layout).
 //
-// Shared rows of Q, K (1024 B) and P (128 B) are stored in 16-byte chunks XOR-swizzled by the
-// row's low 3 bits, so the 8 row addresses of every ldmatrix phase hit distinct banks.
+// Shared memory: Q and K as D/64 slabs of 64 rows x 128 bytes (qk_off) and P as one such slab,
+// 16-byte chunks XOR-swizzled by the row's low 3 bits: the canonical 128-byte swizzle of
+// wgmma (K-major for Q, K and P; N-major for V), and every ldmatrix phase over 8 rows hits 8
+// distinct bank groups. Stores by the threads are fenced to the async proxy before a wgmma
+// reads them.
 //
 // Bits: the scores and P.V sums are fp32 MMA sums (their order is the MMA's), so the op is
 // within the reference's tolerance, not bitwise; a row's result depends only on its own index
@@ -74,7 +80,8 @@ __device__ __forceinline__ float exp_ref(float x) {  // the reference's exp: fp6
 }
 
 #ifndef ATTN_WGMMA
-#define ATTN_WGMMA 0  // 1: the scores by one warpgroup's wgmma (Q and K read once per block)
+#define ATTN_WGMMA 0  // 1: the scores by one warpgroup's wgmma (Q and K read once per block);
+                      // 2: P.V by wgmma too (each warpgroup 256 columns, V read once)
 #endif
 
 #if ATTN_WGMMA
@@ -97,7 +104,48 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(accumulate));
 }
+// wgmma descriptor of an N-major (MN-major) operand in the 128-byte swizzle at `addr` (row 0 of
+// a K slab: rows = keys, 64 columns of 128 bytes): the next 64 columns one slab (SLAB bytes) on
+// (leading byte offset), the next 8 keys 1024 bytes on (stride byte offset)
+__device__ __forceinline__ uint64_t nmajor_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(SLAB >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// d (this thread's 128 fp32 of the warpgroup's 64 x 256 tile) += A B: m64n256k16, bf16, A
+// K-major and B N-major in shared memory
+__device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db));
+}
 #endif
+
+// The P.V accumulator tiles of a thread (warp w, g = lane / 4, tq = lane % 4): tile n holds rows
+// out_row + {0, 8} x columns out_col + {0, 1}. mma.sync: warp (w % 2, w / 2) owns heads
+// 32 (w % 2) .. x columns 128 (w / 2) .., tile n = 16 mi + j its m16n8 tile (mi, j); wgmma:
+// warpgroup w / 4 owns all heads x columns 256 (w / 4) .., tile n its n-th 8 columns.
+__device__ __forceinline__ int out_row(int n, int w, int g) {
+#if ATTN_WGMMA == 2
+    return 16 * (w % 4) + g;
+#else
+    return 32 * (w % 2) + 16 * (n / 16) + g;
+#endif
+}
+
+__device__ __forceinline__ int out_col(int n, int w, int tq) {
+#if ATTN_WGMMA == 2
+    return 256 * (w / 4) + 8 * n + 2 * tq;
+#else
+    return 128 * (w / 2) + 8 * (n % 16) + 2 * tq;
+#endif
+}
+
+__device__ __forceinline__ float (&tile(float (&acc)[128], int n))[4] {
+    return *reinterpret_cast<float(*)[4]>(&acc[4 * n]);
+}
 
 // The lists of block b: SWA blocks first (keys b * 64..), then compressed.
 struct Lists {
@@ -236,15 +284,12 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
     // softmax state of row `srow`, held by its 4 threads
     const int srow = tid / 4, squart = tid % 4;
     float m_run = -1e30f, l_run = 0.f;
-    // P.V accumulators: heads 32 rg2 + 16 mi + {g, g + 8} x columns 128 cg + 8 j + {2 tq, +1}
-    const int rg2 = warp % 2, cg = warp / 2;
-    float acc[2][16][4];
+    // P.V accumulators: 32 tiles n of 2 x 2 (rows out_row(n) + {0, 8} x columns out_col(n) +
+    // {0, 1}) in acc[4 n ..]: the m16n8 fragments of the mma.sync warps, or a warpgroup's
+    // m64n256 fragment
+    float acc[128];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
+    for (int e = 0; e < 128; ++e) acc[e] = 0.f;
 
     for (int b = b0; b < b1; ++b) {
         const int* cur_idx = sidx + ((b - b0) & 1) * BLOCK_N;
@@ -355,19 +400,32 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                 make_uint4(pk[4], pk[5], pk[6], pk[7]);
             if (squart == 0) s_alpha[srow] = alpha;
         }
+#if ATTN_WGMMA == 2
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // sP visible to wgmma
+#endif
         __syncthreads();  // sP, sAlpha complete
 
         {  // O = O * alpha + P V
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const float a_lo = s_alpha[32 * rg2 + 16 * mi + g];
-                const float a_hi = s_alpha[32 * rg2 + 16 * mi + g + 8];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    acc[mi][j][0] *= a_lo, acc[mi][j][1] *= a_lo;
-                    acc[mi][j][2] *= a_hi, acc[mi][j][3] *= a_hi;
-                }
+            for (int n = 0; n < 32; ++n) {
+                const float a_lo = s_alpha[out_row(n, warp, g)];
+                const float a_hi = s_alpha[out_row(n, warp, g) + 8];
+                acc[4 * n] *= a_lo, acc[4 * n + 1] *= a_lo;
+                acc[4 * n + 2] *= a_hi, acc[4 * n + 3] *= a_hi;
             }
+#if ATTN_WGMMA == 2
+            // warpgroup wg: all heads x columns 256 wg..: A = P (K-major), B = V = the K slabs
+            // wg * 4 .. + 3 (N-major), 16 keys per step
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                wgmma_pv(acc, kmajor_desc(sp + 32 * kk),
+                         nmajor_desc(sk + (warp / 4) * 4 * SLAB + 16 * 128 * kk));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#else
+            // warp (rg2 = w % 2, cg = w / 2): heads 32 rg2.. x columns 128 cg..
+            const int rg2 = warp % 2, cg = warp / 2;
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 uint32_t a[2][4];
@@ -382,11 +440,12 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                     ldmatrix_x4_trans(bv, sk + qk_off(krow, 16 * cg + 2 * jp + (lane >> 4)));
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
-                        mma_bf16(acc[mi][2 * jp], a[mi], bv[0], bv[1]);
-                        mma_bf16(acc[mi][2 * jp + 1], a[mi], bv[2], bv[3]);
+                        mma_bf16(tile(acc, 16 * mi + 2 * jp), a[mi], bv[0], bv[1]);
+                        mma_bf16(tile(acc, 16 * mi + 2 * jp + 1), a[mi], bv[2], bv[3]);
                     }
                 }
             }
+#endif
         }
     }
 
@@ -398,26 +457,20 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
         dst[0] = m_run, dst[1] = l_run;
     }
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int n = 0; n < 32; ++n) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int h = 32 * rg2 + 16 * mi + g + 8 * half;
+            const int h = out_row(n, warp, g) + 8 * half, col = out_col(n, warp, tq);
             if (h >= H) continue;
+            const float lo = acc[4 * n + 2 * half], hi = acc[4 * n + 2 * half + 1];
             if (nsplit == 1) {
                 const float m = s_ml[2 * h], l = s_ml[2 * h + 1];
                 const float denom = l + exp_ref(sink[h] - m);
-                uint16_t* o = out + (t * H + h) * D + 128 * cg + 2 * tq;
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    *reinterpret_cast<uint32_t*>(o + 8 * j) =
-                        pack_bf16x2(acc[mi][j][2 * half] / denom,
-                                    acc[mi][j][2 * half + 1] / denom);
+                *reinterpret_cast<uint32_t*>(out + (t * H + h) * D + col) =
+                    pack_bf16x2(lo / denom, hi / denom);
             } else {
-                float* o = part + ((t * nsplit + split) * H + h) * D + 128 * cg + 2 * tq;
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    *reinterpret_cast<float2*>(o + 8 * j) =
-                        make_float2(acc[mi][j][2 * half], acc[mi][j][2 * half + 1]);
+                *reinterpret_cast<float2*>(part + ((t * nsplit + split) * H + h) * D + col) =
+                    make_float2(lo, hi);
             }
         }
     }

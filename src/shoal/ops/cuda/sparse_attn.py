@@ -1,6 +1,6 @@
 """CUDA sparse decode attention: `sparse_attn_sink` (backend "cuda") at D = 512 and up to 64
-heads, in CUDA C++ (sparse_attn.cu: bf16 mma.sync m16n8k16, or the scores by one warpgroup's
-wgmma, the records copied by cp.async while the previous block computes, compiled by NVRTC),
+heads, in CUDA C++ (sparse_attn.cu: bf16 mma.sync m16n8k16, or the scores and P.V by wgmma,
+the records copied by cp.async while the previous block computes, compiled by NVRTC),
 with the Triton combine pass
 (ops/triton/attention.py `combine`) where a token's blocks are split.
 
@@ -35,20 +35,22 @@ SMEM_BYTES = 2 * 64 * 2 * D + BLOCK_N * SWA_REC + 64 * BLOCK_N * 2 + 64 * 72 * 4
 BLOCKS_PER_SPLIT = 2  # the Triton op's decode partition (benchmarks sweep it)
 
 
-WGMMA = False  # the scores by wgmma (ATTN_WGMMA; not yet run on a GPU)
+WGMMA = 0  # ATTN_WGMMA: 1 the scores by wgmma, 2 P.V too (not yet run on a GPU)
 
 
 class SparseAttnState:
     """Per op table: the loaded module; per: index blocks per split at decode sizes; wgmma: the
     kernel's ATTN_WGMMA (benchmarks sweep both)."""
 
-    def __init__(self, per: int = BLOCKS_PER_SPLIT, wgmma: bool = WGMMA) -> None:
+    def __init__(self, per: int = BLOCKS_PER_SPLIT, wgmma: int = WGMMA) -> None:
+        if wgmma not in (0, 1, 2):
+            raise ValueError(f"wgmma must be 0, 1 or 2, got {wgmma}")
         self.per, self.wgmma = per, wgmma
         self._module: Module | None = None
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            cubin = compile_file("sparse_attn.cu", options=(f"-DATTN_WGMMA={int(self.wgmma)}",))
+            cubin = compile_file("sparse_attn.cu", options=(f"-DATTN_WGMMA={self.wgmma}",))
             self._module = Module(cubin.cubin, device)
         return self._module
 
