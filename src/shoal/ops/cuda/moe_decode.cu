@@ -27,6 +27,7 @@
 // of its tile or the batch.
 
 #include "common.cuh"
+#include "moe_common.cuh"
 
 #define WARPS 4
 #define TILE_M 8  // routed rows per tile: the MMA's n
@@ -39,71 +40,7 @@
 #define MOE_STAGES 0  // > 1: loads staged in shared memory by cp.async instead (moe_stages.cuh)
 #endif
 
-struct Tile {
-    int expert;
-    int row0;
-    int row_end;
-};
 
-// The (expert, first row, end row) of live tile `j` over the expert-sorted rows: experts in
-// order, ceil(count / TILE_M) tiles each. Warp 0 scans the counts (each lane a contiguous range of
-// experts, then a warp prefix sum); expert -1 when j is past the last tile.
-__device__ Tile find_tile(const int* __restrict__ counts, int num_experts, int j) {
-    __shared__ Tile found;
-    if (threadIdx.x < 32) {
-        int lane = threadIdx.x;
-        int per = (num_experts + 31) / 32;
-        int e0 = min(lane * per, num_experts), e1 = min(e0 + per, num_experts);
-        int tiles = 0, rows = 0;
-        for (int e = e0; e < e1; ++e) {
-            int c = counts[e];
-            tiles += (c + TILE_M - 1) / TILE_M;
-            rows += c;
-        }
-        int tiles_before = tiles, rows_before = rows;  // inclusive scans, made exclusive below
-        for (int off = 1; off < 32; off <<= 1) {
-            int tt = __shfl_up_sync(0xffffffffu, tiles_before, off);
-            int rr = __shfl_up_sync(0xffffffffu, rows_before, off);
-            if (lane >= off) {
-                tiles_before += tt;
-                rows_before += rr;
-            }
-        }
-        tiles_before -= tiles;
-        rows_before -= rows;
-        if (lane == 0) found.expert = -1;
-        __syncwarp();
-        if (j >= tiles_before && j < tiles_before + tiles) {
-            int tj = tiles_before, r = rows_before;
-            for (int e = e0; e < e1; ++e) {
-                int c = counts[e];
-                int n = (c + TILE_M - 1) / TILE_M;
-                if (j < tj + n) {
-                    found.expert = e;
-                    found.row0 = r + (j - tj) * TILE_M;
-                    found.row_end = r + c;
-                    break;
-                }
-                tj += n;
-                r += c;
-            }
-        }
-    }
-    __syncthreads();
-    return found;
-}
-
-// Four e2m1 codes (the low 16 bits of `codes`, code i in nibble i) -> four e4m3 bytes through
-// the 8-byte magnitude table (lo, hi), the sign bit moved to bit 7 of each byte.
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3(uint32_t codes, uint32_t lo, uint32_t hi) {
-    uint32_t mag = prmt(lo, hi, codes & 0x7777u);
-    uint32_t sign = prmt(0x00008000u, 0u, (codes >> 3) & 0x1111u);
-    return mag | sign;
-}
-
-__device__ __forceinline__ float col_scale(int smax) {
-    return smax == 255 ? __int_as_float(0x7fc00000) : __int_as_float(smax << 23);
-}
 
 // One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each group's row)
 // and their block scales. On the register path the activations are read when the chunk is
@@ -161,7 +98,7 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
                                         const int* counts, const uint8_t* w, const uint8_t* ws,
                                         const int* wmax, int N, int E, int K) {
     if (threadIdx.x < LUT_ROWS) lut[threadIdx.x] = lut_g[threadIdx.x];
-    L.tile = find_tile(counts, E, blockIdx.y);
+    L.tile = find_tile<TILE_M>(counts, E, blockIdx.y);
     if (L.tile.expert < 0) return false;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
