@@ -10,7 +10,8 @@ with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
 `cuda_sN`: chunks staged in shared memory by cp.async, N stages, each lane its own loads;
-`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row). For T = 8192
+`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row; `cuda_prefill`: the
+FP8 wgmma prefill kernels, prefill sizes only). For T = 8192
 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
 timed as CUDA-graph replays over rotated routings (so it also proves the op is capturable: no host
@@ -46,6 +47,7 @@ from moe_tile_sweeps import DECODE_CFGS, PLAIN_DECODE_CFGS, PREFILL_CFGS, V0_DEC
 
 from shoal.bench import git_commit
 from shoal.ops.cuda import moe_decode as cuda_moe
+from shoal.ops.cuda import moe_prefill as cuda_prefill
 from shoal.ops.reference import moe as ref
 from shoal.ops.triton import moe as tmoe
 from shoal.ops.triton import moe_route
@@ -142,6 +144,8 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
         return {"use_asm": False}
     if name == "w4a16":
         return {"w4a8": False}
+    if name == "cuda_prefill":  # the CUDA C++ FP8 wgmma prefill kernels (prefill sizes)
+        return {"cuda_prefill": True} if rows > cuda_moe.MAX_ROWS else None
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
         # cuda_dN: MOE_DEPTH N; cuda_sN: MOE_STAGES N, the shared-memory staged loads)
         # cuda_wN[cM]: MOE_STAGES N staged per warp, M chunks per stage (default 4)
@@ -164,6 +168,9 @@ CUDA_STATE: dict = {}
 
 def run(kw: dict, **inputs) -> torch.Tensor:
     """The op of a variant: `moe_experts` with its kwargs, or the CUDA kernels."""
+    if kw.get("cuda_prefill"):
+        state = CUDA_STATE.setdefault("prefill", cuda_prefill.PrefillMoEState())
+        return cuda_prefill.moe_mxfp4_prefill(**inputs, state=state)
     if kw.get("cuda"):
         state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(*kw["cuda"]))
         return cuda_moe.moe_mxfp4(**inputs, state=state)
@@ -171,12 +178,19 @@ def run(kw: dict, **inputs) -> torch.Tensor:
 
 
 def correctness(dev: torch.device, keep: list[str]) -> dict:
+    """Each variant against the reference at 16 tokens, or at 256 where it takes prefill sizes
+    only."""
     w = realistic_weights(8, dev)
-    r = routing(16, 8, 1, dev)
-    want = ref.moe_mxfp4(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in {**w, **r}.items()})
+    cases = {}
     out = {}
     for name in keep:
-        kw = variant_kwargs(name, 16 * TOPK)
+        t = 16 if variant_kwargs(name, 16 * TOPK) is not None else 256
+        if t not in cases:
+            r = routing(t, 8, 1, dev)
+            cases[t] = (r, ref.moe_mxfp4(**{k: v.cpu() if torch.is_tensor(v) else v
+                                            for k, v in {**w, **r}.items()}))
+        r, want = cases[t]
+        kw = variant_kwargs(name, t * TOPK)
         got = run(kw, **r, **w).cpu()
         err = (got - want).abs()
         ok = bool((err <= 2e-2 + 2e-2 * want.abs()).all())
