@@ -89,3 +89,75 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
+
+// ---- wgmma (sm_90a) -------------------------------------------------------------------------
+
+// wgmma accumulator operands: the register list "{%0, ..., %N-1}" of an asm statement whose first
+// N operands are the accumulators, and their "+f" bindings to d[0 .. N-1]
+#define SHOAL_REGS32 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
+    "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, " \
+    "%28, %29, %30, %31}"
+#define SHOAL_REGS64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
+    "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, " \
+    "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63}"
+#define SHOAL_REGS128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
+    "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, " \
+    "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, " \
+    "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, " \
+    "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, " \
+    "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, " \
+    "%126, %127}"
+#define SHOAL_ACC4(d, i) "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#define SHOAL_ACC16(d, i) \
+    SHOAL_ACC4(d, i), SHOAL_ACC4(d, (i) + 4), SHOAL_ACC4(d, (i) + 8), SHOAL_ACC4(d, (i) + 12)
+#define SHOAL_ACC32(d) SHOAL_ACC16(d, 0), SHOAL_ACC16(d, 16)
+#define SHOAL_ACC64(d) SHOAL_ACC32(d), SHOAL_ACC16(d, 32), SHOAL_ACC16(d, 48)
+#define SHOAL_ACC128(d) \
+    SHOAL_ACC64(d), SHOAL_ACC16(d, 64), SHOAL_ACC16(d, 80), SHOAL_ACC16(d, 96), SHOAL_ACC16(d, 112)
+
+// wgmma descriptor of a K-major operand in the 128-byte swizzle at shared address `addr` (row 0
+// of a slab of 128-byte rows, plus 32 bytes per 32-byte K step inside the row): 8-row groups
+// 1024 bytes apart (stride byte offset), leading byte offset unused (1)
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// byte offset of the kk-th 32-byte K step in K-major slabs of 128-byte rows, `slab` bytes each
+__device__ __forceinline__ uint32_t kstep(int kk, uint32_t slab) {
+    return (kk >> 2) * slab + (kk & 3) * 32;
+}
+
+// the warpgroup's register accesses ordered before its next wgmmas; the wgmmas issued so far
+// made one group; wait until every group of this thread is complete
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// the calling thread's shared-memory stores, ordered before later wgmma reads (async proxy)
+__device__ __forceinline__ void fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The dynamic shared memory from its first 1024-aligned byte (the 128-byte swizzle repeats every
+// 1024 bytes of address); traps unless the launch gave `bytes` + 1024 (the front is out of date).
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw, uint32_t bytes) {
+    uint32_t size;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
+    if (size < bytes + 1024) __trap();
+    return raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+}

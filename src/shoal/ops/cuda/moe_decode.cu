@@ -127,13 +127,7 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
 // clamp(u, -L, L)), g and u the bf16-rounded sums of rows n and N + n; else NW = N,
 // out[orow[r], n] = bf16(sum). acc[c]: weight row g (c < 2) or g + 8, routed row 2t + (c & 1).
 template <bool SWIGLU>
-__device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict__ a_scale,
-                         const int* __restrict__ arow, bf16_t* __restrict__ out,
-                         const int* __restrict__ orow, const float* __restrict__ rw,
-                         const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-                         const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
-                         const int* __restrict__ counts, int N, int E, int K, float limit,
-                         bool gather) {
+__device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
     __shared__ uint2 lut[LUT_ROWS];
     Lane L;
     if (!lane_of<SWIGLU>(L, lut, lut_g, counts, w, ws, wmax, N, E, K)) return;
@@ -201,18 +195,4 @@ __device__ void moe_tile(const uint16_t* __restrict__ a, const float* __restrict
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w13_decode(const uint16_t* a, const float* a_scale, const int* arow, bf16_t* out,
-               const float* rw, const uint8_t* w, const uint8_t* ws, const int* wmax,
-               const uint2* lut, const int* counts, int N, int E, int K, float limit) {
-    moe_tile<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K, limit,
-                   true);
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_w2_decode(const uint16_t* a, const float* a_scale, bf16_t* out, const int* orow,
-              const uint8_t* w, const uint8_t* ws, const int* wmax, const uint2* lut,
-              const int* counts, int N, int E, int K) {
-    moe_tile<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E, K,
-                    0.f, false);
-}
+SHOAL_MOE_ENTRIES(decode, uint16_t, moe_tile, WARPS * 32)

@@ -16,6 +16,8 @@ docs/perf/moe.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -97,32 +99,66 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     if (empty := empty_result(x, shared)) is not None:
         return empty
     state = state or DecodeMoEState()
+    d, inter = x.shape[1], w2.shape[2] * 2
+    if state.warp_stage and state.stages and (d % 256 or inter % 256):
+        raise ValueError(f"warp-staged loads need K % 256 == 0 (D={d}, I={inter})")
+    # the staged paths copy scale bytes 4 (per lane) or 8 (per warp) at once
+    return run_grouped(Family("decode", state.module(x.device), TILE_M, W13_COLUMNS, W2_COLUMNS,
+                              THREADS,
+                              state.stages * stage_bytes(state.warp_stage, state.stage_chunks),
+                              8 if state.stages else 1, fp16=True),
+                       state, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family's launch: entry points moe_w13_<name> / moe_w2_<name> of `module`, routed
+    rows per tile, output columns per CTA of each GEMM, threads per CTA, dynamic shared memory,
+    the byte alignment its scale copies need, and whether it takes the folded activations as
+    fp16 values (else as e4m3 codes)."""
+
+    name: str
+    module: Module
+    tile_rows: int
+    w13_columns: int
+    w2_columns: int
+    threads: int
+    smem: int
+    scale_align: int
+    fp16: bool
+
+
+def run_grouped(fam: Family, state: DecodeMoEState, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
+                shared: torch.Tensor | None) -> torch.Tensor:
+    """The pipeline around a family's two grouped GEMMs: routing, the folded quantisers, both
+    launches (h = w13's SwiGLU rows, y = w2's rows at their output rows), the combine."""
     t, d = x.shape
     k = ids.shape[1]
     e, two_i, _ = w13.shape
     inter = two_i // 2
-    module, lut = state.module(x.device), state.lut(x.device)
+    lut = state.lut(x.device)
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
     wmax13, wmax2 = state.row_max(s13), state.row_max(s2)
-    if state.stages:  # the staged paths copy scale bytes 4 (per lane) or 8 (per warp) at once
-        if state.warp_stage and (d % 256 or inter % 256):
-            raise ValueError(f"warp-staged loads need K % 256 == 0 (D={d}, I={inter})")
-        s13, s2 = (sc if sc.data_ptr() % 8 == 0 else sc.clone() for sc in (s13, s2))
-    shared = state.stages * stage_bytes(state.warp_stage, state.stage_chunks)
+    s13, s2 = (sc if sc.data_ptr() % fam.scale_align == 0 else sc.clone() for sc in (s13, s2))
     tok, orow, rw, counts = route(ids, weights, e)
     rows = t * k
-    m_tiles = triton.cdiv(rows, TILE_M) + min(e, rows)
-    xq, xs = _quant_folded(x)
-    xq = xq.to(torch.float16)  # the folded e4m3 values as fp16 (exact)
+    m_tiles = triton.cdiv(rows, fam.tile_rows) + min(e, rows)
+
+    def folded(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = _quant_folded(v)  # (fp16 holds the e4m3 values exactly)
+        return (q.to(torch.float16) if fam.fp16 else q.view(torch.uint8)), s
+
+    xq, xs = folded(x)
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
-    module.kernel("moe_w13_decode")((triton.cdiv(inter, W13_COLUMNS), m_tiles), (THREADS,),
-                                    xq, xs, tok, h, rw, w13, s13, wmax13, lut,
-                                    counts, inter, e, d, float(limit), shared=shared)
-    hq, hs = _quant_folded(h)
-    hq = hq.to(torch.float16)
+    fam.module.kernel(f"moe_w13_{fam.name}")(
+        (triton.cdiv(inter, fam.w13_columns), m_tiles), (fam.threads,), xq, xs,
+        tok, h, rw, w13, s13, wmax13, lut, counts, inter, e, d, float(limit), shared=fam.smem)
+    hq, hs = folded(h)
     y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
-    module.kernel("moe_w2_decode")((triton.cdiv(d, W2_COLUMNS), m_tiles), (THREADS,),
-                                   hq, hs, y, orow, w2, s2, wmax2, lut, counts,
-                                   d, e, inter, shared=shared)
+    fam.module.kernel(f"moe_w2_{fam.name}")(
+        (triton.cdiv(d, fam.w2_columns), m_tiles), (fam.threads,), hq, hs, y,
+        orow, w2, s2, wmax2, lut, counts, d, e, inter, shared=fam.smem)
     return _combine(y, t, k, d, shared)

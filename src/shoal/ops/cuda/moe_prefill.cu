@@ -41,11 +41,6 @@ __device__ __forceinline__ uint32_t slab_off(int r, int c) {
     return (c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
 // d (this thread's 64 fp32 of the warpgroup's 64 x 128 tile) = A B^T (+ d when accumulate):
 // m64n128k32, e4m3 x e4m3, both K-major in shared memory
 __device__ __forceinline__ void wgmma_fp8(float (&d)[64], uint64_t da, uint64_t db,
@@ -53,8 +48,9 @@ __device__ __forceinline__ void wgmma_fp8(float (&d)[64], uint64_t da, uint64_t 
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        SHOAL_REGS64
+        ", %64, %65, p, 1, 1;\n}"
+        : SHOAL_ACC64(d)
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -123,37 +119,24 @@ __device__ __forceinline__ void convert_kblock(uint8_t* cvt, const uint8_t* slot
     }
 }
 
-__device__ __forceinline__ void fence_async() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // This warpgroup's 8 wgmmas of one K-block into fresh partials (then committed).
 __device__ __forceinline__ void mma_kblock(float (&part)[64], uint32_t a_tile, uint32_t cvt) {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) {
-        const uint32_t off = (kk >> 2) * SLAB_BYTES + (kk & 3) * 32;
-        wgmma_fp8(part, kmajor_desc(a_tile + off), kmajor_desc(cvt + off), kk > 0);
+        wgmma_fp8(part, kmajor_desc(a_tile + kstep(kk, SLAB_BYTES)),
+                  kmajor_desc(cvt + kstep(kk, SLAB_BYTES)), kk > 0);
     }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    wgmma_commit();
     pin(part);
 }
 
 template <bool SWIGLU>
-__device__ void prefill_tile(const uint8_t* __restrict__ a, const float* __restrict__ a_scale,
-                             const int* __restrict__ arow, bf16_t* __restrict__ out,
-                             const int* __restrict__ orow, const float* __restrict__ rw,
-                             const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-                             const int* __restrict__ wmax, const uint2* __restrict__ lut_g,
-                             const int* __restrict__ counts, int N, int E, int K, float limit,
-                             bool gather) {
+__device__ void prefill_tile(SHOAL_MOE_TILE_PARAMS(uint8_t)) {
     __shared__ uint2 lut[LUT_ROWS];
     __shared__ int s_arow[BM], s_wrow[BN], s_wmax[BN];
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    uint32_t smem_size;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
-    if (smem_size < SMEM_BYTES + 1024) __trap();  // the front's SMEM_BYTES is out of date
-    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t* smem = aligned_smem(smem_raw, SMEM_BYTES);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     if (tid < LUT_ROWS) lut[tid] = lut_g[tid];
     const Tile tile = find_tile<BM>(counts, E, blockIdx.y);  // (ends with a barrier)
@@ -202,7 +185,7 @@ __device__ void prefill_tile(const uint8_t* __restrict__ a, const float* __restr
                            lut, s_wmax);
             fence_async();
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wgmma_wait();
         pin(part);
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] += part[i];
@@ -241,18 +224,4 @@ __device__ void prefill_tile(const uint8_t* __restrict__ a, const float* __restr
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_w13_prefill(const uint8_t* a, const float* a_scale, const int* arow, bf16_t* out,
-                const float* rw, const uint8_t* w, const uint8_t* ws, const int* wmax,
-                const uint2* lut, const int* counts, int N, int E, int K, float limit) {
-    prefill_tile<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K,
-                       limit, true);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_w2_prefill(const uint8_t* a, const float* a_scale, bf16_t* out, const int* orow,
-               const uint8_t* w, const uint8_t* ws, const int* wmax, const uint2* lut,
-               const int* counts, int N, int E, int K) {
-    prefill_tile<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E,
-                        K, 0.f, false);
-}
+SHOAL_MOE_ENTRIES(prefill, uint8_t, prefill_tile, THREADS, 1)

@@ -13,13 +13,11 @@ prefill tiles on the H200. Same contract as the reference op; needs K % 256 == 0
 from __future__ import annotations
 
 import torch
-import triton
 
 from shoal.ops.cuda.driver import Module
-from shoal.ops.cuda.moe_decode import DecodeMoEState
+from shoal.ops.cuda.moe_decode import DecodeMoEState, Family, run_grouped
 from shoal.ops.cuda.nvrtc import compile_file
-from shoal.ops.triton.moe import _combine, _quant_folded, empty_result
-from shoal.ops.triton.moe_route import route
+from shoal.ops.triton.moe import empty_result
 
 BM, BN, BK, THREADS, STAGES = 128, 128, 256, 256, 3
 # moe_prefill.cu's SMEM_BYTES (STAGES slots of activations, packed weights and scales, two
@@ -57,27 +55,6 @@ def moe_mxfp4_prefill(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         raise ValueError(f"moe_mxfp4_prefill needs sm_90 and K % {BK} == 0 for both GEMMs "
                          f"(D={x.shape[1]}, I={w2.shape[2] * 2})")
     state = state or PrefillMoEState()
-    t, d = x.shape
-    k = ids.shape[1]
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
-    module, lut = state.prefill_module(x.device), state.lut(x.device)
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
-    wmax13, wmax2 = state.row_max(s13), state.row_max(s2)
-    s13, s2 = (sc if sc.data_ptr() % 8 == 0 else sc.clone() for sc in (s13, s2))
-    tok, orow, rw, counts = route(ids, weights, e)
-    rows = t * k
-    m_tiles = triton.cdiv(rows, BM) + min(e, rows)
-    xq, xs = _quant_folded(x)
-    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
-    module.kernel("moe_w13_prefill")((triton.cdiv(inter, BN // 2), m_tiles), (THREADS,),
-                                     xq.view(torch.uint8), xs, tok, h, rw, w13, s13, wmax13, lut,
-                                     counts, inter, e, d, float(limit), shared=SMEM_BYTES)
-    hq, hs = _quant_folded(h)
-    y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
-    module.kernel("moe_w2_prefill")((triton.cdiv(d, BN), m_tiles), (THREADS,),
-                                    hq.view(torch.uint8), hs, y, orow, w2, s2, wmax2, lut,
-                                    counts, d, e, inter, shared=SMEM_BYTES)
-    return _combine(y, t, k, d, shared)
-
+    fam = Family("prefill", state.prefill_module(x.device), BM, BN // 2, BN, THREADS, SMEM_BYTES,
+                 8, fp16=False)
+    return run_grouped(fam, state, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)

@@ -85,14 +85,6 @@ __device__ __forceinline__ float exp_ref(float x) {  // the reference's exp: fp6
 #endif
 
 #if ATTN_WGMMA
-// wgmma descriptor of a K-major operand in the 128-byte swizzle at shared address `addr` (a
-// slab's row 0, plus 32 bytes per 16-dim step inside the slab): 8-row groups 1024 bytes apart
-// (stride byte offset), leading byte offset unused (1)
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
 // d (this thread's 32 fp32 of the warpgroup's 64 x 64 tile) = A B^T (+ d when accumulate):
 // m64n64k16, bf16, both operands K-major in shared memory
 __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_t db,
@@ -100,8 +92,9 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        SHOAL_REGS32
+        ", %32, %33, p, 1, 1, 0, 0;\n}"
+        : SHOAL_ACC32(d)
         : "l"(da), "l"(db), "r"(accumulate));
 }
 // wgmma descriptor of an N-major (MN-major) operand in the 128-byte swizzle at `addr` (row 0 of
@@ -117,8 +110,9 @@ __device__ __forceinline__ uint64_t nmajor_desc(uint32_t addr) {
 __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 1;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        SHOAL_REGS128
+        ", %128, %129, 1, 1, 1, 0, 1;"
+        : SHOAL_ACC128(d)
         : "l"(da), "l"(db));
 }
 #endif
@@ -249,11 +243,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                    int H, int n_swa, int n_comp, int per, float scale, int stride_qt,
                    int stride_qh, int stride_si, int stride_ci) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    uint32_t smem_size;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
-    if (smem_size < SMEM_BYTES + 1024) __trap();  // the front's SMEM_BYTES is out of date
-    // the slabs' swizzle repeats every 1024 bytes of address: start there
-    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t* smem = aligned_smem(smem_raw, SMEM_BYTES);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, tq = lane % 4;
     const int64_t t = blockIdx.x;
@@ -297,7 +287,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
         __syncthreads();  // the block's records are in; the previous P.V is done with sK
         dequant_block(b < L.nb_swa, smem);
 #if ATTN_WGMMA
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma
+        fence_async();  // sK visible to wgmma
 #endif
         __syncthreads();  // sK complete; sRaw free
         if (b + 1 < b1) issue_block(L, b + 1, smem, sidx + ((b + 1 - b0) & 1) * BLOCK_N);
@@ -307,14 +297,14 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
             float sacc[32];
 #pragma unroll
             for (int e = 0; e < 32; ++e) sacc[e] = 0.f;
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t off = (kk >> 2) * SLAB + (kk & 3) * 32;
-                wgmma_64x64(sacc, kmajor_desc(sq + off), kmajor_desc(sk + off), kk > 0);
+                wgmma_64x64(sacc, kmajor_desc(sq + kstep(kk, SLAB)),
+                            kmajor_desc(sk + kstep(kk, SLAB)), kk > 0);
             }
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            wgmma_commit();
+            wgmma_wait();
             const float ninf = -__int_as_float(0x7f800000);
             const int r0 = 16 * warp + g;
 #pragma unroll
@@ -401,7 +391,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
             if (squart == 0) s_alpha[srow] = alpha;
         }
 #if ATTN_WGMMA == 2
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // sP visible to wgmma
+        fence_async();  // sP visible to wgmma
 #endif
         __syncthreads();  // sP, sAlpha complete
 
@@ -416,13 +406,13 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
 #if ATTN_WGMMA == 2
             // warpgroup wg: all heads x columns 256 wg..: A = P (K-major), B = V = the K slabs
             // wg * 4 .. + 3 (N-major), 16 keys per step
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk)
                 wgmma_pv(acc, kmajor_desc(sp + 32 * kk),
                          nmajor_desc(sk + (warp / 4) * 4 * SLAB + 16 * 128 * kk));
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            wgmma_commit();
+            wgmma_wait();
 #else
             // warp (rg2 = w % 2, cg = w / 2): heads 32 rg2.. x columns 128 cg..
             const int rg2 = warp % 2, cg = warp / 2;
