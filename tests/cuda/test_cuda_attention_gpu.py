@@ -1,8 +1,9 @@
 """The CUDA sparse decode attention (ops/cuda/sparse_attn.py, backend "cuda") on the H100 / H200:
 within the op's tolerance of the reference at the model's width (D = 512) over odd shapes (heads,
 partial and empty index blocks, -1 keys, no compressed list, one program per row or splits of
-1-10 blocks) into poisoned memory; a row's bits the same alone, in a batch and with padded
-trailing index blocks; a CUDA graph replays the eager result."""
+1-10 blocks) into poisoned memory, in its three modes; a row's bits the same alone, in a batch
+and with padded trailing index blocks; a CUDA graph replays the eager result; SWA lists that
+would share a block with compressed rows are declined."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def _poison() -> None:
 
 
 SHAPES = [(1, 64, 128, 512), (5, 64, 128, 512), (64, 64, 128, 512), (65, 64, 128, 512),
-          (130, 64, 128, 512), (7, 5, 37, 70), (9, 64, 128, 0), (3, 64, 0, 130), (2, 1, 8, 8),
-          (33, 17, 128, 200)]
+          (130, 64, 128, 512), (7, 5, 64, 70), (9, 64, 128, 0), (3, 64, 0, 130), (2, 1, 64, 8),
+          (33, 17, 128, 200), (6, 8, 37, 0)]
 
 
 @pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma1", "wgmma2"])
@@ -93,3 +94,12 @@ def test_graph_replay_equals_eager() -> None:
     kw = _inputs(16, 64, 128, 512, seed=5)
     want = cuda_attn.sparse_attn_sink(**kw, state=state)
     assert torch.equal(replayed(lambda: cuda_attn.sparse_attn_sink(**kw, state=state)), want)
+
+
+def test_declines_a_block_across_the_pools() -> None:
+    """An SWA list that does not fill whole blocks beside a compressed one: the reference's
+    blocks of the concatenated list would mix the pools, which this kernel does not do."""
+    from shoal.ops.cuda import sparse_attn as cuda_attn
+
+    assert not cuda_attn._supports(**_inputs(3, 8, 37, 70, seed=1))
+    assert cuda_attn._supports(**_inputs(3, 8, 37, 0, seed=1))

@@ -253,10 +253,13 @@ ATTN_VARIANTS = [
 
 def _attn_grid() -> list:
     """Every variant on the main case and a split case with an empty split; a few on the
-    others (the interpreter is slow)."""
+    others (the interpreter is slow). An SWA list of 13 beside a compressed one puts both pools
+    in the first block (the flat kernel's boundary block; chunked variants fall back to it)."""
     few = {"flat", "chunked-pmem-qres", "chunked-qres-d4"}
     grid = []
-    for shape, names in [((3, 4, 128, 13, 70, 1), None), ((3, 4, 128, 13, 70, 4), None),
+    for shape, names in [((3, 4, 128, 64, 70, 1), None), ((3, 4, 128, 64, 70, 4), None),
+                         ((3, 4, 128, 13, 70, 1), {"flat", "flat-d2-qloop"}),
+                         ((3, 4, 128, 13, 70, 4), {"flat", "flat-bn32-nobcast"}),
                          ((2, 5, 256, 64, 0, 2), few), ((0, 4, 128, 8, 8, None), few)]:
         grid += [pytest.param(v, o, *shape, id=f"{v}-T{shape[0]}D{shape[2]}s{shape[5]}")
                  for v, o in ATTN_VARIANTS if names is None or v in names]
@@ -293,7 +296,7 @@ def test_sparse_attn_keep_k_and_q_res_do_not_change_bits(monkeypatch, split) -> 
 
     if INTERP:
         patch_interpreter(monkeypatch)
-    kw = _attn_inputs(3, 16, 256, 100, 150, seed=5)
+    kw = _attn_inputs(3, 16, 256, 128, 150, seed=5)
     dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     base = dict(variant="chunked", p_mem=True, dsplit=1, split=split)
     plain = tattn.sparse_attn(**dev, **base, keep_k=False, q_res=False).cpu()

@@ -312,6 +312,18 @@ def _ties_high_first(mp: pytest.MonkeyPatch, fns: dict) -> None:
     fns["topk_rows"] = flipped
 
 
+def _blocks_per_pool(mp: pytest.MonkeyPatch, fns: dict) -> None:
+    """The attention's online softmax over each pool's own blocks (SWA blocks, then compressed
+    ones) instead of blocks of the concatenated list: the SWA list padded to whole blocks with
+    empty indices (which add nothing) moves the compressed rows into blocks of their own."""
+    attn = fns["sparse_attn_sink"]
+
+    def per_pool(swa_idx, **kw):
+        pad = -swa_idx.shape[1] % 64
+        return attn(swa_idx=torch.nn.functional.pad(swa_idx, (0, pad), value=-1), **kw)
+    fns["sparse_attn_sink"] = per_pool
+
+
 def _sinkhorn(iterations: int) -> Mutation:
     def mutate(mp: pytest.MonkeyPatch, fns: dict) -> None:
         coeffs = fns["hc_coeffs"]
@@ -326,6 +338,7 @@ MUTATIONS: dict[str, Mutation] = {
     "compressed-visible-minus-1": _visible(-1), "compressed-rope-last-of-group":
     _rope_last_of_group, "no-candidate-filter": _no_candidate_filter,
     "index-ties-high-first": _ties_high_first, "sinkhorn-3-iterations": _sinkhorn(3),
+    "attention-blocks-per-pool": _blocks_per_pool,
 }
 
 CASES = [pytest.param(c, id=c["name"]) for c in FIXTURE["cases"]]

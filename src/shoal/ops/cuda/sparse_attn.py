@@ -24,7 +24,8 @@ import triton
 from shoal.ops.cuda.driver import Module
 from shoal.ops.cuda.nvrtc import available, compile_file
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.attention import DECODE_MAX_TOKENS, combine, index_blocks
+from shoal.ops.triton.attention import DECODE_MAX_TOKENS, index_blocks
+from shoal.ops.triton.attention_combine import combine
 
 D, MAX_HEADS, BLOCK_N, THREADS = 512, 64, 64, 256
 SWA_REC, COMP_REC = D + D // 32, D // 2 + D // 16
@@ -59,13 +60,17 @@ def _aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0
 
 
-def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, comp_cache: torch.Tensor | None,
-              **_) -> bool:
+def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
+              comp_cache: torch.Tensor | None, comp_idx: torch.Tensor | None, **_) -> bool:
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     t, h, d = q.shape
     caches = [swa_cache] + ([comp_cache] if comp_cache is not None else [])
-    return (available() and d == D and 1 <= h <= MAX_HEADS and q.dtype == torch.bfloat16
+    # the kernel's blocks follow each pool, which are the reference's blocks of the concatenated
+    # list only when the SWA list fills whole blocks (the model's window: 128)
+    whole = swa_idx.shape[1] % BLOCK_N == 0 or comp_idx is None or comp_idx.shape[1] == 0
+    return (available() and whole and d == D and 1 <= h <= MAX_HEADS
+            and q.dtype == torch.bfloat16
             and swa_cache.shape[-1] == SWA_REC
             and (comp_cache is None or comp_cache.shape[-1] == COMP_REC)
             and all(c.dtype == torch.uint8 and c.is_contiguous() and _aligned(c)

@@ -1,8 +1,11 @@
 """Triton (sm_90) sparse MQA with sink over quantised KV records (`sparse_attn_sink`).
 
 One program owns one query token and all H heads (MQA: the heads share K = V, so the head axis
-is the matrix-unit M dimension) and a contiguous range of 64-index blocks: SWA blocks first,
-then compressed blocks. Records are read directly and dequantised in registers to bf16 (exact):
+is the matrix-unit M dimension) and a contiguous range of the 64-index blocks of its
+concatenated index list (SWA indices, then compressed ones), as the reference blocks it: where
+the SWA list's length is not a multiple of 64, one block takes rows of both pools (the flat
+kernel; the chunked one takes lists whose SWA length is, and the op falls back to flat
+otherwise). Records are read directly and dequantised in registers to bf16 (exact):
 - SWA record: D e4m3 bytes + D/32 UE8M0 bytes -> e4m3 * 2^(e - 127);
 - compressed record: D/2 bytes of e2m1 pairs (low nibble = even dim) + D/16 e4m3 scales ->
   e2m1 value (its bits placed as an fp16, widened) * e4m3 scale (<= 6 significant bits: exact
@@ -24,8 +27,7 @@ Two kernels (sparse_attn(variant=...); OP_KNOBS picks the registered op's):
 - "chunked" (attention_chunked.py): D in 4 chunks of D/4, the op's kernel at D >= 128.
 
 Deviation from the reference (within its bf16 tolerance): P is rounded to bf16 relative to the
-running max *of its split* (the reference: of the whole row so far), the block partition follows
-each pool separately (the reference blocks the concatenated index list), and exp is the fast
+running max *of its split* (the reference: of the whole row so far), and exp is the fast
 hardware exp2; chunked with p_mem scales each chunk's scores before summing them. All change
 P's bf16 rounding or fp32 summation order only.
 """
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from shoal.ops.registry import REGISTRY
 from shoal.ops.triton.attention_chunked import _e2m1_pair, _sparse_attn_chunked_kernel
+from shoal.ops.triton.attention_combine import combine
 from shoal.ops.triton.device import sm_count
 from shoal.ops.triton.pdl import PDL_LAUNCH, pdl_wait
 
@@ -110,17 +113,23 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
     offs_n = tl.arange(0, BLOCK_N)
     q_ptrs = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
-    nb_swa = tl.cdiv(n_swa, BLOCK_N)
-    nb = nb_swa
+    # blocks of BLOCK_N positions of the concatenated list (SWA, then compressed): SWA-only
+    # blocks, the block across the boundary when n_swa is not a multiple of BLOCK_N, then
+    # compressed-only blocks
+    first_comp = tl.cdiv(n_swa, BLOCK_N)
+    nb = first_comp
+    swa_end = first_comp
     if HAS_COMP:
-        nb += tl.cdiv(n_comp, BLOCK_N)
+        nb = tl.cdiv(n_swa + n_comp, BLOCK_N)
+        swa_end = n_swa // BLOCK_N
     b0 = split * per  # per: index blocks per split (the host's partition)
     b1 = tl.minimum(b0 + per, nb)
     m_i = tl.full((HP,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((HP,), dtype=tl.float32)
     acc = tl.zeros((HP, DV), dtype=tl.float32)
     swa_rec: tl.constexpr = D + D // 32
-    for b in range(b0, tl.minimum(b1, nb_swa)):
+    comp_rec: tl.constexpr = D // 2 + D // 16
+    for b in range(b0, tl.minimum(b1, swa_end)):
         n = b * BLOCK_N + offs_n
         idx = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
         valid = idx >= 0
@@ -137,9 +146,29 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
         else:
             acc = tl.dot(p, _swa_keys(swa_ptr, row, valid, offs_v, D), acc)
     if HAS_COMP:
-        comp_rec: tl.constexpr = D // 2 + D // 16
-        for b in range(tl.maximum(b0, nb_swa), b1):
-            n = (b - nb_swa) * BLOCK_N + offs_n
+        for b in range(tl.maximum(b0, swa_end), tl.minimum(b1, first_comp)):  # (at most one)
+            n = b * BLOCK_N + offs_n
+            idx_s = tl.load(swa_idx_ptr + t * stride_si + n, mask=n < n_swa, other=-1)
+            c = n - n_swa
+            idx_c = tl.load(comp_idx_ptr + t * stride_ci + c, mask=(c >= 0) & (c < n_comp),
+                            other=-1)
+            valid_s, valid_c = idx_s >= 0, idx_c >= 0
+            row_s = tl.maximum(idx_s, 0).to(tl.int64) * swa_rec
+            row_c = tl.maximum(idx_c, 0).to(tl.int64) * comp_rec
+            # each row from its own pool; the other pool's keys are exact zeros there
+            k = (_swa_keys(swa_ptr, row_s, valid_s, offs_d, D)
+                 + _comp_keys(comp_ptr, row_c, valid_c, 0, BLOCK_N, D, D))
+            if Q_IN_LOOP:
+                q = tl.load(q_ptrs, mask=hmask[:, None], other=0.0)
+            m_i, l_i, acc, p = _softmax_step(tl.dot(q, tl.trans(k)), valid_s | valid_c, m_i,
+                                             l_i, acc, scale)
+            if DSPLIT == 1:
+                acc = tl.dot(p, k, acc)
+            else:
+                acc = tl.dot(p, _swa_keys(swa_ptr, row_s, valid_s, offs_v, D)
+                             + _comp_keys(comp_ptr, row_c, valid_c, dv0, BLOCK_N, DV, D), acc)
+        for b in range(tl.maximum(b0, first_comp), b1):
+            n = b * BLOCK_N + offs_n - n_swa
             idx = tl.load(comp_idx_ptr + t * stride_ci + n, mask=n < n_comp, other=-1)
             valid = idx >= 0
             row = tl.maximum(idx, 0).to(tl.int64) * comp_rec
@@ -166,39 +195,6 @@ def _sparse_attn_kernel(q_ptr, swa_ptr, swa_idx_ptr, comp_ptr, comp_idx_ptr, sin
         tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
 
 
-@triton.jit
-def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr,
-                    NSPLIT: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr):
-    """o = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - m)), w_s = exp(m_s - m), m = max_s m_s;
-    the sums run over the splits in order, so trailing empty splits (m_s = -1e30, l_s = 0,
-    acc_s = 0: padded index blocks) add exact zeros and leave the bits unchanged. Program
-    (t, head block, column block): HB heads x DB columns (each output element's arithmetic
-    does not depend on the blocking)."""
-    pdl_wait()
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
-    hmask = offs_h < H
-    offs_d = tl.program_id(2) * DB + tl.arange(0, DB)
-    m_all = tl.full((HB,), -1e30, dtype=tl.float32)
-    for s in tl.static_range(NSPLIT):
-        ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
-        m_all = tl.maximum(m_all, tl.load(ml, mask=hmask, other=-1e30))
-    denom = tl.zeros((HB,), dtype=tl.float32)
-    acc = tl.zeros((HB, DB), dtype=tl.float32)
-    for s in tl.static_range(NSPLIT):
-        ml = ml_ptr + ((t * NSPLIT + s) * H + offs_h) * 2
-        w_s = tl.exp(tl.load(ml, mask=hmask, other=-1e30) - m_all)
-        denom += tl.load(ml + 1, mask=hmask, other=0.0) * w_s
-        part = tl.load(part_ptr + ((t * NSPLIT + s) * H + offs_h[:, None]) * D + offs_d[None, :],
-                       mask=hmask[:, None], other=0.0)
-        acc += part * w_s[:, None]
-    sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0)
-    denom += tl.exp(sink - m_all)
-    o = acc / denom[:, None]
-    tl.store(o_ptr + t * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
-             mask=hmask[:, None])
-
-
 # Decode-sized steps (at most this many tokens; a power of two, so a CUDA-graph batch padded to
 # the next captured size stays on the same side) split each token's index blocks into groups of
 # BLOCKS_PER_SPLIT, counted from the first block: a token's partition depends only on its own
@@ -210,9 +206,10 @@ BLOCKS_PER_SPLIT = 2
 
 def index_blocks(swa_idx: torch.Tensor, comp_idx: torch.Tensor | None, block_n: int = 64
                  ) -> int:
-    """Index blocks of a row: the SWA list's, then the compressed list's."""
-    return triton.cdiv(swa_idx.shape[1], block_n) + (
-        triton.cdiv(comp_idx.shape[1], block_n) if comp_idx is not None else 0)
+    """Index blocks of a row: blocks of the concatenated list (SWA, then compressed), as the
+    reference's online softmax takes them."""
+    return triton.cdiv(swa_idx.shape[1] + (comp_idx.shape[1] if comp_idx is not None else 0),
+                       block_n)
 
 
 def partition(num_tokens: int, num_blocks: int, split: int | None = None,
@@ -276,6 +273,9 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     t, h, d = q.shape
+    if variant == "chunked" and comp_idx is not None and comp_idx.shape[1] \
+            and swa_idx.shape[1] % block_n:
+        variant = "flat"  # (only the flat kernel has the block across the pools' boundary)
     nb = index_blocks(swa_idx, comp_idx, block_n)
     split, per = (partition(t, nb, invariant=True) if invariant else partition(t, nb, split))
     if dsplit is None:
@@ -330,16 +330,6 @@ def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor,
     if split > 1:
         combine(part, ml, sink, out)
     return out
-
-
-def combine(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, H, D] bf16 from the splits' fp32 partials part [T, S, H, D] and ml [T, S, H, 2]
-    (running max, denominator) and the sink [H] fp32 (`_combine_kernel`)."""
-    t, split, h, d = part.shape
-    hb, db = 16, min(d, 128)  # 16 heads x 128 columns (timing: docs/perf/attention.md)
-    _combine_kernel[(t, triton.cdiv(h, hb), d // db)](part, ml, sink, out, H=h, D=d,
-                                                      NSPLIT=split, HB=hb, DB=db, num_warps=4,
-                                                      **PDL_LAUNCH)
 
 
 def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, **_) -> bool:
