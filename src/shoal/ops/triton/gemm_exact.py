@@ -5,7 +5,7 @@ inside one K = 32 block on the H200), scaled by its activation and weight UE8M0 
 fp32, and added to the fp32 accumulator in K order, one program per output tile (no split-K,
 no folded scales). That is the reference's definition; the only deviation left is the order
 of the 32 products inside one block on the tensor core (a few fp32 ulp at most, rarely one
-bf16 ulp of the output; none in situ on the official fixture, H200 2026-12-05).
+bf16 ulp of the output; in situ on the official fixture: benchmarks/results/session29_*).
 
 The default `triton` gemm_fp8 (gemm.py) folds the scales and promotes every 128 K, within the
 op's tolerance but not the reference's bits (2-5% of outputs one bf16 ulp off in situ): a
