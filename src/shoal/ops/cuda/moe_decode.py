@@ -10,8 +10,9 @@ is held to the reference's MoE tolerance (`_moe_compare`); its bits are not the 
 tiles' (it is not in the batch-invariant table). A row's result does not depend on the batch
 (fixed K order, no split).
 
-Layouts and the lane mapping: the comment at the top of moe_decode.cu; measurements:
-docs/perf/moe.md.
+Layouts and the lane mapping: the comment at the top of moe_decode.cu; the staged load paths
+(`stages`): moe_stages.cuh; measurements: docs/perf/moe.md. `run_grouped` is the pipeline
+around a kernel family's two GEMMs, shared with the prefill kernels (moe_prefill.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ def stage_bytes(warp_stage: bool, chunks: int) -> int:
     """Shared memory per stage of a CTA (moe_stages.cuh): per lane its weights, activations and
     scale words; per warp its 16 rows' weights and scales over `chunks` chunks."""
     return WARPS * 16 * chunks * (64 + 4) if warp_stage else THREADS * (6 * 16 + 8)
-
 
 
 class DecodeMoEState:
