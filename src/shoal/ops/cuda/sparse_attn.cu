@@ -97,6 +97,7 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_
         : SHOAL_ACC32(d)
         : "l"(da), "l"(db), "r"(accumulate));
 }
+
 // wgmma descriptor of an N-major (MN-major) operand in the 128-byte swizzle at `addr` (row 0 of
 // a K slab: rows = keys, 64 columns of 128 bytes): the next 64 columns one slab (SLAB bytes) on
 // (leading byte offset), the next 8 keys 1024 bytes on (stride byte offset)

@@ -1,8 +1,7 @@
 """CUDA sparse decode attention: `sparse_attn_sink` (backend "cuda") at D = 512 and up to 64
 heads, in CUDA C++ (sparse_attn.cu: bf16 mma.sync m16n8k16, or the scores and P.V by wgmma,
-the records copied by cp.async while the previous block computes, compiled by NVRTC),
-with the Triton combine pass
-(ops/triton/attention.py `combine`) where a token's blocks are split.
+the records copied by cp.async while the previous block computes, compiled by NVRTC), with the
+Triton combine pass (ops/triton/attention_combine.py) where a token's blocks are split.
 
 Partition: a token's index blocks (SWA first, then compressed, 64 keys each) go to splits of
 `per` blocks counted from the first block, one CTA each, when the step has at most
