@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.error_map import mapped_failure
 from support.graphs import replayed
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -66,7 +67,9 @@ def test_matches_the_reference(shape: tuple[int, int, int, int], per: int, wgmma
     torch.cuda.synchronize()
     want = ref_attn.sparse_attn_sink(**kw)
     op = REGISTRY.ops["sparse_attn_sink"]
-    check_output(op, "out", got, want, f"cuda sparse_attn {shape} per={per} wgmma={wgmma}")
+    tol = op.tolerances[torch.bfloat16]
+    with mapped_failure(got, want, atol=tol.atol, rtol=tol.rtol, row_group=shape[1]):
+        check_output(op, "out", got, want, f"cuda sparse_attn {shape} per={per} wgmma={wgmma}")
 
 
 @pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma1", "wgmma2"])
