@@ -69,8 +69,8 @@ def _variant(name: str):
         mode = name.partition("-wgmma")[2][:1]
         state = cuda_attn.SparseAttnState(per, wgmma=int(mode or 0))
         return (lambda kw, split=None: cuda_attn.sparse_attn_sink(**kw, state=state),
-                lambda t, n_swa, n_comp: cuda_attn.partition(t, _blocks(n_swa, n_comp, 64),
-                                                             per)[0])
+                lambda t, n_swa, n_comp: tri_attn.partition(t, _blocks(n_swa, n_comp, 64),
+                                                            per=per)[0])
     opts = ATTN_VARIANTS[name]
     bn = opts.get("block_n", 64)
     return (lambda kw, split=None: tri_attn.sparse_attn(**kw, **{"split": split, **opts}),

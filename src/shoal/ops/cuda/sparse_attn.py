@@ -18,12 +18,11 @@ and the warp tiling: the comment at the top of sparse_attn.cu.
 from __future__ import annotations
 
 import torch
-import triton
 
 from shoal.ops.cuda.driver import Module
 from shoal.ops.cuda.nvrtc import available, compile_file
 from shoal.ops.registry import REGISTRY
-from shoal.ops.triton.attention import DECODE_MAX_TOKENS, index_blocks
+from shoal.ops.triton.attention import index_blocks, partition
 from shoal.ops.triton.attention_combine import combine
 
 D, MAX_HEADS, BLOCK_N, THREADS = 512, 64, 64, 256
@@ -76,13 +75,6 @@ def _supports(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch.Tensor
                     for c in caches))
 
 
-def partition(num_tokens: int, num_blocks: int, per: int) -> tuple[int, int]:
-    """(splits, index blocks per split) of every row of a step."""
-    if num_tokens > DECODE_MAX_TOKENS or num_blocks <= per:
-        return 1, max(num_blocks, 1)
-    return triton.cdiv(num_blocks, per), per
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.int32)
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -109,7 +101,7 @@ def sparse_attn_sink(*, q: torch.Tensor, swa_cache: torch.Tensor, swa_idx: torch
         comp_idx, comp_cache = swa_idx, swa_cache  # not read (no compressed blocks)
     n_swa, n_comp = swa_idx.shape[1], (comp_idx.shape[1] if has_comp else 0)
     split, per = partition(t, index_blocks(swa_idx, comp_idx if has_comp else None, BLOCK_N),
-                           state.per)
+                           per=state.per)
     sink = sink.float().contiguous()
     if split > 1:
         part = torch.empty(t, split, h, d, dtype=torch.float32, device=q.device)

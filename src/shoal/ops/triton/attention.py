@@ -213,17 +213,18 @@ def index_blocks(swa_idx: torch.Tensor, comp_idx: torch.Tensor | None, block_n: 
 
 
 def partition(num_tokens: int, num_blocks: int, split: int | None = None,
-              invariant: bool = False) -> tuple[int, int]:
+              invariant: bool = False, per: int = BLOCKS_PER_SPLIT) -> tuple[int, int]:
     """(splits, index blocks per split) for `num_tokens` rows of `num_blocks` blocks. split:
-    that many splits over the row's blocks (tuning and tests); None: the op's fixed partition.
-    invariant: the decode partition at every size, at least two splits (the last may be
-    empty), so a row's bits depend neither on the number of rows nor on the batch's width."""
+    that many splits over the row's blocks (tuning and tests); None: the op's fixed partition,
+    `per` blocks per split for decode rows. invariant: the decode partition at every size, at
+    least two splits (the last may be empty), so a row's bits depend neither on the number of
+    rows nor on the batch's width."""
     if invariant:
-        return max(2, triton.cdiv(num_blocks, BLOCKS_PER_SPLIT)), BLOCKS_PER_SPLIT
+        return max(2, triton.cdiv(num_blocks, per)), per
     if split is None:
-        if num_tokens > DECODE_MAX_TOKENS or num_blocks <= BLOCKS_PER_SPLIT:
+        if num_tokens > DECODE_MAX_TOKENS or num_blocks <= per:
             return 1, max(num_blocks, 1)
-        return triton.cdiv(num_blocks, BLOCKS_PER_SPLIT), BLOCKS_PER_SPLIT
+        return triton.cdiv(num_blocks, per), per
     return split, max(triton.cdiv(num_blocks, split), 1)
 
 
