@@ -60,11 +60,6 @@ __device__ __forceinline__ void pin(float (&d)[64]) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-struct Prefill {
-    Tile tile;
-    int n0, NW;
-};
-
 // Copy K-block kb (codes kb BK ..) of the tile into ring slot `slot`: activations (rows past the
 // tile's end zero-filled), packed weights, block scales. One cp.async group.
 __device__ __forceinline__ void issue_kblock(uint8_t* slot, const uint8_t* __restrict__ a,
