@@ -130,7 +130,7 @@ template <bool SWIGLU>
 __device__ void prefill_tile(SHOAL_MOE_TILE_PARAMS(uint8_t)) {
     __shared__ uint2 lut[LUT_ROWS];
     __shared__ int s_arow[BM], s_wrow[BN], s_wmax[BN];
-    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    extern __shared__ __align__(16) uint8_t smem_raw[];  // realigned at run time (aligned_smem)
     uint8_t* smem = aligned_smem(smem_raw, SMEM_BYTES);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     if (tid < LUT_ROWS) lut[tid] = lut_g[tid];

@@ -243,7 +243,7 @@ sparse_attn_decode(const uint16_t* __restrict__ q, const uint8_t* __restrict__ s
                    uint16_t* __restrict__ out, float* __restrict__ part, float* __restrict__ ml,
                    int H, int n_swa, int n_comp, int per, float scale, int stride_qt,
                    int stride_qh, int stride_si, int stride_ci) {
-    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    extern __shared__ __align__(16) uint8_t smem_raw[];  // realigned at run time (aligned_smem)
     uint8_t* smem = aligned_smem(smem_raw, SMEM_BYTES);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, tq = lane % 4;
