@@ -82,6 +82,7 @@ __device__ __forceinline__ void staged_chunks(float (&acc)[4], const uint2* lut,
         chunk_mma(acc, cur, act, lut, L.smax0, L.smax1);
         s = s == MOE_STAGES - 1 ? 0 : s + 1;
     }
+    cp_async_wait<0>();  // the zero-fill copies past K land before the CTA exits
 }
 
 #elif MOE_STAGES > 0
@@ -170,5 +171,6 @@ __device__ __forceinline__ void staged_chunks(float (&acc)[4], const uint2* lut,
         }
         s = s == MOE_STAGES - 1 ? 0 : s + 1;
     }
+    cp_async_wait<0>();  // the zero-fill copies past K land before the CTA exits
 }
 #endif
