@@ -156,7 +156,9 @@ class LLM:
         Each item is a dict with one of "prompt" (text or token ids), "prompt_token_ids",
         "messages" (chat; optional "tools", "reasoning_effort" and other encode_messages
         options) or "error" (a request already known to be bad: it comes back with that
-        error), plus optional "sampling_params" and "priority". Chat outputs come back parsed.
+        error), plus optional "sampling_params", "priority" and "request_index" (what seeds a
+        request without its own seed; default: its place among this LLM's requests, on one
+        engine or several). Chat outputs come back parsed.
 
         An exception while it runs (a KeyboardInterrupt, or the caller closing the iterator)
         aborts the requests of this call that have not come back, and the LLM stays usable."""

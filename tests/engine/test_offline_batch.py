@@ -115,12 +115,15 @@ def test_result_writer_orders_by_input() -> None:
     ids=["ctrl-c", "dead-replica"])
 def test_resume_after_a_killed_run_equals_an_uninterrupted_run(
         tmp_path: Path, monkeypatch, capsys, stop: BaseException, status: int) -> None:
+    """Sampled without seeds: a resumed request keeps the seed of its place in the input."""
     prompts = [{"prompt_token_ids": [5 + i, 6, 7 + i % 3]} for i in range(7)]
     prompts[3] = {"prompt": "a text prompt", "custom_id": "text"}
+    prompts[5]["seed"] = 11
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(p) for p in prompts) + "\n", encoding="utf-8")
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
-    assert main(["generate", *CLI, "--input", str(src), "--output", str(whole)]) == 0
+    cli = [*CLI, "--temperature", "1.0"]
+    assert main(["generate", *cli, "--input", str(src), "--output", str(whole)]) == 0
     run = LLM.run
 
     def killed_run(self, items, use_tqdm=True):  # Ctrl-C or a dead replica after 4 results
@@ -131,7 +134,7 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(
 
     monkeypatch.setattr(LLM, "run", killed_run)
     capsys.readouterr()
-    assert main(["generate", *CLI, "--input", str(src), "--output", str(part)]) == status
+    assert main(["generate", *cli, "--input", str(src), "--output", str(part)]) == status
     err = capsys.readouterr().err
     assert "4 of 7 requests finished" in err and "--resume runs the rest" in err, err
     if isinstance(stop, ShoalError):
@@ -142,7 +145,7 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(
         range(1, len(written) + 1))
     with part.open("a", encoding="utf-8") as f:  # a kill in the middle of a line
         f.write('{"line": 99, "prom')
-    assert main(["generate", *CLI, "--input", str(src), "--output", str(part),
+    assert main(["generate", *cli, "--input", str(src), "--output", str(part),
                  "--resume"]) == 0
     assert _without_latency(_records(part)) == _without_latency(_records(whole))
     assert written_keys(str(part)) >= {"id:text", "line:1", "line:7"}

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +134,13 @@ def _open_output(llm, path: str | None, resume: bool):
 
 def _pending(requests: list[RequestLine], output: str | None, resume: bool
              ) -> list[RequestLine]:
-    if not (resume and output):
-        return requests
-    done = written_keys(output)
-    return [r for r, key in zip(requests, keys_of(requests), strict=True) if key not in done]
+    """The requests still to run (--resume: those the output does not hold), each item with
+    its position in the whole input as its `request_index`, which seeds an unseeded request:
+    a resumed run samples what an uninterrupted one would."""
+    done = written_keys(output) if resume and output else set()
+    return [replace(r, item=dict(r.item, request_index=i))
+            for i, (r, key) in enumerate(zip(requests, keys_of(requests), strict=True))
+            if key not in done]
 
 
 def _finish(llm, outs, total: int, skipped: int, stopped: BaseException | None,

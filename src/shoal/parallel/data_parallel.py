@@ -228,7 +228,7 @@ class _Feeder:
             self.tokens[rank] += self.estimate[position]
             self.served_by[position] = rank
             batches.setdefault(rank, []).append(
-                (position, dict(self.items[position], request_index=self.base + position)))
+                (position, {"request_index": self.base + position, **self.items[position]}))
         for rank, batch in batches.items():
             commands[rank].put(("feed", call, batch))
             self.started.add(rank)
@@ -332,7 +332,7 @@ class DataParallel:
         base, self._next_index = self._next_index, self._next_index + len(items)
         if self.expert_parallel:  # lockstep: each replica's share up front, every rank joins
             for rank, positions in enumerate(split_by_load(items, self.size)):
-                share = [(p, dict(items[p], request_index=base + p)) for p in positions]
+                share = [(p, {"request_index": base + p, **items[p]}) for p in positions]
                 self.commands[rank].put(("run", call, share))
             busy, feeder = set(range(self.size)), None
         else:

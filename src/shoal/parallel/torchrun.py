@@ -76,7 +76,7 @@ class TorchrunRank:
         base, self._next_index = self._next_index, self._next_index + len(items)
         share = split_by_load(items, self.world)[self.rank]
         mine: list[tuple[int, RequestOutput]] = []
-        for position, out in run_local([dict(items[p], request_index=base + p) for p in share]):
+        for position, out in run_local([{"request_index": base + p, **items[p]} for p in share]):
             mine.append((share[position], out))
             yield share[position], out
         serve_until_idle()
