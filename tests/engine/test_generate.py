@@ -185,7 +185,7 @@ def test_stops_min_max_tokens_eos_and_n() -> None:
         assert c.token_ids[0] == int(top2.indices[0])
 
     c = got["eos"].outputs[0]
-    assert (c.token_ids, c.finish_reason, c.text) == ([EOS], "stop", "")
+    assert (c.token_ids, c.finish_reason, c.text, c.stop_reason) == ([EOS], "stop", "", None)
     c = got["ignore_eos"].outputs[0]
     assert c.token_ids[0] == EOS and len(c.token_ids) == 3 and c.finish_reason == "length"
 

@@ -60,7 +60,7 @@ def test_every_bad_line_becomes_its_entry(tmp_path: Path, capsys) -> None:
     records = _records(dst)
     assert [r["line"] for r in records] == list(range(1, len(lines) + 1))  # input order
     for r, expected in zip(records, BAD_IDS.values(), strict=False):
-        assert expected in r["error"]
+        assert expected in r["error"] and r["error"].startswith(f"line {r['line']}: ")
     typo, obj5, list12, hot, cid, structured, ok = records[len(BAD_IDS):]
     assert "error" not in typo and typo["custom_id"] == "typo"
     assert "unknown field 'temprature'" in capsys.readouterr().err
@@ -176,11 +176,26 @@ def test_every_sampling_field_has_a_flag(tmp_path: Path) -> None:
     dst = tmp_path / "o.jsonl"
     assert main(["generate", *CLI, "--prompt", "hello", "--output", str(dst), "--n", "2",
                  "--request-seed", "3", "--min-p", "0.1", "--presence-penalty", "0.5",
-                 "--logprobs", "2", "--temperature", "0.8", "--threads", "1",
-                 "--regex", "[ab]+", "--output-order", "completion"]) == 0
+                 "--logprobs", "2", "--prompt-logprobs", "1", "--temperature", "0.8",
+                 "--threads", "1", "--regex", "[ab]+", "--output-order", "completion"]) == 0
     (rec,) = _records(dst)
     assert len(rec["outputs"]) == 2 and all(set(c["text"]) <= set("ab") for c in rec["outputs"])
-    assert all("cumulative_logprob" in c for c in rec["outputs"])
+    for c in rec["outputs"]:  # each position: the top 2 and the sampled token, by rank
+        assert len(c["logprobs"]) == len(c["token_ids"])
+        assert abs(sum(e["logprob"] for e in _chosen(c)) - c["cumulative_logprob"]) < 1e-4
+        for position, token in zip(c["logprobs"], c["token_ids"], strict=True):
+            assert [e["rank"] for e in position] == sorted(e["rank"] for e in position)
+            assert {1, 2} <= {e["rank"] for e in position} and token in {
+                e["token_id"] for e in position}
+            assert all(isinstance(e["token"], str) for e in position)
+    prompt_lp = rec["prompt_logprobs"]
+    assert prompt_lp[0] is None and all(len(p) in (1, 2) for p in prompt_lp[1:])
+
+
+def _chosen(completion: dict) -> list[dict]:
+    return [next(e for e in position if e["token_id"] == token)
+            for position, token in zip(completion["logprobs"], completion["token_ids"],
+                                       strict=True)]
 
 
 def test_run_batch_round_trip(tmp_path: Path) -> None:

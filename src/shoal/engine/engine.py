@@ -332,9 +332,8 @@ class Engine:
             if req.prompt_logprobs is None:  # position 0 has none (nothing predicts it)
                 req.prompt_logprobs = [None] * len(req.prompt_token_ids)
             for position, target, logprob, rank, top in entries:  # by position: a recompute
-                d = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}  # after preemption
-                d[target] = Logprob(logprob, rank)  # rewrites, never duplicates
-                req.prompt_logprobs[position] = d
+                req.prompt_logprobs[position] = self._logprobs(target, logprob, rank, top)
+                # (after preemption rewrites, never duplicates)
         return self._apply(outcome, output)
 
     def _apply(self, outcome: StepOutcome, output: RunnerOutput) -> set[str]:
@@ -372,10 +371,15 @@ class Engine:
         if req.logprobs is None or req.request_id not in result.logprobs:
             return
         logprob, rank, top = result.logprobs[req.request_id][index]
-        entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(top)}
-        entry[token] = Logprob(logprob, rank)
-        req.logprobs.append(entry)
+        req.logprobs.append(self._logprobs(token, logprob, rank, top))
         req.cumulative_logprob += logprob
+
+    def _logprobs(self, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """A position's logprobs: the top ones by rank, and the chosen token's."""
+        text = self.tokenizer.token_text
+        entry = {t: Logprob(v, i + 1, text(t)) for i, (t, v) in enumerate(top)}
+        entry[token] = Logprob(logprob, rank, text(token))
+        return entry
 
     # ---- outputs ----------------------------------------------------------------------------
     def output(self, group: str) -> RequestOutput:

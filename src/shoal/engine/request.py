@@ -79,8 +79,8 @@ class EngineRequest:
             return
         self.finish_reason = reason
         self.error = error
-        if stop_token is not None and self.stop_reason is None:
-            self.stop_reason = stop_token
+        if stop_token in self.params.stop_token_ids and self.stop_reason is None:
+            self.stop_reason = stop_token  # (EOS leaves it None, as vLLM)
         stopped_by_string = isinstance(self.stop_reason, str)
         if self.detokenizer is not None and reason != "error" and not stopped_by_string:
             tail = self.detokenizer.flush()

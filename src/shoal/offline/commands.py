@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import ShoalError
-from shoal.engine.outputs import RequestOutput
+from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.offline.openai_batch import batch_result, parse_batch_line
 from shoal.offline.output import ResultWriter, check_writable, keys_of, written_keys
 from shoal.offline.requests import RequestLine, read_requests
@@ -28,6 +28,20 @@ INTERRUPTED = 130  # the shell's exit status for SIGINT
 FAILED = 1  # the run stopped on an error after it started (a replica died, a collective timed out)
 
 
+def line_error(line: int, error: str) -> str:
+    """An error message that names its input line."""
+    return error if error.startswith(f"line {line}:") else f"line {line}: {error}"
+
+
+def logprob_entries(position: dict[int, Logprob] | None) -> list[dict] | None:
+    """A position's logprobs as a list by rank (the sampled or prompt token may rank lower
+    than the top ones): {"token_id", "token", "logprob", "rank"}."""
+    if position is None:
+        return None
+    return [{"token_id": t, "token": v.decoded_token, "logprob": v.logprob, "rank": v.rank}
+            for t, v in sorted(position.items(), key=lambda kv: kv[1].rank)]
+
+
 def record(request: RequestLine, out: RequestOutput) -> dict:
     """`shoal generate`'s result line."""
     rec: dict[str, Any] = {"line": request.line}
@@ -35,7 +49,7 @@ def record(request: RequestLine, out: RequestOutput) -> dict:
         rec["custom_id"] = request.custom_id
     rec["prompt"] = out.prompt
     if out.error:
-        rec["error"] = out.error
+        rec["error"] = line_error(request.line, out.error)
     comps = []
     for c in out.outputs:
         d: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids,
@@ -45,8 +59,12 @@ def record(request: RequestLine, out: RequestOutput) -> dict:
         for key in ("reasoning_content", "content", "tool_calls", "cumulative_logprob"):
             if getattr(c, key) is not None:
                 d[key] = getattr(c, key)
+        if c.logprobs is not None:
+            d["logprobs"] = [logprob_entries(p) for p in c.logprobs]
         comps.append(d)
     rec["outputs"] = comps
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [logprob_entries(p) for p in out.prompt_logprobs]
     if out.metrics and out.metrics.latency is not None:
         rec["latency_s"] = round(out.metrics.latency, 4)
     if out.num_cached_tokens:

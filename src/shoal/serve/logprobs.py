@@ -1,19 +1,12 @@
 """Log-probs in OpenAI's two shapes (chat `content` items, completion token lists), with each
-token's text decoded once per id (a logprobs stream asks for every token)."""
+token's text from the tokenizer's per-id cache (a logprobs stream asks for every token)."""
 
 from __future__ import annotations
 
 
 class LogprobFormat:
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def text(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
-        return text
+        self.text = tokenizer.token_text
 
     @staticmethod
     def top(lp: dict, n_top: int) -> list:

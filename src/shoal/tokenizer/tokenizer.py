@@ -37,6 +37,7 @@ class Tokenizer:
         self.pad_token_id = pad_token_id if pad_token_id is not None else self._id(PAD_TEXT, 2)
         added = backend.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._token_texts: dict[int, str] = {}
         if model_vocab_size is not None:
             self.check_model_vocab(model_vocab_size)
 
@@ -89,6 +90,14 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone (logprobs' `decoded_token`), cached by id: a
+        logprobs stream asks for every token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
 
     def token_to_id(self, text: str) -> int | None:
         return self.backend.token_to_id(text)
