@@ -151,6 +151,21 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(
     assert written_keys(str(part)) >= {"id:text", "line:1", "line:7"}
 
 
+def test_resume_keeps_every_whole_result_and_names_a_foreign_line(tmp_path: Path) -> None:
+    """Only a last line without its newline is cut; blank lines are skipped; a line that is not
+    a result stops --resume with its number, the file untouched."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"line": 1}\n\n{"custom_id": "b", "line": 2}\n{"line": 3, "pro',
+                   encoding="utf-8")
+    assert written_keys(str(out)) == {"line:1", "id:b"}
+    assert out.read_text(encoding="utf-8") == '{"line": 1}\n\n{"custom_id": "b", "line": 2}\n'
+    bad = '{"line": 1}\nnotes by hand\n{"line": 2}\n'
+    out.write_text(bad, encoding="utf-8")
+    with pytest.raises(ShoalError, match="line 2 of .* is not a result"):
+        written_keys(str(out))
+    assert out.read_text(encoding="utf-8") == bad
+
+
 def test_checks_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load")

@@ -3,7 +3,8 @@ order (the longest finished prefix is flushed; later results wait in memory) or 
 order; and resume: the keys (`line` numbers, `custom_id`s) an earlier run already wrote.
 
 Invariant: every written line is a whole JSON object followed by a newline and flushed; a run
-killed mid-write leaves at most one partial last line, which `written_keys` cuts off.
+killed mid-write leaves at most one partial last line (no newline), which `written_keys` cuts
+off; nothing else in the file is ever cut.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 from collections.abc import Iterable
 from typing import IO
+
+from shoal.config import ShoalError
 
 ORDERS = ("input", "completion")
 
@@ -53,25 +56,29 @@ def record_key(record: dict) -> str:
 
 
 def written_keys(path: str) -> set[str]:
-    """Keys of the whole records in an output file (none if it does not exist); a partial last
-    line (a run killed mid-write) is cut off the file."""
+    """Keys of the records in an output file (none if it does not exist). A last line without
+    its newline (a run killed mid-write) is cut off the file; blank lines are skipped; any other
+    line that is not a JSON object is a ShoalError naming it (nothing is cut)."""
     if not os.path.exists(path):
         return set()
-    keys, good_end = set(), 0
+    keys: set[str] = set()
     with open(path, "rb") as f:
         data = f.read()
-    for raw in data.splitlines(keepends=True):
+    lines = data.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(lines.pop()))
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
         try:
-            if not raw.endswith(b"\n"):
-                raise ValueError("partial line")
             record = json.loads(raw)
         except ValueError:
-            break
+            record = None
+        if not isinstance(record, dict):
+            raise ShoalError(f"--resume: line {number} of {path} is not a result (a JSON "
+                             "object); fix or remove it")
         keys.add(record_key(record))
-        good_end += len(raw)
-    if good_end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
     return keys
 
 
