@@ -83,18 +83,20 @@ CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
+def _sampling_args(p: argparse.ArgumentParser, batch: bool = False) -> None:
     """One flag per SamplingParams field (the request seed is --request-seed: --seed is the
-    engine's); a JSONL line's own fields override them."""
+    engine's); a JSONL line's own fields override them. batch: `run-batch`'s, which fill only
+    the fields a body leaves unset (else the OpenAI defaults apply, as in the server)."""
     from shoal.sampling import SamplingParams
 
-    g = p.add_argument_group("sampling (defaults for every request)")
+    g = p.add_argument_group("sampling (for the fields a request body leaves unset)" if batch
+                             else "sampling (defaults for every request)")
     for f in dataclasses.fields(SamplingParams):
         name, default = f.name, f.default
         if name == "structured":
             continue
         flag = "--request-seed" if name == "seed" else "--" + name.replace("_", "-")
-        shown = CLI_SAMPLING_DEFAULTS.get(name, default)
+        shown = default if batch else CLI_SAMPLING_DEFAULTS.get(name, default)
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"default {shown}")
@@ -128,21 +130,27 @@ def _bias_pair(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
-def _default_params(args):
+def _sampling_flags(args) -> dict:
+    """The SamplingParams fields given on the command line."""
     from shoal.sampling import SamplingParams
     from shoal.sampling.structured import StructuredOutputSpec
 
-    fields = dict(CLI_SAMPLING_DEFAULTS)
-    for f in dataclasses.fields(SamplingParams):
-        if f.name != "structured" and getattr(args, f.name, None) is not None:
-            fields[f.name] = getattr(args, f.name)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+              if f.name != "structured" and getattr(args, f.name, None) is not None}
     given = {k: getattr(args, k) for k in STRUCTURED_FLAGS if getattr(args, k, None)}
     if given.get("json_schema", "").startswith("@"):
         with open(given["json_schema"][1:], encoding="utf-8") as f:
             given["json_schema"] = f.read()
     if given:
         fields["structured"] = StructuredOutputSpec(**given)
-    return SamplingParams(**fields)
+    return fields
+
+
+def _default_params(args):
+    """`shoal generate`'s defaults: the CLI's own under the given flags."""
+    from shoal.sampling import SamplingParams
+
+    return SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **_sampling_flags(args)})
 
 
 def _threads(args) -> None:
@@ -204,7 +212,7 @@ def cmd_run_batch(args) -> int:
     from shoal.offline.commands import run_batch
 
     _check_config(args)
-    return run_batch(args, lambda: _make_llm(args), _default_params(args))
+    return run_batch(args, lambda: _make_llm(args), _sampling_flags(args))
 
 
 def cmd_chat(args) -> int:
@@ -329,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("run-batch", help="an OpenAI batch file (/v1/chat/completions, "
                        "/v1/completions) to an OpenAI batch results file")
     _engine_args(b)
-    _sampling_args(b)
+    _sampling_args(b, batch=True)
     b.add_argument("-i", "--input", required=True)
     b.add_argument("-o", "--output", required=True)
     _batch_args(b)

@@ -258,3 +258,76 @@ def test_run_batch_round_trip(tmp_path: Path) -> None:
     assert main(["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",
                  "-i", str(src), "-o", str(dst), "--quiet", "--resume"]) == 0
     assert len(_records(dst)) == len(lines)  # everything was there: nothing appended
+
+
+def test_run_batch_answers_what_the_server_would(tmp_path: Path) -> None:
+    """Bodies go through the server's request models and response bodies: OpenAI defaults
+    (temperature 1, 16 completion tokens), max_completion_tokens over max_tokens, logprobs,
+    response_format / guided_*, echo, a list of prompts; a flag fills only what a body leaves
+    unset; a line without a custom_id is resumed by its line number; errors as vLLM's."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    def post(url: str, body: dict, custom_id: str | None = "x") -> dict:
+        line = {"method": "POST", "url": url, "body": body}
+        return line if custom_id is None else {"custom_id": custom_id, **line}
+
+    chat, cmpl = "/v1/chat/completions", "/v1/completions"
+    hello = [{"role": "user", "content": "hello"}]
+    lines = [
+        post(cmpl, {"prompt": [5, 6, 7], "seed": 1}, "default-1"),
+        post(cmpl, {"prompt": [5, 6, 7], "seed": 2}, "default-2"),
+        post(chat, {"messages": hello, "max_tokens": 5, "max_completion_tokens": 2}, "both"),
+        post(chat, {"messages": hello, "max_completion_tokens": 3, "logprobs": True,
+                    "top_logprobs": 2}, "chat-lp"),
+        post(cmpl, {"prompt": ["ab", "cd"], "max_tokens": 2, "logprobs": 1, "echo": True,
+                    "n": 2}, "prompts"),
+        post(cmpl, {"prompt": [5, 6], "guided_choice": ["yes", "no"]}, "choice"),
+        post(cmpl, {"prompt": [5, 6], "max_tokens": 0}, None),
+    ]
+    src, dst = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    run = ["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",
+           "-i", str(src), "-o", str(dst), "--quiet", "--ignore-eos"]
+    assert main(run) == 0
+    results = _records(dst)
+    d1, d2, both, chat_lp, prompts, choice, bad = results
+    bodies = [Completion.model_validate(r["response"]["body"]) for r in (d1, d2)]
+    assert all(b.usage.completion_tokens == 16 for b in bodies)  # OpenAI's default
+    assert bodies[0].choices[0].text != bodies[1].choices[0].text  # sampled (temperature 1)
+    assert ChatCompletion.model_validate(both["response"]["body"]).usage.completion_tokens <= 2
+    lp = ChatCompletion.model_validate(chat_lp["response"]["body"]).choices[0].logprobs
+    assert lp is not None and lp.content and all(len(t.top_logprobs) == 2 for t in lp.content)
+    many = prompts["response"]["body"]["choices"]  # (an echoed first token's logprob is null,
+    assert [c["index"] for c in many] == [0, 1, 2, 3]  # as OpenAI's; the SDK's type says float)
+    assert [c["text"][:2] for c in many] == ["ab", "ab", "cd", "cd"]  # echoed
+    assert all(c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) > 2
+               for c in many)
+    assert Completion.model_validate(choice["response"]["body"]).choices[0].text in (
+        "yes", "no")
+    assert bad["custom_id"] is None and bad["line"] == 7 and bad["response"][
+        "status_code"] == 400 and bad["error"] == "line 7: custom_id: expected a string"
+    assert bad["response"]["body"]["error"]["message"] == bad["error"]
+    assert main([*run, "--resume"]) == 0
+    assert len(_records(dst)) == len(lines)  # the line without a custom_id is not run again
+
+
+def test_run_batch_flags_fill_only_what_a_body_leaves_unset() -> None:
+    from shoal.offline.openai_batch import parse_batch_line
+
+    def params(body: dict):
+        line = {"custom_id": "a", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "hi"}], **body}}
+        (item,) = parse_batch_line(json.dumps(line), 1, "tiny", {
+            "max_tokens": 3, "temperature": 0.5, "logprobs": 1}).items
+        return item["sampling_params"]
+
+    p = params({"max_completion_tokens": 7, "temperature": 0.0})
+    assert (p.max_tokens, p.temperature, p.logprobs) == (7, 0.0, 1)
+    p = params({"logprobs": True, "top_logprobs": 4})
+    assert (p.max_tokens, p.temperature, p.logprobs) == (3, 0.5, 4)
+    p = params({"response_format": {"type": "json_object"}})
+    assert p.structured is not None and p.structured.json_schema is not None
+    line = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}
+    bad = parse_batch_line(json.dumps(line), 4, "tiny", {})
+    assert bad.body is None and bad.items[0]["error"].startswith("line 4: body.max_tokens")

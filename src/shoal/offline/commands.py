@@ -23,6 +23,7 @@ from shoal.offline.openai_batch import batch_result, parse_batch_line
 from shoal.offline.output import ResultWriter, check_writable, keys_of, written_keys
 from shoal.offline.requests import RequestLine, read_requests
 from shoal.sampling import SamplingParams
+from shoal.serve.logprobs import LogprobFormat
 
 INTERRUPTED = 130  # the shell's exit status for SIGINT
 FAILED = 1  # the run stopped on an error after it started (a replica died, a collective timed out)
@@ -209,26 +210,36 @@ def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
                    time.perf_counter() - t0, writer.num_held)
 
 
-def run_batch(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
-    """OpenAI batch file in, OpenAI batch results out (always in input order)."""
+def run_batch(args, make_llm: Callable[[], Any], flags: dict[str, Any]) -> int:
+    """OpenAI batch file in, OpenAI batch results out (always in input order). `flags`: the
+    sampling fields given on the command line (they fill what a body leaves unset)."""
     check_paths(args.input, args.output)
-    parsed = []
-    with open(args.input, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if text.strip():
-                parsed.append(parse_batch_line(text, n, default))
-    requests = [r for r, _ in parsed]
-    urls = {r.line: url for r, url in parsed}
-    pending = _pending(requests, args.output, args.resume)
-    llm = _start(make_llm)
     model = os.path.basename(os.path.normpath(args.model))
+    with open(args.input, encoding="utf-8") as f:
+        lines = [parse_batch_line(text, n, model, flags) for n, text in enumerate(f, 1)
+                 if text.strip()]
+    requests = [RequestLine(b.line, b.custom_id, item) for b in lines for item in b.items]
+    owner = [i for i, b in enumerate(lines) for _ in b.items]  # request -> its line
+    first = {i: owner.index(i) for i in set(owner)}  # a line's first request
+    pending = _pending(requests, args.output, args.resume)
+    slot = {li: pos for pos, li in enumerate(  # a pending line's place among them
+        dict.fromkeys(owner[r.item["request_index"]] for r in pending))}
+    llm = _start(make_llm)
+    fmt = LogprobFormat(llm.tokenizer)
+    done: dict[int, dict[int, RequestOutput]] = {}
+
+    def write(i: int, out: RequestOutput) -> None:  # a line's result once its requests are in
+        index = pending[i].item["request_index"]
+        li = owner[index]
+        outs = done.setdefault(li, {})
+        outs[index - first[li]] = out
+        if len(outs) == len(lines[li].items):
+            writer.add(slot[li], batch_result(lines[li], [outs[k] for k in range(len(outs))],
+                                              model, fmt))
+
     with _open_output(llm, args.output, args.resume) as stream:
         writer = ResultWriter(stream, "input")
         t0 = time.perf_counter()
-        outs, stopped = run_requests(
-            llm, pending, lambda i, out: writer.add(i, batch_result(
-                pending[i], urls[pending[i].line], out, model)),
-            progress=not args.quiet and llm.primary)
+        outs, stopped = run_requests(llm, pending, write, progress=not args.quiet and llm.primary)
     return _finish(llm, outs, len(pending), len(requests) - len(pending), stopped,
                    time.perf_counter() - t0, writer.num_held)
-

@@ -1,10 +1,13 @@
 """The OpenAI batch file format (`shoal run-batch`, as `vllm run-batch`): request lines
 `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}` in,
 result lines `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`
-out, with `chat.completion` / `text_completion` bodies.
+out. A body is read by the server's request models (serve/protocol.py: the same fields,
+defaults and checks as `shoal serve`) and answered with the server's response bodies
+(serve/responses.py), so a line gives what the same request to the server would.
 
 Invariant: every request line gives exactly one result line; a bad line or a failed request
-gives status 400 and an error body (`{"error": {"message", "type"}}`), never an abort.
+gives status 400, an error body (`{"error": {"message", "type", ...}}`) and the message as the
+line's `error` (as vLLM), never an abort.
 """
 
 from __future__ import annotations
@@ -12,40 +15,69 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from shoal.engine.outputs import RequestOutput
-from shoal.offline.requests import RequestLine
-from shoal.sampling import SamplingParams
-from shoal.serve.protocol import assistant_message, finish_reason, usage_of
+from shoal.serve.logprobs import LogprobFormat
+from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from shoal.serve.responses import chat_response, completion_response
 
 URLS = ("/v1/chat/completions", "/v1/completions")
-# OpenAI body fields -> SamplingParams fields (plus the vLLM extras of the same name)
-_RENAMED = {"max_completion_tokens": "max_tokens"}
-_PASSED = ("n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-           "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-           "truncate_prompt_tokens", "bad_words")
-_IGNORED = ("model", "user", "stream", "metadata", "store")
+_MODELS = {URLS[0]: ChatCompletionRequest, URLS[1]: CompletionRequest}
+# body fields that mean nothing in a batch (a result is never streamed)
+_DROPPED = ("stream", "stream_options", "metadata", "store")
 
 
-def _params(body: dict, url: str, default: SamplingParams) -> SamplingParams:
-    fields: dict[str, Any] = {}
-    for key, value in body.items():
-        name = _RENAMED.get(key, key)
-        if name in _PASSED:
-            fields[name] = [value] if name == "stop" and isinstance(value, str) else value
-    if url == "/v1/chat/completions":
-        if body.get("logprobs"):
-            fields["logprobs"] = int(body.get("top_logprobs") or 0)
-    elif body.get("logprobs") is not None:
-        fields["logprobs"] = body["logprobs"]
-    return default.replace(**fields) if fields else default
+@dataclass(frozen=True)
+class BatchLine:
+    """One request line: its LLM.run items (a completion with a list of prompts has one per
+    prompt; a bad line one error item) and the parsed body (None for a bad line)."""
+
+    line: int
+    custom_id: str | None
+    url: str
+    body: ChatCompletionRequest | CompletionRequest | None
+    items: tuple[dict, ...]
 
 
-def parse_batch_line(text: str, line: int, default: SamplingParams) -> tuple[RequestLine, str]:
-    """(the request line, its url); a bad line becomes an error item."""
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    field = ".".join(str(x) for x in first.get("loc", ()))
+    return f"body.{field}: {first.get('msg')}" if field else f"body: {first.get('msg')}"
+
+
+def _fields_set(body: ChatCompletionRequest | CompletionRequest, params) -> set[str]:
+    """The SamplingParams fields the body gives (command-line flags fill only the others)."""
+    given = set(body.sampling_fields())
+    if {"max_tokens", "max_completion_tokens"} & body.model_fields_set:
+        given.add("max_tokens")
+    if body.logprobs not in (None, False):
+        given.add("logprobs")
+    if params.structured is not None:
+        given.add("structured")
+    return given
+
+
+def _items(body: ChatCompletionRequest | CompletionRequest, flags: dict[str, Any]
+           ) -> tuple[dict, ...]:
+    params = body.params()
+    unset = {k: v for k, v in flags.items() if k not in _fields_set(body, params)}
+    if unset:
+        params = params.replace(**unset)
+    common = {"sampling_params": params, "priority": body.priority}
+    if isinstance(body, ChatCompletionRequest):
+        return ({"messages": body.message_dicts(), **body.encode_options(), **common},)
+    return tuple({"prompt": text, **common} if ids is None else
+                 {"prompt_token_ids": ids, **common} for text, ids in body.prompt_inputs())
+
+
+def parse_batch_line(text: str, line: int, model: str, flags: dict[str, Any]) -> BatchLine:
+    """The request line (a bad one becomes one error item). `model`: the served model's name
+    (a body may leave it out); `flags`: the sampling fields given on the command line, used
+    where the body gives none."""
     custom_id, url = None, URLS[0]
     try:
         obj = json.loads(text)
@@ -53,65 +85,49 @@ def parse_batch_line(text: str, line: int, default: SamplingParams) -> tuple[Req
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str):
+            custom_id = None
             raise ValueError("custom_id: expected a string")
         url = obj.get("url")
         if url not in URLS:
             raise ValueError(f"url: got {url!r}, expected one of {URLS}")
         if obj.get("method", "POST") != "POST":
             raise ValueError(f"method: got {obj.get('method')!r}, expected 'POST'")
-        body = obj.get("body")
-        if not isinstance(body, dict):
+        raw = obj.get("body")
+        if not isinstance(raw, dict):
             raise ValueError("body: expected a JSON object")
-        unknown = sorted(set(body) - set(_PASSED) - set(_RENAMED) - set(_IGNORED)
-                         - {"messages", "prompt", "logprobs", "top_logprobs", "tools",
-                            "reasoning_effort", "priority"})
-        if unknown:
-            raise ValueError(f"body: unsupported field(s) {unknown}")
-        params = _params(body, url, default)
-        if url == "/v1/chat/completions":
-            if "messages" not in body:
-                raise ValueError("body.messages: required for /v1/chat/completions")
-            item = {"messages": body["messages"], "sampling_params": params}
-            item.update({k: body[k] for k in ("tools", "reasoning_effort") if k in body})
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                item = {"prompt_token_ids": prompt, "sampling_params": params}
-            elif isinstance(prompt, str):
-                item = {"prompt": prompt, "sampling_params": params}
-            else:
-                raise ValueError("body.prompt: expected a string or a list of token ids")
-        if "priority" in body:  # (scheduling_policy='priority'; the engine checks it)
-            item["priority"] = body["priority"]
+        raw = {"model": model, **{k: v for k, v in raw.items() if k not in _DROPPED}}
+        try:
+            body = _MODELS[url].model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(_validation_message(exc)) from None
+        items = _items(body, flags)
     except (ValueError, TypeError) as exc:
-        item = {"error": f"line {line}: {exc}", "sampling_params": default}
-    return RequestLine(line, custom_id, item), url
+        return BatchLine(line, custom_id, url, None, ({"error": f"line {line}: {exc}"},))
+    return BatchLine(line, custom_id, url, body, items)
 
 
-def batch_result(request: RequestLine, url: str, out: RequestOutput, model: str) -> dict:
-    """The result line of one request."""
+def batch_result(b: BatchLine, outs: list[RequestOutput], model: str,
+                 fmt: LogprobFormat) -> dict:
+    """The result line of one request line (`outs`: one per item). A line without a string
+    custom_id also carries its `line` number (what --resume knows it by)."""
     request_id = f"shoal-{uuid.uuid4().hex[:16]}"
     result: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex[:24]}",
-                              "custom_id": request.custom_id, "error": None}
-    if out.error is not None or "error" in request.item:
-        message = out.error or request.item.get("error")
+                              "custom_id": b.custom_id, "error": None}
+    if b.custom_id is None:
+        result["line"] = b.line
+    error = next((out.error for out in outs if out.error is not None), None)
+    if error is not None or b.body is None:
+        message = error or b.items[0]["error"]
+        if not message.startswith(f"line {b.line}:"):
+            message = f"line {b.line}: {message}"
+        result["error"] = message
         result["response"] = {"status_code": 400, "request_id": request_id,
-                              "body": {"error": {"message": message,
-                                                 "type": "invalid_request_error"}}}
+                              "body": error_body(message, code=400)}
         return result
-    usage = usage_of(out)
     created = int(time.time())
-    if url == "/v1/chat/completions":
-        choices = [{"index": c.index, "message": assistant_message(c), "logprobs": None,
-                    "finish_reason": finish_reason(c.finish_reason, bool(c.tool_calls))}
-                   for c in out.outputs]
-        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
-                "model": model, "choices": choices, "usage": usage}
+    if isinstance(b.body, ChatCompletionRequest):
+        body = chat_response(f"chatcmpl-{request_id}", created, model, b.body, outs[0], fmt)
     else:
-        choices = [{"index": c.index, "text": c.text, "logprobs": None,
-                    "finish_reason": finish_reason(c.finish_reason)}
-                   for c in out.outputs]
-        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
-                "model": model, "choices": choices, "usage": usage}
+        body = completion_response(f"cmpl-{request_id}", created, model, b.body, outs, fmt)
     result["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return result

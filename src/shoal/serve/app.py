@@ -33,13 +33,13 @@ from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    assistant_message,
     chat_deltas,
     error_body,
     usage_of,
 )
 from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.serve.replica_loop import ReplicaLoop
+from shoal.serve.responses import chat_response, completion_response
 from shoal.serve.sse import merge, sse
 from shoal.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shoal.tokenizer.encoding import encode_messages
@@ -152,16 +152,6 @@ class Server:
                         "choices": [], "usage": usage_of(*(u.output for u in updates))})
         yield "data: [DONE]\n\n"
 
-    def _echo(self, out: RequestOutput, body) -> tuple[str, list]:
-        """What `echo` puts before each choice: the prompt's text, and its (token, logprobs)
-        entries when log-probs are asked for."""
-        if not body.echo:
-            return "", []
-        ids = out.prompt_token_ids
-        text = out.prompt if out.prompt is not None else self.tokenizer.decode(ids)
-        return text, list(zip(ids, out.prompt_logprobs or [None] * len(ids), strict=True)) \
-            if body.logprobs is not None else []
-
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         """One engine request per prompt (a list of prompts is several); choice i * n + j is
@@ -194,15 +184,7 @@ class Server:
                 firsts, handles, rid, created, params, body, echoes),
                 media_type="text/event-stream")
         outs = [await self._collect(f, h) for f, h in zip(firsts, handles, strict=True)]
-        want_lp, echoes = params.logprobs, [self._echo(out, body) for out in outs]
-        choices = [{"index": i * params.n + c.index, "text": echoes[i][0] + c.text,
-                    "finish_reason": _finish_reason(c.finish_reason), "logprobs":
-                    self.logprobs.completion(echoes[i][1] + list(zip(
-                        c.token_ids, c.logprobs, strict=False)), want_lp)
-                    if want_lp is not None and c.logprobs is not None else None}
-                   for i, out in enumerate(outs) for c in out.outputs]
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage_of(*outs)}
+        return completion_response(rid, created, self.model_name, body, outs, self.logprobs)
 
     async def _completion_streams(self, firsts: list[Update], handles: list[Handle],
                                   rid: str, created: int, params,
@@ -268,16 +250,7 @@ class Server:
                                      media_type="text/event-stream")
         out = await self._collect(first, handle)
         parse_chat_output(out, prompt)
-        choices = []
-        for c in out.outputs:
-            choices.append({"index": c.index, "message": assistant_message(c),
-                            "logprobs": self.logprobs.chat(list(zip(
-                                c.token_ids, c.logprobs, strict=False)), params.logprobs)
-                            if params.logprobs is not None and c.logprobs else None,
-                            "finish_reason": _finish_reason(c.finish_reason,
-                                                            bool(c.tool_calls))})
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage_of(out)}
+        return chat_response(rid, created, self.model_name, body, out, self.logprobs)
 
     async def _chat_stream(self, update: Update, handle: Handle, rid: str,
                            created: int, prompt: str, want_lp: int | None, body

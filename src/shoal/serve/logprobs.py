@@ -6,6 +6,7 @@ from __future__ import annotations
 
 class LogprobFormat:
     def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
         self.text = tokenizer.token_text
 
     @staticmethod
