@@ -217,15 +217,19 @@ def cmd_run_batch(args) -> int:
 
 def cmd_chat(args) -> int:
     from shoal.sampling import SamplingParams
-    from shoal.tokenizer.encoding import encode_messages
+    from shoal.tokenizer.encoding import RELEASE_EFFORT_TABLE, encode_messages
     from shoal.tokenizer.parser import OutputParser
 
     _check_config(args)
+    # the reply options now, before the model loads
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.reasoning_effort != "none":
+        RELEASE_EFFORT_TABLE.resolve(args.reasoning_effort)
     llm = _make_llm(args)
     engine = llm.engine
     context = llm.config.scheduler.max_model_len
     max_tokens = args.max_tokens or max(1, min(1024, context // 4))
-    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature)
+    params = params.replace(max_tokens=max_tokens)
     messages: list[dict] = []
     print(f"shoal chat ({args.model}, context {context} tokens, up to {max_tokens} per "
           "reply): an empty line or Ctrl-D quits", file=sys.stderr)
@@ -350,12 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
                    help="per reply (default: a quarter of the context, at most 1024)")
     c.add_argument("--temperature", type=float, default=0.6)
-    c.add_argument("--reasoning-effort", dest="reasoning_effort", default=None)
+    c.add_argument("--reasoning-effort", dest="reasoning_effort", default=None,
+                   type=lambda v: int(v) if v.isdigit() else v,
+                   help="none (chat mode), low, high, xhigh, max or 1-100 (default: thinking)")
     i = sub.add_parser("info", help="config, layer roles and memory plan")
     i.add_argument("--model", default="tiny")
     i.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=40.0)
     i.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=64)
-    i.add_argument("--max-model-len", dest="max_model_len", type=int, default=65536)
+    i.add_argument("--max-model-len", dest="max_model_len", type=int, default=None,
+                   help="default: the model's positions, at most 65536")
     i.add_argument("--gpus", type=int, default=None, help="plan per GPU, experts over N GPUs")
     i.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=float, default=141.0)
     i.add_argument("--host-memory-gb", dest="host_memory_gb", type=float, default=None)

@@ -9,6 +9,12 @@ def print_info(args) -> int:
     from shoal.runner.cache_memory import plan_memory
 
     cfg = resolve_model_config(args.model)
+    positions = cfg.max_position_embeddings
+    if args.max_model_len is None:
+        args.max_model_len = min(positions, 65536)
+    elif args.max_model_len > positions:
+        raise ValueError(f"max_model_len: got {args.max_model_len}, but {cfg.name} has "
+                         f"{positions} positions")
     print(f"model {args.model}: {cfg.name}, {cfg.num_layers} layers + {cfg.num_draft_layers} "
           f"draft, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     layout = print_roles(cfg)

@@ -179,12 +179,20 @@ def test_checks_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> N
          "not writable"),
         (["--input", str(src), "--device", "tpu"], "device"),
         (["--input", str(src), "--max-model-len", "100000"], "256 positions"),
+        (["--input", str(src), "--prompt", "y"], "give one of them"),
     ]
     for extra, message in cases:
         args = ["generate", "--model", "tiny", "--device", "cpu", *extra]
         assert main(args) == 2
         assert message in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--threads", "0", "--prompt", "x"]) == 2
+    for extra, message in ((["--reasoning-effort", "bogus"], "reasoning_effort"),
+                           (["--temperature", "-1"], "temperature"),
+                           (["--max-tokens", "0"], "max_tokens")):
+        assert main(["chat", "--model", "tiny", "--device", "cpu", *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["info", "--model", "tiny", "--max-model-len", "300"]) == 2
+    assert "256 positions" in capsys.readouterr().err
 
 
 def test_every_sampling_field_has_a_flag(tmp_path: Path) -> None:

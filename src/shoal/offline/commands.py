@@ -185,6 +185,8 @@ def generate(args, make_llm: Callable[[], Any], default: SamplingParams) -> int:
               file=sys.stderr)
 
     if args.input:
+        if args.prompt:
+            raise ShoalError("--prompt and --input: give one of them")
         requests = list(read_requests(args.input, default, strict=args.strict, warn=warn))
     else:
         requests = [RequestLine(i + 1, None, {"prompt": p, "sampling_params": default})

@@ -83,14 +83,21 @@ def written_keys(path: str) -> set[str]:
 
 
 def check_writable(path: str) -> None:
-    """OSError now, before a model loads, if `path` cannot be written (nothing is created or
-    truncated)."""
+    """OSError now, before a model loads, if `path` cannot be written (an existing file is
+    opened for appending, a new one created and removed: nothing is truncated or left)."""
     if os.path.exists(path):
         with open(path, "a", encoding="utf-8"):
             return
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    if not os.path.isdir(folder):
         raise OSError(f"output {path!r}: folder {folder!r} does not exist or is not writable")
+    try:
+        with open(path, "x", encoding="utf-8"):
+            pass
+        os.remove(path)
+    except OSError as exc:
+        raise OSError(f"output {path!r}: folder {folder!r} does not exist or is not writable "
+                      f"({exc.strerror})") from None
 
 
 def keys_of(lines: Iterable) -> list[str]:
