@@ -15,6 +15,7 @@ import urllib.request
 import openai
 import pytest
 
+from support.chat import TOOL_BLOCK
 from support.live_server import (
     API_KEY,
     LiveServer,
@@ -33,9 +34,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}]
-TOOL_BLOCK = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
-              '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
-              '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
 
 
 def test_completions_and_chat_stream_equal_non_stream(live: LiveServer) -> None:
@@ -83,7 +81,7 @@ def test_n_logprobs_json_schema_and_tool_calls(live: LiveServer) -> None:
         client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=4)
     # random weights make no call by themselves: a grammar admitting only a DSML call block
     forced = {"model": "tiny", "messages": [{"role": "user", "content": "weather in Paris?"}],
-              "max_tokens": 80, "temperature": 0.0,
+              "max_tokens": 100, "temperature": 0.0,  # (the block is 86 tokens)
               "extra_body": {"guided_choice": [TOOL_BLOCK],
                              "chat_template_kwargs": {"enable_thinking": False}}}
     call = client.chat.completions.create(**forced)
@@ -111,7 +109,6 @@ BAD = [  # (body, status, text the message names)
     ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 400}]}, 400,
      "max_model_len"),
     ({"model": "other", "messages": CHAT}, 404, "other"),
-    ({"model": "tiny", "messages": CHAT, "temprature": 1}, 400, "temprature"),
 ]
 
 

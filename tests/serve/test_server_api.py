@@ -110,7 +110,7 @@ def test_tool_choice_forces_a_call(tmp_path) -> None:
     try:
         client = server.client(timeout=120)
         base = {"model": "tiny", "messages": [{"role": "user", "content": "metric please"}],
-                "tools": BOUNDED_TOOLS, "max_tokens": 120, "temperature": 0.8, "seed": 4,
+                "tools": BOUNDED_TOOLS, "max_tokens": 240, "temperature": 0.8, "seed": 4,
                 "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
         named = client.chat.completions.create(**base, tool_choice={
             "type": "function", "function": {"name": "set_units"}})

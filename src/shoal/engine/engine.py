@@ -12,8 +12,7 @@ One step (`Engine.step`, synchronous form):
 4. `Engine.report`: the deltas detokenised incrementally, stop strings and matchers checked,
    logprobs and finishes recorded.
 
-Async scheduling (`RunnerConfig.async_scheduling`, default on) runs the same calls with one
-step in flight: `engine/overlap.py`.
+Async scheduling (`RunnerConfig.async_scheduling`, default on): `engine/overlap.py`.
 
 Invariant: a bad request never reaches the runner (it finishes with `error` set), every request
 added ends with exactly one output, and only plain data crosses engine, scheduler and executor.
@@ -135,10 +134,14 @@ class Engine:
         self.stats.num_requests += 1
         ids: list[int] = []
         text = prompt if isinstance(prompt, str) else None
+        matchers: list = []
         if error is None:
             try:
                 ids, matcher_spec = self._validate(prompt, params, prompt_token_ids)
                 params = self._with_bad_words(params)
+                if matcher_spec is not None:  # (building one can fail where checking did not)
+                    matchers = [self.structured_backend().matcher(matcher_spec)
+                                for _ in range(params.n)]
             except ValueError as exc:
                 error = str(exc)
         children = []
@@ -158,8 +161,8 @@ class Engine:
             if error is not None:
                 req.finish("error", error)
                 continue
-            if matcher_spec is not None:
-                req.matcher = self.structured_backend().matcher(matcher_spec)
+            if matchers:
+                req.matcher = matchers[i]
                 if ids[-1] == self.tokenizer.token_to_id(THINK_START):  # reasoning first
                     req.grammar_after = self.tokenizer.token_to_id(THINK_END)
             self.scheduler.add_request(Request(
@@ -332,8 +335,8 @@ class Engine:
             if req.prompt_logprobs is None:  # position 0 has none (nothing predicts it)
                 req.prompt_logprobs = [None] * len(req.prompt_token_ids)
             for position, target, logprob, rank, top in entries:  # by position: a recompute
-                req.prompt_logprobs[position] = self._logprobs(target, logprob, rank, top)
-                # (after preemption rewrites, never duplicates)
+                req.prompt_logprobs[position] = self._logprobs(  # after preemption rewrites
+                    target, logprob, rank, top)
         return self._apply(outcome, output)
 
     def _apply(self, outcome: StepOutcome, output: RunnerOutput) -> set[str]:
@@ -348,10 +351,9 @@ class Engine:
             for index, token in enumerate(delta.new_token_ids):
                 self._record_logprobs(req, token, output, index)
                 self.stats.output_tokens += 1
-                if req.append_token(token) or (req.grammar_active and
-                                               req.matcher.is_finished()):
-                    self.scheduler.finish_request(rid, "stop")
-                    req.finish("stop")
+                if (reason := req.append_token(token)) is not None:
+                    self.scheduler.finish_request(rid, reason)
+                    req.finish(reason, req.failure)
                     newly.add(rid)
                     break
             if delta.finished and not req.finished:

@@ -40,6 +40,7 @@ class EngineRequest:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    failure: str | None = None  # why the constraint failed mid-sequence (append_token)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
@@ -51,27 +52,33 @@ class EngineRequest:
         """Structured output constrains the next token."""
         return self.matcher is not None and self.grammar_after is None
 
-    def append_token(self, token: int) -> bool:
-        """Record a sampled token; returns True when a stop string completed."""
+    def append_token(self, token: int) -> str | None:
+        """Record a sampled token; returns how it ends the sequence: "stop" (a stop string
+        completed, or the constraint is complete), "error" (the constraint failed at this
+        token: `failure` says why) or None."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.time()
         self.output_token_ids.append(token)
         if self.grammar_active:
-            self.matcher.accept(token)
+            if not self.matcher.accept(token) or self.matcher.error:
+                self.failure = self.matcher.error or \
+                    f"structured output failed: token {token} is not allowed here"
+                return "error"
         elif token == self.grammar_after:
             self.grammar_after = None
+        done = "stop" if self.grammar_active and self.matcher.is_finished() else None
         if self.detokenizer is None:
-            return False
+            return done
         delta = self.detokenizer.step(token)
         if self.stop is None:
             self.text += delta
-            return False
+            return done
         check = self.stop.feed(delta)
         self.text += check.emit
         if check.stopped:
             self.stop_reason = check.stop_str
-            return True
-        return False
+            return "stop"
+        return done
 
     def finish(self, reason: str, error: str | None = None,
                stop_token: int | None = None) -> None:

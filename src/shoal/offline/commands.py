@@ -218,8 +218,9 @@ def run_batch(args, make_llm: Callable[[], Any], flags: dict[str, Any]) -> int:
     check_paths(args.input, args.output)
     model = os.path.basename(os.path.normpath(args.model))
     with open(args.input, encoding="utf-8") as f:
-        lines = [parse_batch_line(text, n, model, flags) for n, text in enumerate(f, 1)
-                 if text.strip()]
+        lines = [parse_batch_line(text, n, model, flags,
+                                  lambda m: print(f"shoal: warning: {m}", file=sys.stderr))
+                 for n, text in enumerate(f, 1) if text.strip()]
     requests = [RequestLine(b.line, b.custom_id, item) for b in lines for item in b.items]
     owner = [i for i, b in enumerate(lines) for _ in b.items]  # request -> its line
     first = {i: owner.index(i) for i in set(owner)}  # a line's first request

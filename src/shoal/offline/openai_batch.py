@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,10 +75,12 @@ def _items(body: ChatCompletionRequest | CompletionRequest, flags: dict[str, Any
                  {"prompt_token_ids": ids, **common} for text, ids in body.prompt_inputs())
 
 
-def parse_batch_line(text: str, line: int, model: str, flags: dict[str, Any]) -> BatchLine:
+def parse_batch_line(text: str, line: int, model: str, flags: dict[str, Any],
+                     warn: Callable[[str], None] = lambda message: None) -> BatchLine:
     """The request line (a bad one becomes one error item). `model`: the served model's name
     (a body may leave it out); `flags`: the sampling fields given on the command line, used
-    where the body gives none."""
+    where the body gives none; `warn` hears of the body's unknown fields (ignored, as by the
+    server)."""
     custom_id, url = None, URLS[0]
     try:
         obj = json.loads(text)
@@ -100,6 +103,8 @@ def parse_batch_line(text: str, line: int, model: str, flags: dict[str, Any]) ->
             body = _MODELS[url].model_validate(raw)
         except ValidationError as exc:
             raise ValueError(_validation_message(exc)) from None
+        if body.ignored_fields():
+            warn(f"line {line}: body field(s) ignored: {', '.join(body.ignored_fields())}")
         items = _items(body, flags)
     except (ValueError, TypeError) as exc:
         return BatchLine(line, custom_id, url, None, ({"error": f"line {line}: {exc}"},))

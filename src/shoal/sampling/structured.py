@@ -194,7 +194,8 @@ class StructuredOutputBackend:
             grammar, self._lltok
         )
         if is_error:
-            raise ValueError(f"invalid {spec.kind()} for structured output: {messages[0]}")
+            raise ValueError(f"invalid {spec.kind()} for structured output: "
+                             f"{_brief(messages[0])}")
         return grammar
 
     def matcher(self, spec: StructuredOutputSpec) -> StructuredMatcher:
@@ -215,7 +216,8 @@ class StructuredMatcher:
         self._words = (self.vocab_size + 31) // 32
         self._matcher = llguidance.LLMatcher(backend._lltok, grammar, log_level=0)
         if self._matcher.is_error():
-            raise ValueError(f"invalid structured output grammar: {self._matcher.get_error()}")
+            raise ValueError(f"invalid structured output grammar: "
+                             f"{_brief(self._matcher.get_error())}")
         self._num_accepted = 0
 
     def fill_bitmask(self, out: torch.Tensor) -> None:
@@ -273,8 +275,17 @@ class StructuredMatcher:
         self._num_accepted -= num_tokens
 
     def is_finished(self) -> bool:
-        """True when no token other than EOS can follow (or EOS was accepted)."""
-        return self._matcher.is_stopped()
+        """True when no token other than EOS can follow (or EOS was accepted); never in the
+        error state (see `error`)."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the constraint cannot go on (e.g. the grammar grew too complex at this token),
+        or None."""
+        if not self._matcher.is_error():
+            return None
+        return f"structured output failed: {_brief(self._matcher.get_error())}"
 
     def is_accepting(self) -> bool:
         """True when the text so far satisfies the constraint (EOS is allowed now)."""
@@ -283,3 +294,9 @@ class StructuredMatcher:
     @property
     def num_accepted(self) -> int:
         return self._num_accepted
+
+
+def _brief(message: str, limit: int = 500) -> str:
+    """llguidance's message on one line, without the backtrace a Rust panic appends."""
+    text = " ".join(message.split("stack backtrace:")[0].split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -46,6 +47,7 @@ from shoal.tokenizer.encoding import encode_messages
 from shoal.tokenizer.parser import OutputParser
 
 DISCONNECT_POLL_S = 0.25
+logger = logging.getLogger(__name__)
 
 
 class Server:
@@ -61,7 +63,10 @@ class Server:
         self.logprobs = LogprobFormat(self.tokenizer)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def _check_model(self, model: str, body=None) -> None:
+        """404 for another model; a body's unknown fields are logged (and ignored)."""
+        if body is not None and body.ignored_fields():
+            logger.warning("request fields ignored: %s", ", ".join(body.ignored_fields()))
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", "not_found_error", "model")
@@ -131,21 +136,30 @@ class Server:
             handle.watcher.cancel()  # the last update
 
     async def _collect(self, first: Update, handle: Handle) -> RequestOutput:
+        """The finished output; one that failed after its first token is a 500 (a partial
+        answer is never passed off as a whole one)."""
         update = first
         while update.output is None:
             if all(r == "abort" for r in update.finish_reasons):
                 raise APIError(503, self.loop.stopped_reason(), "server_error")
             update = await self._next(handle)
+        if update.output.error is not None:
+            raise APIError(500, update.output.error, "server_error")
         return update.output
 
     def _stream_end(self, updates: list[Update], body, rid: str, created: int,
                     obj: str) -> Iterator[str]:
         """After the requests' last updates: the usage chunk when asked for
         (`stream_options.include_usage`), or an error event when the server cut the stream
-        (shutdown, an engine failure), then [DONE]."""
+        (shutdown, an engine failure) or a request failed after its first token, then
+        [DONE]."""
+        failed = next((u.output.error for u in updates
+                       if u.output is not None and u.output.error is not None), None)
         if any(u.output is None and all(r == "abort" for r in u.finish_reasons)
                for u in updates):
             yield sse(error_body(self.loop.stopped_reason(), "server_error", code=503))
+        elif failed is not None:
+            yield sse(error_body(failed, "server_error", code=500))
         elif body.stream_options and body.stream_options.include_usage and \
                 all(u.output is not None for u in updates):
             yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -156,7 +170,7 @@ class Server:
     async def completions(self, body: CompletionRequest, request: Request):
         """One engine request per prompt (a list of prompts is several); choice i * n + j is
         prompt i's j-th completion, as in OpenAI's API."""
-        self._check_model(body.model)
+        self._check_model(body.model, body)
         try:
             params = body.params()
             inputs = body.prompt_inputs()
@@ -232,7 +246,7 @@ class Server:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+        self._check_model(body.model, body)
         try:
             params = body.params()
             options = body.encode_options()

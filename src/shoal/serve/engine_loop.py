@@ -14,6 +14,7 @@ submitted before that gets an aborted last update: no request waits for a thread
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any
 from shoal.engine.engine import Engine
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -245,8 +248,13 @@ class EngineLoop:
                 return True
 
     def _add(self, handle: Handle, prompt, params: SamplingParams, ids, priority: int) -> None:
-        handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids,
-                                               priority=priority)
+        try:
+            handle.group = self.engine.add_request(prompt, params, prompt_token_ids=ids,
+                                                   priority=priority)
+        except Exception as exc:  # one request's failure ends that request, not the loop
+            logger.exception("adding a request failed")
+            handle.group = self.engine.add_request(None, params, error=f"{type(exc).__name__}: "
+                                                   f"{(str(exc).strip().splitlines() or [''])[0]}")
         self._live[handle.group] = handle
         handle.sent = [[0, 0, 0] for _ in self.engine.groups[handle.group]]
 

@@ -28,6 +28,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def bad_body(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            where = first.get("loc", ())[-1:]
+            return JSONResponse(error_body(
+                f"body: invalid JSON ({first.get('ctx', {}).get('error', 'decode error')}"
+                + (f" at character {where[0]})" if where else ")"), code=400), status_code=400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", param=param,

@@ -13,26 +13,29 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.sampling import SamplingParams
 from shoal.sampling.structured import StructuredOutputSpec
 from shoal.tokenizer.encoding import template_kwargs_options
+from shoal.tokenizer.messages import check_tools
 from shoal.tokenizer.tool_grammar import tool_call_grammar
 
 
 def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
     """OpenAI's finish reason: out of room (max_tokens, the context, the KV pool) is `length`,
-    a parsed tool call `tool_calls`, a stream the server cut (shutdown, an engine failure)
-    `abort` (as vLLM), anything else `stop`."""
+    even inside a tool call (as vLLM: a cut call is not a call); a stream the server cut
+    (shutdown, an engine failure) `abort` and a sequence that failed mid-way `error` (as
+    vLLM; its stream then ends with an error event); a parsed tool call `tool_calls`; anything
+    else `stop`."""
     if reason is None:
         return None
-    if reason == "abort":
-        return "abort"
-    if tool_calls:
-        return "tool_calls"
-    return "length" if reason in ("length", "kv_capacity") else "stop"
+    if reason in ("abort", "error"):
+        return reason
+    if reason in ("length", "kv_capacity"):
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def usage_of(*outs: RequestOutput) -> dict:
@@ -73,7 +76,9 @@ class ResponseFormat(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # unknown fields are kept aside and ignored, with a warning (as vLLM: OpenAI clients send
+    # fields such as store, metadata or service_tier that mean nothing here)
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = Field(1, ge=1, le=64)
@@ -105,6 +110,10 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     priority: int = 0  # scheduling_policy='priority': lower runs sooner
+
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this server does not know (ignored)."""
+        return sorted(self.model_extra or ())
 
     def sampling_fields(self) -> dict[str, Any]:
         names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
@@ -151,11 +160,18 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if tools is None else check_tools(tools, "tools")
+
     def params(self) -> SamplingParams:
         """Without max_tokens / max_completion_tokens a chat answer runs until it ends or the
         context is full (OpenAI's and vLLM's default)."""
         fields = self.sampling_fields()
         fields["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
         forced = self.forced_tool()
@@ -219,6 +235,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null: no limit
+    max_completion_tokens: int | None = Field(None, ge=1)  # (over max_tokens, as vLLM)
 
     def params(self) -> SamplingParams:
         """`echo` with `logprobs` asks for the prompt's log-probs too (the first token has
@@ -226,7 +243,7 @@ class CompletionRequest(_Sampling):
         if self.echo and self.stream and self.logprobs is not None:
             raise ValueError("echo: with logprobs only without stream")
         fields = self.sampling_fields()
-        fields["max_tokens"] = self.max_tokens
+        fields["max_tokens"] = self.max_completion_tokens or self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
             if self.echo:

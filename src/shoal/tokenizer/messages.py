@@ -58,13 +58,28 @@ def _normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
 
 
 def check_tools(tools: Any, where: str) -> list[Any]:
-    """Validate an OpenAI tool list (each item needs ``function.name``)."""
+    """Validate an OpenAI tool list: each item's ``function`` an object with a string ``name``
+    and, if given, ``parameters`` a JSON-schema object whose ``properties`` map names to
+    objects and whose ``required`` lists strings."""
     if not isinstance(tools, list):
         raise ValueError(f"{where}: expected a list of tools")
     for j, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}[{j}].function.name: required string")
+        params = fn.get("parameters")
+        at = f"{where}[{j}].function.parameters"
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{at}: expected a JSON schema object")
+        props = params.get("properties", {})
+        if not isinstance(props, Mapping) or not all(isinstance(v, Mapping)
+                                                     for v in props.values()):
+            raise ValueError(f"{at}.properties: expected an object of schema objects")
+        required = params.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"{at}.required: expected a list of property names")
     return list(tools)
 
 

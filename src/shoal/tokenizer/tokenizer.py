@@ -83,7 +83,9 @@ class Tokenizer:
 
         add_special_tokens: prepend BOS (unless `text` already starts with it).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a huge prompt being tokenised in a
+        # worker thread does not stall the server's other threads
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
