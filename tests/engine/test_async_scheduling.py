@@ -132,7 +132,7 @@ def test_mixed_batch_equals_sync(speculative: bool) -> None:
     (c,) = completions(1)
     assert (len(c[1]), c[3], c[4]) == (k, "stop", tokens[k - 1])
     assert completions(2)[0][3:5] == ("stop", stop_str) and completions(3)[0][2].endswith(stop_str)
-    assert completions(4)[0][1:2] == ([EOS],) and completions(4)[0][3:5] == ("stop", EOS)
+    assert completions(4)[0][1:2] == ([EOS],) and completions(4)[0][3:5] == ("stop", None)
     assert completions(5)[0][1] == [EOS] and completions(5)[0][3] == "stop"
     assert len(completions(6)[0][1]) >= 2 and EOS not in completions(6)[0][1][:2]
     assert any(c[3] == "stop" and isinstance(c[4], int) for c in completions(7))
