@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from shoal.config import ShoalError
+from shoal.offline.chat import chat_args, cmd_chat
 from shoal.serve.command import cmd_serve, serve_args
 
 
@@ -215,70 +216,6 @@ def cmd_run_batch(args) -> int:
     return run_batch(args, lambda: _make_llm(args), _sampling_flags(args))
 
 
-def cmd_chat(args) -> int:
-    from shoal.sampling import SamplingParams
-    from shoal.tokenizer.encoding import RELEASE_EFFORT_TABLE, encode_messages
-    from shoal.tokenizer.parser import OutputParser
-
-    _check_config(args)
-    # the reply options now, before the model loads
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.reasoning_effort != "none":
-        RELEASE_EFFORT_TABLE.resolve(args.reasoning_effort)
-    llm = _make_llm(args)
-    engine = llm.engine
-    context = llm.config.scheduler.max_model_len
-    max_tokens = args.max_tokens or max(1, min(1024, context // 4))
-    params = params.replace(max_tokens=max_tokens)
-    messages: list[dict] = []
-    print(f"shoal chat ({args.model}, context {context} tokens, up to {max_tokens} per "
-          "reply): an empty line or Ctrl-D quits", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        prompt = encode_messages(messages, reasoning_effort=args.reasoning_effort)
-        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-        room = context - len(ids) - 1
-        group = engine.add_request(prompt, params.replace(max_tokens=max(1, min(max_tokens,
-                                                                                room))),
-                                   prompt_token_ids=ids)
-        parser, shown, kind = OutputParser.for_prompt(prompt), 0, None
-        try:  # stream: print each step's new text, reasoning marked as it comes
-            while not all(engine.requests[r].finished for r in engine.groups[group]):
-                engine.step()
-                text = engine.requests[engine.groups[group][0]].text
-                for event in parser.feed(text[shown:]):
-                    if event.kind in ("reasoning", "content") and event.text:
-                        if kind != event.kind:
-                            kind = event.kind
-                            print("[reasoning] " if kind == "reasoning" else "\n", end="")
-                        print(event.text, end="", flush=True)
-                shown = len(text)
-            engine.flush()
-        except KeyboardInterrupt:
-            engine.cancel([group])
-            print("\n(interrupted)", file=sys.stderr)
-            messages.pop()
-            continue
-        out = engine.output(group)
-        engine.release(group)
-        print()
-        if out.error:
-            print(f"error: {out.error}", file=sys.stderr)
-            messages.pop()
-            continue
-        parsed = parser.finish()
-        messages.append({"role": "assistant", "content": parsed.content or "",
-                         "reasoning_content": parsed.reasoning_content})
-    return 0
-
-
 def cmd_info(args) -> int:
     from shoal.info import print_info
 
@@ -351,12 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_args(s)
     c = sub.add_parser("chat", help="interactive chat (streamed)")
     _engine_args(c)
-    c.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
-                   help="per reply (default: a quarter of the context, at most 1024)")
-    c.add_argument("--temperature", type=float, default=0.6)
-    c.add_argument("--reasoning-effort", dest="reasoning_effort", default=None,
-                   type=lambda v: int(v) if v.isdigit() else v,
-                   help="none (chat mode), low, high, xhigh, max or 1-100 (default: thinking)")
+    chat_args(c)
     i = sub.add_parser("info", help="config, layer roles and memory plan")
     i.add_argument("--model", default="tiny")
     i.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float, default=40.0)
@@ -394,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": cmd_generate, "run-batch": cmd_run_batch, "serve": lambda a: cmd_serve(a, _check_config, _make_llm),
-                "chat": cmd_chat, "info": cmd_info, "demo": cmd_demo,
+                "chat": lambda a: cmd_chat(a, _check_config, _make_llm), "info": cmd_info, "demo": cmd_demo,
                 "eplb": cmd_eplb}[args.command](args)
     except (ShoalError, OSError, ValueError) as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
