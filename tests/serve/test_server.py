@@ -68,8 +68,15 @@ def test_n_logprobs_json_schema_and_tool_calls(live: LiveServer) -> None:
     for choice in two.choices:
         assert len(choice.logprobs.content) == 4
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
-    cmpl = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, logprobs=2)
-    assert len(cmpl.choices[0].logprobs.token_logprobs) == 3
+    cmpl = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, logprobs=2,
+                                     seed=2)
+    lp = cmpl.choices[0].logprobs
+    assert len(lp.token_logprobs) == 3
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(3)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=3, logprobs=2, seed=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
     out = client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=24, temperature=1.0, seed=9,
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},

@@ -218,6 +218,7 @@ class Server:
         """Prompt i's chunks (after `echo`, its text when echoed), from its update in lasts[i]
         to its last (kept in lasts[i])."""
         update, done, want_lp = lasts[i], False, params.logprobs
+        offsets = [len(echo)] * params.n  # where each choice's next token starts (text_offset)
         try:
             for j in range(params.n if echo else 0):
                 yield sse({"id": rid, "object": "text_completion", "created": created,
@@ -228,12 +229,14 @@ class Server:
                 for j, (text, entries, reason) in enumerate(zip(
                         update.text, update.logprobs, update.finish_reasons, strict=True)):
                     if text or reason is not None or entries:
+                        lp = self.logprobs.completion(entries, want_lp, offsets[j]) \
+                            if want_lp is not None and entries else None
+                        if lp is not None:
+                            offsets[j] += sum(len(x) for x in lp["tokens"])
                         yield sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [{
                                         "index": i * params.n + j, "text": text,
-                                        "logprobs": self.logprobs.completion(
-                                            entries, want_lp)
-                                        if want_lp is not None and entries else None,
+                                        "logprobs": lp,
                                         "finish_reason": _finish_reason(reason)}]})
                 if update.output is not None or all(r is not None
                                                     for r in update.finish_reasons):
