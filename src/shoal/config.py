@@ -224,8 +224,12 @@ class EngineConfig:
 
 
 def resolve_model_config(model: str) -> ModelConfig:
-    """A preset name or a checkpoint directory with config.json."""
+    """A preset name or a checkpoint directory with config.json (a name that is both is
+    refused: which one was meant cannot be told)."""
     if model in PRESETS:
+        if Path(model).is_dir():
+            raise ShoalError(f"model: {model!r} is both a preset and a folder here; give the "
+                             f"folder as ./{model} (or its absolute path) to load it")
         return PRESETS[model]
     path = Path(model)
     if not path.exists():
@@ -233,5 +237,5 @@ def resolve_model_config(model: str) -> ModelConfig:
                          "existing checkpoint directory")
     try:
         return ModelConfig.from_file(path)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise ShoalError(f"model {model!r}: {exc}") from None

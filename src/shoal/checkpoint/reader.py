@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -47,9 +47,10 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate a safetensors header: size, JSON, dtypes, offsets inside the file."""
-    fname = path.name
+def read_header(path: Path, fname: str | None = None) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header: size, JSON, dtypes, offsets inside the file.
+    `fname`: the file's name in the checkpoint (default: its base name)."""
+    fname = fname or path.name
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -116,6 +117,15 @@ class CheckReport:
     def ok(self) -> bool:
         return not (self.missing or self.unknown or self.shape_mismatch or self.dtype_mismatch)
 
+    def first(self) -> str:
+        """The first problem, on one line (what an error's first line names)."""
+        for title, items in (("missing", [(n,) for n in self.missing]),
+                             ("unknown", self.unknown), ("shape mismatch", self.shape_mismatch),
+                             ("dtype mismatch", self.dtype_mismatch)):
+            if items:
+                return f"{title}: " + " | ".join(items[0])
+        return "none"
+
     def summary(self, limit: int = 20) -> str:
         lines = []
         for title, items in (("missing", [(n,) for n in self.missing]),
@@ -149,6 +159,8 @@ class CheckpointReader:
         else:
             raise CheckpointError(f"checkpoint: {self.path} has neither {INDEX_FILE} nor "
                                   f"{SINGLE_FILE}")
+        for fname in sorted({info.file for info in self._infos.values()}):
+            self._handle(fname)  # safetensors' own checks of every shard, before any tensor
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -158,6 +170,11 @@ class CheckpointReader:
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{INDEX_FILE}: corrupt index, expected a 'weight_map' "
                                   f"object ({exc!r})") from None
+        for name, fname in weight_map.items():
+            parts = PurePosixPath(fname).parts if isinstance(fname, str) else ()
+            if not parts or PurePosixPath(fname).is_absolute() or ".." in parts:
+                raise CheckpointError(f"{INDEX_FILE}: tensor {name!r} maps to {fname!r}, "
+                                      "expected a file name inside the checkpoint")
         headers: dict[str, dict[str, TensorInfo]] = {}
         for fname in sorted(set(weight_map.values())):
             shard = self.path / fname
@@ -165,7 +182,7 @@ class CheckpointReader:
                 names = [n for n, f in weight_map.items() if f == fname]
                 raise CheckpointError(f"{fname}: listed in {INDEX_FILE} for {len(names)} tensors "
                                       f"(e.g. {names[0]!r}) but the file does not exist")
-            headers[fname] = read_header(shard)
+            headers[fname] = read_header(shard, fname)
         for name, fname in weight_map.items():
             info = headers[fname].get(name)
             if info is None:
@@ -249,5 +266,5 @@ class CheckpointReader:
         report.missing = [n for n in inventory if n not in self._infos and not is_optional(n)]
         if raise_on_error and not report.ok:
             raise CheckpointError(f"checkpoint {self.path} does not match config "
-                                  f"{config.name!r}:\n{report.summary()}")
+                                  f"{config.name!r} ({report.first()}):\n{report.summary()}")
         return report

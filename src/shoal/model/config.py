@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,7 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for key in ("compress_ratios", "kv_source_layers", "index_source_layers",
                     "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             object.__setattr__(self, key, tuple(int(v) for v in getattr(self, key)))
@@ -200,10 +201,12 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config: {path} does not exist") from None
-        except json.JSONDecodeError as exc:
+        except OSError as exc:
+            raise ConfigError(f"config: {path} cannot be read ({exc.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config: {path} is not valid JSON ({exc})") from None
         return cls.from_dict(raw)
 
@@ -216,8 +219,39 @@ def _fail(field_name: str, value: Any, expected: str) -> None:
     raise ConfigError(f"{field_name}: got {value!r}, expected {expected}")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(c: ModelConfig) -> None:
+    """Every field of the type its annotation names (a JSON string where a number belongs,
+    a null, a fraction in an integer list fail here, naming the field), and the real-valued
+    fields finite and positive where the model divides or takes logs by them."""
+    for f in fields(c):
+        kind, value = f.type, getattr(c, f.name)
+        if f.name == "layers":
+            continue
+        if kind == "int" and not _is_int(value):
+            _fail(f.name, value, "an integer")
+        elif kind == "int | None" and value is not None and not _is_int(value):
+            _fail(f.name, value, "an integer or null")
+        elif kind == "float" and not (isinstance(value, (int, float)) and
+                                      not isinstance(value, bool) and math.isfinite(value)):
+            _fail(f.name, value, "a finite number")
+        elif kind == "str" and not isinstance(value, str):
+            _fail(f.name, value, "a string")
+        elif kind == "tuple[int, ...]" and not (isinstance(value, (list, tuple))
+                                                and all(_is_int(v) for v in value)):
+            _fail(f.name, value, "a list of integers")
+    for name in ("rope_theta", "compress_rope_theta", "rope_factor", "beta_fast", "beta_slow",
+                 "routed_scaling_factor", "gate_temp", "swiglu_limit", "hc_eps"):
+        if getattr(c, name) <= 0:
+            _fail(name, getattr(c, name), "a positive number")
+
+
 def _validate(c: ModelConfig) -> None:
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim",
+                "weight_block_size", "act_block_size", "max_position_embeddings",
                 "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts",
                 "num_experts_per_tok", "moe_intermediate_size", "sliding_window",
                 "index_n_heads", "index_head_dim", "index_topk", "hc_mult",

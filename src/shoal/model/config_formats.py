@@ -7,7 +7,11 @@ fields. Invariant: parsing returns plain keyword dicts for `ModelConfig(...)`, w
 
 from __future__ import annotations
 
+import difflib
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -131,6 +135,8 @@ def from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     _check_forbidden(text)
     scaling = text.get("rope_scaling")
     if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ConfigError(f"rope_scaling: got {scaling!r}, expected an object")
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "yarn":
             raise ConfigError(f"rope_scaling.rope_type: got {kind!r}, expected 'yarn'")
@@ -147,10 +153,13 @@ def from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             out[key] = text[key]
     quant = raw.get("quantization_config")  # top level only (model.md §1.1)
     if quant is not None:
+        if not isinstance(quant, dict):
+            raise ConfigError(f"quantization_config: got {quant!r}, expected an object")
         block = quant.get("weight_block_size", [32, 32])
-        if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]):
+        if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]
+                and isinstance(block[0], int) and block[0] > 0):
             raise ConfigError(f"quantization_config.weight_block_size: got {block!r}, "
-                              "expected [b, b]")
+                              "expected [b, b] with b a positive integer")
         out["weight_block_size"] = int(block[0])
         out["act_block_size"] = int(block[0])
         if quant.get("scale_fmt", "ue8m0") != "ue8m0":
@@ -158,6 +167,8 @@ def from_hf(raw: dict[str, Any]) -> dict[str, Any]:
                               "expected 'ue8m0'")
         out["expert_dtype"] = quant.get("expert_dtype", "fp4")
     extra = raw.get("shoal", {})
+    if not isinstance(extra, dict):
+        raise ConfigError(f"shoal: got {extra!r}, expected an object")
     for key in ("name", "engram_token_map", "act_block_size"):
         if key in extra:
             out[key] = extra[key]
@@ -178,6 +189,15 @@ def _no_candidate_source(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_forbidden(raw: dict[str, Any]) -> None:
+    """V4 keys are refused; a key one letter or two off a known one is logged (a misspelling
+    would otherwise leave that field at Flash's value without a word)."""
+    known = {*_HF_TO_OURS, *_FLAT_TO_OURS, "rope_scaling", "quantization_config"}
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            if close:
+                logger.warning("config: unknown key %r ignored (did you mean %r?)", key,
+                               close[0])
     for key in _FORBIDDEN:
         if raw.get(key) not in (None, 0):
             raise ConfigError(f"{key}: got {raw[key]!r}, but V4.1 has no such feature "

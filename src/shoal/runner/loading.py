@@ -134,14 +134,14 @@ def load_model(config: EngineConfig, tokenizer: Any | None, device: torch.device
         return host_mapped(tensor, device, in_place=share is not None) if host(name) else \
             tensor.to(device)
 
+    backend = getattr(tokenizer, "backend", None)  # (checked before any weight is read)
+    token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
     start = time.perf_counter()
     try:
         params = ModelParams.load(cfg, iter_weights(config, device, shard, host, share), device,
                                   shard, place)
     except WeightError as exc:
         raise ShoalError(f"model {config.model!r}: {exc}") from None
-    backend = getattr(tokenizer, "backend", None)
-    token_map = token_map_for(cfg, backend) if cfg.engram_layer_ids else None
     logger.info("weights loaded in %.1f s%s%s", time.perf_counter() - start,
                 "" if ep is None else f" (rank {ep.rank} of {ep.world}: its experts only)",
                 ("; Engram tables in pinned host memory" + (", one copy per node" if share else ""))

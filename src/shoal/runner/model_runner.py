@@ -74,13 +74,13 @@ class ModelRunner:
         self.ep = ExpertParallel.from_process_group(
             self.device, config.runner.expert_placement, config.runner.collective_timeout_s) \
             if config.runner.expert_parallel else None
+        self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         t0 = time.perf_counter()
         self.model = load_model(config, tokenizer, self.device, self.ep)
         self.load_seconds = time.perf_counter() - t0  # start-up phases, for benchmarks
         if config.runner.record_expert_loads:
             self.model.expert_loads = {}
         self.ops = self.model.ops
-        self.layout = CacheLayout.from_model_config(cfg, block_size=config.cache.block_size)
         self.memory = self._plan_memory()
         # one slot and one block beyond the plan (the scheduler never hands them out): the
         # padded rows of a CUDA-graph step compute there
