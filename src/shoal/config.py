@@ -235,6 +235,8 @@ def resolve_model_config(model: str) -> ModelConfig:
     if not path.exists():
         raise ShoalError(f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor an "
                          "existing checkpoint directory")
+    if not path.is_dir():
+        raise ShoalError(f"model: {model!r} is a file; give the checkpoint's folder")
     try:
         return ModelConfig.from_file(path)
     except (ValueError, OSError) as exc:

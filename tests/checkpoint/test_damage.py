@@ -93,3 +93,18 @@ def test_a_preset_name_that_is_also_a_folder_is_refused(tmp_path: Path, monkeypa
     (tmp_path / "tiny").mkdir()
     with pytest.raises(ShoalError, match="both a preset and a folder"):
         resolve_model_config("tiny")
+
+
+def test_a_tensor_stored_twice_and_a_file_as_the_model(ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(ckpt, tmp_path / "c"))
+    shards = sorted(set(_index(copy)["weight_map"].values()))
+    first, second = (load_file(copy / f) for f in shards[:2])
+    name = next(iter(first))
+    save_file({**second, name: torch.zeros_like(first[name])}, str(copy / shards[1]))
+    with pytest.raises(CheckpointError, match=f"{name!r} is stored in both"):
+        CheckpointReader(copy)
+    with pytest.raises(ShoalError, match="is a file"):
+        resolve_model_config(str(ckpt / "config.json"))
+    assert (ckpt / shards[0]).stat().st_mode & 0o777 == 0o644

@@ -164,9 +164,11 @@ class CheckpointReader:
 
     def _read_index(self, index: Path) -> None:
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError
+        except OSError as exc:
+            raise CheckpointError(f"{INDEX_FILE}: cannot be read ({exc.strerror})") from None
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{INDEX_FILE}: corrupt index, expected a 'weight_map' "
                                   f"object ({exc!r})") from None
@@ -183,6 +185,13 @@ class CheckpointReader:
                 raise CheckpointError(f"{fname}: listed in {INDEX_FILE} for {len(names)} tensors "
                                       f"(e.g. {names[0]!r}) but the file does not exist")
             headers[fname] = read_header(shard, fname)
+        seen: dict[str, str] = {}
+        for fname, header in headers.items():  # one tensor stored twice: which one is meant?
+            for name in header:
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} is stored in both {seen[name]} and "
+                                          f"{fname}")
+                seen[name] = fname
         for name, fname in weight_map.items():
             info = headers[fname].get(name)
             if info is None:

@@ -298,6 +298,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, seed: int = 0,
             weight_map[name] = fname
             total += inventory[name].nbytes
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # (safetensors writes 0600; the other files are 0644)
     index = {"metadata": {"total_size": total, "seed": seed}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if write_tokenizer:
