@@ -6,6 +6,7 @@ an unknown keyword raises with the list of valid ones.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,10 +62,22 @@ class CacheConfig:
         if self.prefix_resume not in ("exact", "bounded"):
             raise ShoalError(f"prefix_resume: got {self.prefix_resume!r}, expected 'exact' "
                              "or 'bounded'")
-        if self.kv_host_memory_gb < 0:
-            raise ShoalError(f"kv_host_memory_gb: got {self.kv_host_memory_gb}, expected >= 0")
-        if self.kv_store_ttl_days <= 0:
-            raise ShoalError(f"kv_store_ttl_days: got {self.kv_store_ttl_days}, expected > 0")
+        if not 0 <= self.kv_host_memory_gb < 1e5:  # (NaN and inf fail too)
+            raise ShoalError(f"kv_host_memory_gb: got {self.kv_host_memory_gb}, expected a "
+                             "size in GB >= 0")
+        if not 0 < self.kv_store_ttl_days < 1e5:
+            raise ShoalError(f"kv_store_ttl_days: got {self.kv_store_ttl_days}, expected a "
+                             "number of days > 0")
+        if self.kv_store_path is not None:
+            if not self.enable_prefix_caching:
+                raise ShoalError("kv_store_path: the store is the prefix cache's persistent "
+                                 "tier; it needs enable_prefix_caching")
+            if not self.kv_store_path or os.path.isfile(self.kv_store_path):
+                raise ShoalError(f"kv_store_path: got {self.kv_store_path!r}, expected a "
+                                 "directory (made if missing)")
+        if self.kv_host_memory_gb and not self.enable_prefix_caching:
+            raise ShoalError("kv_host_memory_gb: the host tier is the prefix cache's; it needs "
+                             "enable_prefix_caching")
         if self.num_prefix_snapshots < 1:
             raise ShoalError(f"num_prefix_snapshots: got {self.num_prefix_snapshots}, "
                              "expected >= 1")

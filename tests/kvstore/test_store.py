@@ -206,7 +206,7 @@ def test_open_removes_orphaned_temps_and_incomplete_objects(tmp_path):
     for p in partial:  # a writer that died after 5 of 12 shards
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x" * 100)
-    with KVStore(tmp_path) as s:
+    with KVStore(tmp_path, orphan_age_s=0) as s:  # (stale at once)
         st = s.stats()
         assert (st.objects, st.orphans_removed) == (1, 2)
         assert not temp.exists() and not any(p.exists() for p in partial)
@@ -294,3 +294,90 @@ def test_bad_settings_and_keys_raise_value_error(tmp_path):
             s.put(b"short", b"x")
         with pytest.raises(ValueError, match="key must be 32 bytes"):
             s.get("0" * 32)  # type: ignore[arg-type]
+
+
+def test_shards_of_two_writes_of_one_key_are_never_mixed(tmp_path):
+    """Two processes putting one key with different bytes at once can leave shards of both
+    writes: the object is rebuilt from one write's shards (whichever has k), never a mix."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, seed in ((a, 1), (b, 2)):
+        with KVStore(root) as s:
+            s.put(key(1), blob(6000, seed))
+            s.flush()
+    with KVStore(a) as s:
+        paths = [s.shard_path(i, key(1)) for i in range(12)]
+    mixed = tmp_path / "m"
+    for mix in ((0,), (3, 7), (0, 1, 2, 3, 4, 5)):  # shards i of write b over write a's
+        shutil.rmtree(mixed, ignore_errors=True)
+        for i, path in enumerate(paths):
+            rel = path.relative_to(a)
+            (mixed / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy((b if i in mix else a) / rel, mixed / rel)
+        with KVStore(mixed) as s:  # 11 or 10 of write a: a; 6 and 6: lost, a miss
+            assert s.get(key(1)) == (blob(6000, 1) if len(mix) <= 2 else None), mix
+
+
+def test_another_process_writes_in_flight_are_left_alone(tmp_path):
+    """A young temp file or incomplete object (a live writer's) survives an open; once stale it
+    is removed."""
+    hexkey = key(2).hex()
+    temp = tmp_path / "d00" / hexkey[:2] / f"{hexkey}.deadbeef.tmp"
+    temp.parent.mkdir(parents=True, exist_ok=True)
+    temp.write_bytes(b"half a shard")
+    partial = tmp_path / "d01" / hexkey[:2] / f"{hexkey}.kvs"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_bytes(b"x" * 100)
+    with KVStore(tmp_path) as s:  # default age: both are young
+        assert s.stats().orphans_removed == 0 and temp.exists() and partial.exists()
+        assert not s.contains(key(2))
+    with KVStore(tmp_path, orphan_age_s=0) as s:
+        assert s.stats().orphans_removed == 2 and not temp.exists() and not partial.exists()
+
+
+def test_a_hit_restarts_the_time_to_live(tmp_path):
+    clock = FakeClock()
+    with KVStore(tmp_path, ttl_s=100, clock=clock) as s:
+        s.put(key(1), b"used")
+        s.flush()
+        clock.t += 80
+        s.touch(key(1))
+        s.flush()
+        clock.t += 80  # 160 s after the write, 80 after the touch
+        assert s.get(key(1)) == b"used"
+        s.touch(key(3))  # absent: nothing queued, nothing written
+        s.flush()
+        assert not s.contains(key(3))
+
+
+def test_store_settings_are_checked_and_name_what_changes_the_kv(tmp_path, monkeypatch):
+    """Bad tier settings fail at once, naming the option; the hash salt separates exact from
+    bounded resumes and does not depend on how the checkpoint's path was written."""
+    from shoal import LLM
+    from shoal.checkpoint import write_checkpoint
+    from shoal.config import EngineConfig, ShoalError
+    from shoal.model.presets import TINY
+
+    (tmp_path / "file").write_bytes(b"")
+    for options, message in (
+            ({"kv_store_path": str(tmp_path / "kv")}, "needs enable_prefix_caching"),
+            ({"enable_prefix_caching": True, "kv_store_path": str(tmp_path / "file")},
+             "expected a directory"),
+            ({"enable_prefix_caching": True, "kv_host_memory_gb": float("nan")},
+             "kv_host_memory_gb"),
+            ({"enable_prefix_caching": True, "kv_host_memory_gb": float("inf")},
+             "kv_host_memory_gb"),
+            ({"enable_prefix_caching": True, "kv_store_ttl_days": float("nan")},
+             "kv_store_ttl_days")):
+        with pytest.raises(ShoalError, match=message):
+            EngineConfig.create("tiny", device="cpu", **options)
+    ckpt = write_checkpoint(TINY, tmp_path / "ck", seed=0)
+
+    def salt(model: str, resume: str) -> bytes:
+        llm = LLM(model, device="cpu", enable_prefix_caching=True, prefix_resume=resume,
+                  max_model_len=64)
+        return llm.engine.executor.prefix_cache_spec().salt
+
+    exact = salt(str(ckpt), "exact")
+    assert salt(str(ckpt), "bounded") != exact
+    monkeypatch.chdir(tmp_path)
+    assert salt("ck", "exact") == exact

@@ -6,13 +6,15 @@ Invariants: an object is expired once `now - written_at >= ttl_s`, where `writte
 write or refresh; an expired object is never served. The pass re-checks each candidate and
 removes it under the store's writer lock, so a concurrent re-put either lands first (and keeps
 the object) or after (and rewrites it). A temp file is removed only when its name does not carry
-the live writer's token: the live writer's in-flight temp files are never touched.
+the live writer's token and it has not changed for `orphan_age_s` (another live process's
+writes in flight are younger), and an object with too few shard files likewise.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,14 @@ def is_orphan_temp(name: str, live_token: str) -> bool:
     return name.endswith(TEMP_SUFFIX) and not name.endswith(f".{live_token}{TEMP_SUFFIX}")
 
 
+def is_stale(path: str | Path, age_s: float) -> bool:
+    """Unchanged for `age_s` seconds of real time (ctime: a fake store clock cannot move it)."""
+    try:
+        return age_s <= 0 or time.time() - os.stat(path).st_ctime >= age_s
+    except FileNotFoundError:
+        return False
+
+
 def _fanout_dirs(root: Path) -> list[str]:
     """The `<hex[:2]>` subdirectories of a shard directory (none if it is missing)."""
     try:
@@ -71,13 +81,14 @@ def _fanout_dirs(root: Path) -> list[str]:
         return []
 
 
-def recover(dirs: Sequence[Path], *, min_shards: int,
-            live_token: str) -> tuple[dict[bytes, tuple[float, int]], int]:
+def recover(dirs: Sequence[Path], *, min_shards: int, live_token: str,
+            orphan_age_s: float) -> tuple[dict[bytes, tuple[float, int]], int]:
     """Open-time scan: one listing of every shard directory, one stat per object found.
 
     Returns `{key: (written_at, disk_bytes)}` for the objects with at least `min_shards` shard
     files (`written_at` is a shard file's mtime), and the number of garbage items removed:
-    orphaned temp files and objects with fewer shard files (a crash mid-write, or lost disks).
+    orphaned temp files and objects with fewer shard files (a crash mid-write, or lost disks),
+    once stale (`is_stale`: younger ones may be another process's writes in flight).
     """
     found: dict[bytes, list[str]] = {}
     removed = 0
@@ -87,11 +98,13 @@ def recover(dirs: Sequence[Path], *, min_shards: int,
                 key = _shard_key(e.name)
                 if key is not None:
                     found.setdefault(key, []).append(e.path)
-                elif is_orphan_temp(e.name, live_token):
+                elif is_orphan_temp(e.name, live_token) and is_stale(e.path, orphan_age_s):
                     removed += unlink_quiet(e.path)
     objects: dict[bytes, tuple[float, int]] = {}
     for key, paths in found.items():
         if len(paths) < min_shards:
+            if not all(is_stale(p, orphan_age_s) for p in paths):
+                continue  # being written: neither served nor removed
             removed += 1
             for p in paths:
                 unlink_quiet(p)
@@ -101,13 +114,14 @@ def recover(dirs: Sequence[Path], *, min_shards: int,
     return objects, removed
 
 
-def sweep_temps(dirs: Sequence[Path], live_token: str) -> int:
-    """Remove orphaned temp files under the shard directories (`dir/<hex[:2]>/<file>`)."""
+def sweep_temps(dirs: Sequence[Path], live_token: str, orphan_age_s: float) -> int:
+    """Remove stale orphaned temp files under the shard directories (`dir/<hex[:2]>/<file>`)."""
     removed = 0
     for root in dirs:
         for sub in _fanout_dirs(root):
             try:
-                names = [e.name for e in os.scandir(sub) if is_orphan_temp(e.name, live_token)]
+                names = [e.name for e in os.scandir(sub) if is_orphan_temp(e.name, live_token)
+                         and is_stale(e.path, orphan_age_s)]
             except FileNotFoundError:
                 continue
             removed += sum(unlink_quiet(os.path.join(sub, name)) for name in names)
@@ -125,7 +139,7 @@ def unlink_quiet(path: str | Path) -> int:
 
 def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock: Lock,
             remove_object: Callable[[bytes], int], dirs: Sequence[Path],
-            live_token: str) -> GcReport:
+            live_token: str, orphan_age_s: float) -> GcReport:
     """One collection pass: expired objects (index entry and shard files) and orphaned temps.
 
     `remove_object(key)` is called with `lock` held; it drops the key's index entry and shard
@@ -142,7 +156,7 @@ def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock:
                 continue  # removed meanwhile, or refreshed by a re-put
             freed += remove_object(key)
             expired += 1
-    orphans = sweep_temps(dirs, live_token)
+    orphans = sweep_temps(dirs, live_token, orphan_age_s)
     if expired or orphans:
         logger.debug("kvstore gc: %d expired objects (%d bytes), %d orphaned temp files",
                      expired, freed, orphans)

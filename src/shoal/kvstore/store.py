@@ -4,8 +4,10 @@ layout, the in-memory index, reads, and the background writer.
 Layout: an object under a 32-byte key is cut by the erasure codec (erasure.py) into k data and
 m parity shards; shard i lives in directory i (`root/dNN`, one per disk) at
 `<dir>/<hex[:2]>/<hex>.kvs`, written as a temp file and renamed. A shard file is a 64-byte header
-(magic, format version, shard index, shard count, key, object length, creation time, xxh3-64
-checksum of the header's other fields and the payload) followed by the payload.
+(magic, format version, shard index, shard count, key, object length, write id, xxh3-64
+checksum of the header's other fields and the payload) followed by the payload. The write id is
+random per put: two processes writing one key at once may leave shards of both writes, and an
+object is rebuilt only from shards of one write.
 The file's mtime is the object's `written_at`: set from the store's clock on write, moved by a
 refresh (a re-put of a present key touches the shard files instead of rewriting them), read back
 when the index is rebuilt by scanning the directories on open (gc.recover). There is no fsync:
@@ -27,6 +29,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -39,10 +42,10 @@ from shoal.kvstore.erasure import ErasureCodec
 logger = logging.getLogger("shoal.kvstore")
 
 KEY_BYTES = 32
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"SKVS"
-# magic, version, shard index, shard count, key, object length, created, checksum: 64 bytes
-HEADER = struct.Struct("<4sHBB32sQdQ")
+# magic, version, shard index, shard count, key, object length, write id, checksum: 64 bytes
+HEADER = struct.Struct("<4sHBB32sQQQ")
 CHECKED = HEADER.size - 8  # the checksum covers every header byte before it, then the payload
 _STOP = object()
 
@@ -53,6 +56,9 @@ class KVStoreConfig:
     data_shards: int = 10  # k: any k of the num_dirs shards rebuild an object
     ttl_s: float = 3 * 86400.0  # an object expires this long after its last write or refresh
     max_queue: int = 64  # pending writes; a put beyond this is dropped, never blocks
+    # a temp file or an incomplete object untouched this long belongs to a dead writer (another
+    # live process's writes in flight are younger) and is removed
+    orphan_age_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name, ok, rule in [
@@ -90,7 +96,7 @@ class KVStore:
 
     def __init__(self, root: str | os.PathLike | Sequence[str | os.PathLike], *,
                  num_dirs: int | None = None, data_shards: int = 10,
-                 ttl_s: float = 3 * 86400.0, max_queue: int = 64,
+                 ttl_s: float = 3 * 86400.0, max_queue: int = 64, orphan_age_s: float = 600.0,
                  clock: Callable[[], float] = time.time) -> None:
         if isinstance(root, str | os.PathLike):
             n = 12 if num_dirs is None else num_dirs
@@ -100,7 +106,7 @@ class KVStore:
             if num_dirs is not None and num_dirs != len(dirs):
                 raise ValueError(f"num_dirs ({num_dirs}) != number of directories ({len(dirs)})")
         self.config = KVStoreConfig(num_dirs=len(dirs), data_shards=data_shards, ttl_s=ttl_s,
-                                    max_queue=max_queue)
+                                    max_queue=max_queue, orphan_age_s=orphan_age_s)
         if len({os.path.abspath(d) for d in dirs}) != len(dirs):
             raise ValueError("directories must be distinct: shards of one object share a name")
         self.dirs = tuple(dirs)
@@ -118,7 +124,8 @@ class KVStore:
         self._enabled = True
         try:
             self._prepare_dirs()
-            objects, removed = kvgc.recover(self.dirs, min_shards=self._k, live_token=self._token)
+            objects, removed = kvgc.recover(self.dirs, min_shards=self._k, live_token=self._token,
+                                            orphan_age_s=orphan_age_s)
         except OSError as exc:
             self._disable(f"cannot use the shard directories: {exc}")
             return
@@ -150,17 +157,28 @@ class KVStore:
             return False
         return True
 
+    def touch(self, key: bytes) -> None:
+        """Restart a present object's time to live (a hit keeps what is used); queued as a
+        refresh, dropped when the queue is full."""
+        _check_key(key)
+        if self.contains(key) and self._thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait((key, None))
+
     def get(self, key: bytes) -> bytes | None:
         """The object under `key`, or None (absent, expired, disabled or unrecoverable)."""
         _check_key(key)
         if not self.contains(key):
             self._count(misses=1)
             return None
-        shards: list[bytes | None] = [self._read_shard(i, key) for i in range(self._k)]
-        missing_data = shards.count(None)
-        # Parity is read only when a data shard is bad: with all k data shards good it is unused.
-        shards += [self._read_shard(i, key) if missing_data else None
-                   for i in range(self._k, self._n)]
+        reads = [self._read_shard(i, key) for i in range(self._k)]
+        whole = None not in reads and len({r[1] for r in reads}) == 1
+        # Parity is read only when a data shard is bad or from another write: else it is unused.
+        reads += [None if whole else self._read_shard(i, key) for i in range(self._k, self._n)]
+        writes = Counter(r[1] for r in reads if r is not None)
+        write = max(writes, key=writes.__getitem__) if writes else None
+        shards = [r[0] if r is not None and r[1] == write else None for r in reads]
+        missing_data = shards[:self._k].count(None)
         try:
             data = self._codec.decode(shards)
         except ValueError:  # fewer than k good shards (InsufficientShardsError)
@@ -190,7 +208,8 @@ class KVStore:
         try:
             report = kvgc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
                                   lock=self._io_lock, remove_object=self._remove_object,
-                                  dirs=self.dirs, live_token=self._token)
+                                  dirs=self.dirs, live_token=self._token,
+                                  orphan_age_s=self.config.orphan_age_s)
         except OSError as exc:
             self._disable(f"gc failed: {exc}")
             return kvgc.GcReport()
@@ -244,8 +263,8 @@ class KVStore:
             kvgc.unlink_quiet(self.shard_path(i, key))
         return freed
 
-    def _read_shard(self, i: int, key: bytes) -> bytes | None:
-        """Shard i's payload if its header and checksum check out, else None."""
+    def _read_shard(self, i: int, key: bytes) -> tuple[bytes, int] | None:
+        """Shard i's (payload, write id) if its header and checksum check out, else None."""
         try:
             with open(self.shard_path(i, key), "rb") as f:
                 raw = f.read()
@@ -253,13 +272,13 @@ class KVStore:
             return None
         if len(raw) < HEADER.size:
             return None
-        magic, version, index, count, hkey, _, _, checksum = HEADER.unpack_from(raw)
+        magic, version, index, count, hkey, _, write, checksum = HEADER.unpack_from(raw)
         if (magic, version, index, count, hkey) != (MAGIC, FORMAT_VERSION, i, self._n, key):
             return None
         view = memoryview(raw)
         h = xxhash.xxh3_64(view[:CHECKED])
         h.update(view[HEADER.size:])
-        return raw[HEADER.size:] if h.intdigest() == checksum else None
+        return (raw[HEADER.size:], write) if h.intdigest() == checksum else None
 
     def _writer(self) -> None:
         while True:
@@ -300,11 +319,12 @@ class KVStore:
     def _write_object(self, key: bytes, data: bytes) -> None:
         now = self._clock()
         shards = self._codec.encode(data)
+        write = int.from_bytes(os.urandom(8), "little")
         done: list[Path] = []
         tmp: Path | None = None
         try:
             for i, payload in enumerate(shards):
-                head = HEADER.pack(MAGIC, FORMAT_VERSION, i, self._n, key, len(data), now, 0)
+                head = HEADER.pack(MAGIC, FORMAT_VERSION, i, self._n, key, len(data), write, 0)
                 h = xxhash.xxh3_64(head[:CHECKED])
                 h.update(payload)
                 head = head[:CHECKED] + struct.pack("<Q", h.intdigest())

@@ -8,6 +8,7 @@ pickle, `tests/engine/test_executor.py`).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,7 +63,8 @@ class Executor:
         executor holds (snapshots, host slots, store) and the hash chain's salt, which names
         everything besides the tokens that changes the KV, so that a store shared by runs and
         processes never mixes them: model, weights (files' sizes and times), ops and device
-        kind, block size, prefill mode."""
+        kind, block size, prefill mode, how a resume rebuilds the rings (a bounded replay's
+        blocks are approximate: never served to an exact run)."""
         config = self.config
         if not config.cache.enable_prefix_caching:
             return None
@@ -72,9 +74,10 @@ class Executor:
         files = () if config.is_preset else tuple(
             (p.name, p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(Path(config.model).glob("*")) if p.suffix in (".json", ".safetensors"))
-        salt = repr((config.model, mc, files, run.load_format, run.seed, run.backends,
+        model = config.model if config.is_preset else os.path.realpath(config.model)
+        salt = repr((model, mc, files, run.load_format, run.seed, run.backends,
                      run.batch_invariant, self.runner.device.type, config.cache.block_size,
-                     run.prefill_mode, run.replay_window)).encode()
+                     run.prefill_mode, run.replay_window, config.cache.prefix_resume)).encode()
         replay = run.replay_window if config.cache.prefix_resume == "bounded" else 0
         return PrefixCacheSpec(self.num_snapshots, rule, salt, *self.host_slots, self.kv_store,
                                replay)

@@ -10,7 +10,8 @@ scheduler's: `find` asks the store's index, the object is read and checked once 
 expired object is a miss, never wrong KV) and its bytes travel in the plan as a `*_load`
 transfer. A snapshot object is one byte (decoder rings exact) followed by the snapshot.
 
-The store is passed in as an object with `contains(key)` and `get(key)` (the scheduler imports
+The store is passed in as an object with `contains(key)`, `get(key)` and `touch(key)` (a hit
+restarts the object's time to live) (the scheduler imports
 no package beyond the standard library).
 """
 
@@ -77,11 +78,13 @@ class StoreTier:
 
     def load_block(self, key: bytes, block_id: int) -> None:
         data = self._take(key)
+        self.store.touch(key)  # a hit keeps the object alive
         self._transfers.append(Transfer(BLOCK_LOAD, block_id, key=key, data=data))
         self.blocks_loaded += 1
 
     def load_snapshot(self, key: bytes, sid: int) -> None:
         data = self._take(snapshot_key(key))
+        self.store.touch(snapshot_key(key))
         self._transfers.append(Transfer(SNAPSHOT_LOAD, sid, key=key, data=data[1:]))
         self.snapshots_loaded += 1
 
