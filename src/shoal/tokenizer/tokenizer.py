@@ -25,6 +25,9 @@ PAD_TEXT = "<｜▁pad▁｜>"
 INITIAL_PREFIX_TOKENS = 5
 
 
+LONG_TEXT = 1 << 16  # characters
+
+
 class Tokenizer:
     """Encode/decode with DeepSeek-V4.1 conventions. `backend` is the raw Rust tokenizer."""
 
@@ -83,9 +86,11 @@ class Tokenizer:
 
         add_special_tokens: prepend BOS (unless `text` already starts with it).
         """
-        # encode_batch releases the GIL (encode holds it): a huge prompt being tokenised in a
-        # worker thread does not stall the server's other threads
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        # a long text through encode_batch, which releases the GIL (encode holds it): a huge
+        # prompt tokenised in a worker thread does not stall the server's other threads (short
+        # ones stay off its thread pool: no fork warnings, no pool overhead)
+        ids = (self.backend.encode_batch([text], add_special_tokens=False)[0]
+               if len(text) > LONG_TEXT else self.backend.encode(text, add_special_tokens=False)).ids
         if add_special_tokens and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
