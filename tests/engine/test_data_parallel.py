@@ -94,3 +94,22 @@ def test_replicas_are_fed_as_they_make_room() -> None:
     assert sorted(served) == list(range(8))
     # up front (split_by_load: equal estimates alternate) replica 0 would hold every long one
     assert [p for p in range(0, 8, 2) if served[p] == 1], served
+
+
+def test_a_replica_killed_mid_call_is_an_error_naming_it() -> None:
+    """The call fails with a ShoalError naming the dead rank (the CLI then says what finished
+    and exits 1), not with an error from signalling the dead process."""
+    import threading
+
+    from shoal.config import ShoalError
+
+    llm = LLM("tiny", data_parallel_size=2, **OPTS)
+    try:
+        killer = threading.Timer(1.5, llm.replicas.processes[1].kill)
+        killer.start()
+        with pytest.raises(ShoalError, match="rank 1"):
+            llm.generate([[5, 6, 7]] * 16, SamplingParams(max_tokens=110, ignore_eos=True),
+                         use_tqdm=False)
+        killer.join()
+    finally:
+        llm.close()

@@ -21,6 +21,7 @@ call with an error naming it."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import queue
@@ -365,13 +366,19 @@ class DataParallel:
                 self.cancel.set()
             else:
                 feeder.end(call, self.commands)  # a replica not yet fed then ends by itself
-                for rank in busy:  # interrupt their call; they abort its requests and answer
-                    os.kill(self.processes[rank].pid, signal.SIGINT)
+                for rank in list(busy):  # interrupt their call; they abort its requests and
+                    if not self.processes[rank].is_alive():  # answer (a dead one cannot)
+                        busy.discard(rank)
+                        continue
+                    with contextlib.suppress(ProcessLookupError):  # (it died just now)
+                        os.kill(self.processes[rank].pid, signal.SIGINT)
             try:
                 while busy:
                     kind, got_call, who, _ = self._get(60.0)
                     if got_call == call and kind in ("done", "cancelled", "failed"):
                         busy.discard(who)
+            except ShoalError:
+                pass  # a replica died or went silent meanwhile: the first error is reported
             finally:
                 self.cancel.clear()
             raise
