@@ -12,7 +12,15 @@ import openai
 import pytest
 
 from shoal import LLM, SamplingParams
-from support.live_server import LiveServer
+from support.live_server import LiveServer, wait_running
+
+
+def _swallow(call) -> None:
+    """A request the test expects to fail (its replica dies)."""
+    try:
+        call()
+    except openai.APIError:
+        pass
 
 OPTS = {"max_num_seqs": 4, "max_model_len": 128}
 PROMPTS = [[5 + i, 17, 42, 7 * i % 300 + 3] for i in range(6)]
@@ -114,14 +122,27 @@ def test_replicas_free_a_disconnected_stream_and_survive_a_load() -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_replica_ends_the_service_with_503() -> None:
+    """Killed while requests run: they end, later requests get 503 naming the rank, and the
+    metrics' live gauges fall to 0 (the dead replica's last report is not kept)."""
     live = LiveServer(data_parallel_size=2, **OPTS)
     try:
         _idle(live)
+        client = live.client()
+        running = [threading.Thread(target=lambda: _swallow(lambda: client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=100, extra_body={"ignore_eos": True})))
+            for _ in range(4)]
+        for t in running:
+            t.start()
+        wait_running(live)
         live.llm.replicas.processes[1].kill()
         deadline = time.time() + 30
         while live.engine_loop.alive:  # the loop sees the exit within its next turns
             assert time.time() < deadline, "the dead replica went unnoticed"
             time.sleep(0.05)
+        for t in running:
+            t.join(60)
+        snap = live.engine_loop.snapshot
+        assert (snap["running"], snap["kv_blocks_used"]) == (0, 0), snap
         with pytest.raises(openai.InternalServerError) as err:
             live.client().completions.create(model="tiny", prompt="x", max_tokens=2)
         assert err.value.status_code == 503 and "rank 1" in str(err.value)

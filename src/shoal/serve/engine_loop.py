@@ -202,6 +202,9 @@ class EngineLoop:
                     break
                 if kind == "add":
                     handle.push(Update([], [], [], []))
+            # nothing runs or waits any more (a dead replica's last report would say otherwise)
+            self.snapshot = {**self.snapshot, "running": 0, "waiting": 0, "queued_requests": 0,
+                             "queued_prompt_tokens": 0, "kv_blocks_used": 0}
 
     def _loop(self) -> None:
         engine = self.engine
