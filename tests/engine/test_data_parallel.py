@@ -65,7 +65,7 @@ def test_generate_cli_with_two_replicas(tmp_path: Path) -> None:
 
 
 def test_requests_are_split_by_prompt_and_output_tokens() -> None:
-    from shoal.parallel.data_parallel import split_by_load
+    from shoal.parallel.placement import split_by_load
 
     long_out = {"prompt_token_ids": [1] * 10, "sampling_params": SamplingParams(max_tokens=1000)}
     long_in = {"prompt_token_ids": [1] * 500, "sampling_params": SamplingParams(max_tokens=10)}

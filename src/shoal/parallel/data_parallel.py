@@ -5,7 +5,7 @@ requests to them as they make room and yields outputs as they finish.
 Feeding: a replica holds at most `window` unfinished requests (twice its max_num_seqs, so its
 scheduler always has a queue to fill freed slots from); each time one finishes, the front end
 sends the next request in input order to the open replica with the fewest estimated tokens
-outstanding (`_load_estimate`): a replica whose requests end early takes more, none idles.
+outstanding (`placement.Feeder`): a replica whose requests end early takes more, none idles.
 
 With `expert_parallel`, the replicas form one torch.distributed group (NCCL on GPUs, gloo on
 the CPU) and shard the routed experts (`parallel/expert_parallel.py`): every call goes to every
@@ -39,39 +39,10 @@ import torch.multiprocessing as mp
 
 from shoal.config import RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
+from shoal.parallel.placement import Feeder, split_by_load
 from shoal.scheduler.config import SchedulerConfig
 
 READY_TIMEOUT_S = 1800.0
-
-
-def _load_estimate(item: dict) -> int:
-    """A request's tokens, roughly: its prompt (tokens, or characters / 4 for text) plus the
-    tokens it may generate (max_tokens per sequence, 256 when unbounded)."""
-    if "prompt_token_ids" in item and isinstance(item["prompt_token_ids"], Sequence):
-        prompt = len(item["prompt_token_ids"])
-    else:
-        text = item.get("prompt", item.get("messages", ""))
-        if isinstance(text, Sequence) and not isinstance(text, str) and \
-                all(isinstance(t, int) for t in text):
-            prompt = len(text)
-        else:
-            prompt = max(1, len(str(text)) // 4)
-    params = item.get("sampling_params")
-    out = getattr(params, "max_tokens", None) or 256
-    return prompt + out * getattr(params, "n", 1)
-
-
-def split_by_load(items: Sequence[dict], size: int) -> list[list[int]]:
-    """Each replica's request positions: every request goes to the replica with the fewest
-    estimated tokens so far (`_load_estimate`; ties: the lowest rank). Deterministic, so ranks
-    launched by torchrun agree on it without talking."""
-    loads = [0] * size
-    shares: list[list[int]] = [[] for _ in range(size)]
-    for position, item in enumerate(items):
-        rank = min(range(size), key=loads.__getitem__)
-        loads[rank] += _load_estimate(item)
-        shares[rank].append(position)
-    return shares
 
 
 def _free_port() -> int:
@@ -201,54 +172,6 @@ def _serve_fed(llm, rank: int, first: tuple, commands, results, running: list) -
         results.put(("failed", call, rank, f"{type(exc).__name__}: {exc}"))
 
 
-class _Feeder:
-    """The front end's side of feeding one call (see the module docstring): which requests
-    wait, what each replica holds, and which replica served each request (`served_by`)."""
-
-    def __init__(self, items: Sequence[dict], base: int, size: int, window: int) -> None:
-        self.items, self.base, self.window = items, base, window
-        self.estimate = [_load_estimate(item) for item in items]
-        self.waiting = collections.deque(range(len(items)))
-        self.held = [0] * size  # unfinished requests per replica
-        self.tokens = [0] * size  # their estimated tokens
-        self.started: set[int] = set()
-        self.ended: set[int] = set()
-        self.served_by: dict[int, int] = {}  # input position -> replica
-
-    def dispatch(self, call: int, commands) -> set[int]:
-        """Send waiting requests to open replicas (then "end" to every started replica once
-        none waits); returns the replicas started so far."""
-        batches: dict[int, list] = {}
-        while self.waiting:
-            open_ = [r for r in range(len(self.held)) if self.held[r] < self.window]
-            if not open_:
-                break
-            rank = min(open_, key=lambda r: (self.tokens[r], r))
-            position = self.waiting.popleft()
-            self.held[rank] += 1
-            self.tokens[rank] += self.estimate[position]
-            self.served_by[position] = rank
-            batches.setdefault(rank, []).append(
-                (position, {"request_index": self.base + position, **self.items[position]}))
-        for rank, batch in batches.items():
-            commands[rank].put(("feed", call, batch))
-            self.started.add(rank)
-        if not self.waiting:
-            self.end(call, commands)
-        return set(self.started)
-
-    def end(self, call: int, commands) -> None:
-        """No more requests: "end" to every started replica not yet told."""
-        self.waiting.clear()
-        for rank in sorted(self.started - self.ended):
-            commands[rank].put(("end", call, None))
-            self.ended.add(rank)
-
-    def finished(self, rank: int, position: int) -> None:
-        self.held[rank] -= 1
-        self.tokens[rank] -= self.estimate[position]
-
-
 class DataParallel:
     def __init__(self, model: str, size: int, options: dict[str, Any]) -> None:
         if size < 1:
@@ -324,7 +247,7 @@ class DataParallel:
 
     def run(self, items: Sequence[dict], use_tqdm: bool = False
             ) -> Iterator[tuple[int, RequestOutput]]:
-        """Feed `items` to the replicas (`_Feeder`; under expert parallelism each replica's
+        """Feed `items` to the replicas (`Feeder`; under expert parallelism each replica's
         `split_by_load` share up front) and yield (input index, output) as requests finish."""
         if self.broken:
             raise ShoalError(f"the expert-parallel group stopped after an error ({self.broken});"
@@ -337,7 +260,7 @@ class DataParallel:
                 self.commands[rank].put(("run", call, share))
             busy, feeder = set(range(self.size)), None
         else:
-            feeder = _Feeder(items, base, self.size, self.window)
+            feeder = Feeder(items, base, self.size, self.window)
             busy = feeder.dispatch(call, self.commands)
         answered: set[int] = set()
         self.served_by = feeder.served_by if feeder is not None else {}

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from shoal.config import RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
-from shoal.parallel.data_parallel import split_by_load
+from shoal.parallel.placement import split_by_load
 
 
 def launched_world() -> int:
