@@ -235,7 +235,8 @@ def test_unusable_directory_disables_with_one_warning(tmp_path, caplog, blocker)
     assert len(warnings_of(caplog)) == 1
 
 
-def test_failed_write_disables_with_one_warning(tmp_path, caplog, monkeypatch):
+def test_failed_write_stops_writes_with_one_warning_and_reads_go_on(tmp_path, caplog,
+                                                                     monkeypatch):
     def no_space(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
@@ -246,9 +247,9 @@ def test_failed_write_disables_with_one_warning(tmp_path, caplog, monkeypatch):
         s.put(key(2), b"a")
         s.put(key(3), b"b")
         s.flush()
-        assert not s.enabled
+        assert s.enabled and not s.stats().writable
         assert s.put(key(4), b"c") is False
-        assert s.get(key(1)) is None and s.get(key(2)) is None
+        assert s.get(key(1)) == b"kept" and s.get(key(2)) is None  # the whole object still hits
         st = s.stats()
         assert (st.puts, st.dropped_puts) == (4, 3)
     assert len(warnings_of(caplog)) == 1

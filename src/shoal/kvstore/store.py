@@ -15,8 +15,9 @@ this is a cache, and a shard torn by a power loss fails its checksum. One store 
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
-raises into the caller on I/O failure and `put` never blocks: a full queue drops the put, and
-a failed write or an unwritable directory disables the store with one warning.
+raises into the caller on I/O failure and `put` never blocks: a full queue drops the put; a
+failed write (a full disk) stops the writes with one warning while reads go on; a directory
+that cannot be used at open disables the store with one warning.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class KVStoreConfig:
 
 @dataclass(frozen=True)
 class KVStoreStats:
-    enabled: bool
+    enabled: bool  # reads served (False: nothing is)
+    writable: bool  # puts written (False after a failed write: reads go on)
     objects: int
     bytes_on_disk: int
     puts: int  # put() calls, refreshes and drops included
@@ -118,10 +120,10 @@ class KVStore:
         self._disk_bytes = 0
         self._io_lock = threading.Lock()  # writer's object writes, gc and lost-object removal
         self._lock = threading.Lock()  # the counters and the enabled flag
-        self._counts = {f.name: 0 for f in fields(KVStoreStats)[3:]}  # the counters of stats()
+        self._counts = {f.name: 0 for f in fields(KVStoreStats)[4:]}  # the counters of stats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
-        self._enabled = True
+        self._enabled = self._writable = True
         try:
             self._prepare_dirs()
             objects, removed = kvgc.recover(self.dirs, min_shards=self._k, live_token=self._token,
@@ -146,7 +148,7 @@ class KVStore:
         present only gets its timestamp refreshed (no rewrite); the data is then not kept."""
         _check_key(key)
         self._count(puts=1)
-        if not self._enabled or self._thread is None:
+        if not self._writable or self._thread is None:
             self._count(dropped_puts=1)
             return False
         item = (key, None if self.contains(key) else bytes(data))
@@ -190,7 +192,7 @@ class KVStore:
                 with self._io_lock:
                     self._remove_object(key)
             except OSError as exc:
-                self._disable(f"cannot remove an unrecoverable object: {exc}")
+                self._stop_writes(f"cannot remove an unrecoverable object: {exc}")
             return None
         self._count(hits=1, repaired_reads=1 if missing_data else 0)
         return data
@@ -203,7 +205,7 @@ class KVStore:
 
     def gc(self) -> kvgc.GcReport:
         """Remove expired objects and orphaned temp files (run on open; the caller may repeat it)."""
-        if not self._enabled:
+        if not self._writable:
             return kvgc.GcReport()
         try:
             report = kvgc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
@@ -211,7 +213,7 @@ class KVStore:
                                   dirs=self.dirs, live_token=self._token,
                                   orphan_age_s=self.config.orphan_age_s)
         except OSError as exc:
-            self._disable(f"gc failed: {exc}")
+            self._stop_writes(f"gc failed: {exc}")
             return kvgc.GcReport()
         self._count(expired_removed=report.expired, orphans_removed=report.orphans)
         return report
@@ -230,7 +232,8 @@ class KVStore:
 
     def stats(self) -> KVStoreStats:
         with self._lock:
-            return KVStoreStats(enabled=self._enabled, objects=len(self._index),
+            return KVStoreStats(enabled=self._enabled, writable=self._writable,
+                                objects=len(self._index),
                                 bytes_on_disk=self._disk_bytes, **self._counts)
 
     def __enter__(self) -> KVStore:
@@ -287,7 +290,7 @@ class KVStore:
                 if item is _STOP:
                     return
                 key, data = item
-                if not self._enabled:
+                if not self._writable:
                     self._count(dropped_puts=1)
                     continue
                 with self._io_lock:
@@ -298,11 +301,11 @@ class KVStore:
                         self._write_object(key, data)
             except OSError as exc:
                 self._count(dropped_puts=1)
-                self._disable(f"write failed: {exc}")
+                self._stop_writes(f"write failed: {exc}")
             except Exception:  # a bug must not kill the writer: flush() would then hang
                 logger.exception("kvstore writer failed")
                 self._count(dropped_puts=1)
-                self._disable("writer error")
+                self._stop_writes("writer error")
             finally:
                 self._queue.task_done()
 
@@ -357,8 +360,15 @@ class KVStore:
         with self._lock:  # the writer and callers may fail at once: one warning
             if not self._enabled:
                 return
-            self._enabled = False
+            self._enabled = self._writable = False
         logger.warning("kvstore disabled (puts dropped, gets miss): %s", reason)
+
+    def _stop_writes(self, reason: str) -> None:
+        with self._lock:
+            if not self._writable:
+                return
+            self._writable = False
+        logger.warning("kvstore writes stopped (puts dropped; reads go on): %s", reason)
 
 
 def _check_key(key: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -50,8 +51,30 @@ def cmd_serve(args, check_config: Callable[[Any], None], make_llm: Callable[[Any
     # handler found at start: make that one a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_grace)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_grace)
+    graceful_server(uvicorn, config, app.state.server.loop.stop).run()
     print("shoal serve: stopped", file=sys.stderr)
     llm.close()
     return 0
+
+
+def graceful_server(uvicorn, config, stop_engine: Callable[[], None]):
+    """uvicorn's server, whose graceful stop ends the engine loop shortly before the grace runs
+    out: the requests still running then end as the server promises (503, or a stream's
+    `abort` and error event) before uvicorn cancels their handlers."""
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            grace = self.config.timeout_graceful_shutdown
+            loop = asyncio.get_running_loop()
+            timer = None if grace is None else loop.call_later(
+                max(0.0, grace - min(1.0, grace / 2)),
+                lambda: loop.run_in_executor(None, stop_engine))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return Server(config)
