@@ -294,7 +294,8 @@ def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tmp_path) -> None
     path = str(write_checkpoint(TINY, tmp_path / "ckpt", seed=0))
 
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.update(
+        app=self.config.app, port=self.config.port))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # (cmd_serve replaces handlers)
     assert main(["serve", path, "--device", "cpu", "--max-model-len", "64",
                  "--port", "8123"]) == 0
