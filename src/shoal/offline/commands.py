@@ -21,17 +21,12 @@ from shoal.config import ShoalError
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.offline.openai_batch import batch_result, parse_batch_line
 from shoal.offline.output import ResultWriter, check_writable, keys_of, written_keys
-from shoal.offline.requests import RequestLine, read_requests
+from shoal.offline.requests import RequestLine, line_error, read_requests
 from shoal.sampling import SamplingParams
 from shoal.serve.logprobs import LogprobFormat
 
 INTERRUPTED = 130  # the shell's exit status for SIGINT
 FAILED = 1  # the run stopped on an error after it started (a replica died, a collective timed out)
-
-
-def line_error(line: int, error: str) -> str:
-    """An error message that names its input line."""
-    return error if error.startswith(f"line {line}:") else f"line {line}: {error}"
 
 
 def logprob_entries(position: dict[int, Logprob] | None) -> list[dict] | None:
@@ -223,7 +218,7 @@ def run_batch(args, make_llm: Callable[[], Any], flags: dict[str, Any]) -> int:
                  for n, text in enumerate(f, 1) if text.strip()]
     requests = [RequestLine(b.line, b.custom_id, item) for b in lines for item in b.items]
     owner = [i for i, b in enumerate(lines) for _ in b.items]  # request -> its line
-    first = {i: owner.index(i) for i in set(owner)}  # a line's first request
+    first = {i: j for j, i in reversed(list(enumerate(owner)))}  # a line's first request
     pending = _pending(requests, args.output, args.resume)
     slot = {li: pos for pos, li in enumerate(  # a pending line's place among them
         dict.fromkeys(owner[r.item["request_index"]] for r in pending))}

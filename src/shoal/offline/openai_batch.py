@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shoal.engine.outputs import RequestOutput
+from shoal.offline.requests import line_error
 from shoal.serve.logprobs import LogprobFormat
 from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from shoal.serve.responses import chat_response, completion_response
@@ -122,9 +123,7 @@ def batch_result(b: BatchLine, outs: list[RequestOutput], model: str,
         result["line"] = b.line
     error = next((out.error for out in outs if out.error is not None), None)
     if error is not None or b.body is None:
-        message = error or b.items[0]["error"]
-        if not message.startswith(f"line {b.line}:"):
-            message = f"line {b.line}: {message}"
+        message = line_error(b.line, error or b.items[0]["error"])
         result["error"] = message
         result["response"] = {"status_code": 400, "request_id": request_id,
                               "body": error_body(message, code=400)}

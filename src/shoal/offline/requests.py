@@ -28,6 +28,11 @@ KNOWN_FIELDS = frozenset(PROMPT_FIELDS + CHAT_FIELDS + SAMPLING_FIELDS
                          + ("custom_id", "priority"))
 
 
+def line_error(line: int, error: str) -> str:
+    """An error message that names its input line."""
+    return error if error.startswith(f"line {line}:") else f"line {line}: {error}"
+
+
 @dataclass(frozen=True)
 class RequestLine:
     line: int  # 1-based line number in the input file
