@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable
 from typing import IO
 
@@ -84,7 +85,8 @@ def written_keys(path: str) -> set[str]:
 
 def check_writable(path: str) -> None:
     """OSError now, before a model loads, if `path` cannot be written (an existing file is
-    opened for appending, a new one created and removed: nothing is truncated or left)."""
+    opened for appending; for a new one a private temp file is made and removed in its folder,
+    so ranks probing the same path at once do not collide: nothing is truncated or left)."""
     if os.path.exists(path):
         with open(path, "a", encoding="utf-8"):
             return
@@ -92,9 +94,8 @@ def check_writable(path: str) -> None:
     if not os.path.isdir(folder):
         raise OSError(f"output {path!r}: folder {folder!r} does not exist or is not writable")
     try:
-        with open(path, "x", encoding="utf-8"):
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".shoal-probe-"):
             pass
-        os.remove(path)
     except OSError as exc:
         raise OSError(f"output {path!r}: folder {folder!r} does not exist or is not writable "
                       f"({exc.strerror})") from None
