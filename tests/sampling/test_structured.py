@@ -186,6 +186,34 @@ def test_spec_validation_and_hashing():
         StructuredOutputSpec.from_response_format({"type": "yaml"})
 
 
+def test_each_grammar_is_built_once_and_matchers_are_independent(tokenizer, monkeypatch):
+    """A repeated spec reuses its built grammar (errors too); every matcher is a fresh copy;
+    the cache keeps `cache_size` grammars, least recently used out first."""
+    backend = StructuredOutputBackend(tokenizer, eos_token_id=EOS_ID, vocab_size=VOCAB,
+                                      cache_size=2)
+    built = []
+    build = StructuredOutputBackend._build
+    monkeypatch.setattr(StructuredOutputBackend, "_build",
+                        lambda self, grammar, kind: built.append(grammar) or
+                        build(self, grammar, kind))
+    digits = StructuredOutputSpec(regex=r"\d{3}")
+    assert not backend.is_compiled(digits)
+    first, second = backend.matcher(digits), backend.matcher(digits)
+    assert len(built) == 1 and backend.is_compiled(digits)
+    token = next(i for i in range(VOCAB) if first.allowed_mask()[i])
+    assert first.accept(token) and first.num_accepted == 1
+    assert torch.equal(second.allowed_mask(), backend.matcher(digits).allowed_mask())
+    bad = StructuredOutputSpec(regex="a(b")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unclosed group"):
+            backend.matcher(bad)
+    assert len(built) == 2
+    backend.prepare(StructuredOutputSpec(choice=["x"]))  # evicts digits (least recent)
+    assert len(built) == 3 and backend.is_compiled(bad) and not backend.is_compiled(digits)
+    backend.prepare(bad)  # (a cached error: nothing raised, nothing built)
+    assert len(built) == 3
+
+
 def test_backend_validation(tokenizer):
     with pytest.raises(ValueError, match="vocab_size"):
         StructuredOutputBackend(tokenizer, eos_token_id=1, vocab_size=10)

@@ -22,6 +22,8 @@ Example::
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,10 +169,12 @@ class StructuredOutputBackend:
         tokenizer: the model's ``tokenizers.Tokenizer`` (byte-level BPE with added tokens).
         eos_token_id: the id that ends a constrained generation (allowed once accepting).
         vocab_size: logits width; may exceed the tokenizer length (extra ids never allowed).
+        cache_size: compiled grammars kept (a batch repeating one JSON schema builds it once).
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, *, eos_token_id: int, vocab_size: int | None = None
+        self, tokenizer: Tokenizer, *, eos_token_id: int, vocab_size: int | None = None,
+        cache_size: int = 64,
     ) -> None:
         length = tokenizer.get_vocab_size(with_added_tokens=True)
         vocab_size = length if vocab_size is None else vocab_size
@@ -186,21 +190,63 @@ class StructuredOutputBackend:
         self._lltok = llguidance.LLTokenizer(
             copy.to_str(), n_vocab=vocab_size, eos_token=eos_token_id
         )
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputSpec) -> str:
-        """Validated llguidance grammar for ``spec``; ValueError with llguidance's message."""
+    def compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
+        """The pristine matcher of ``spec``'s grammar (never advanced: copy it), built once per
+        grammar and kept in an LRU of ``cache_size``; ValueError with llguidance's message (also
+        remembered). Safe from any thread: llguidance releases the interpreter lock while it
+        builds, so building off the engine thread (`prepare`) keeps the engine stepping."""
         grammar = spec.to_llguidance()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._lltok
-        )
-        if is_error:
-            raise ValueError(f"invalid {spec.kind()} for structured output: "
-                             f"{_brief(messages[0])}")
-        return grammar
+        with self._lock:
+            built = self._cache.get(grammar)
+            if built is not None:
+                self._cache.move_to_end(grammar)
+        if built is None:
+            built = self._build(grammar, spec.kind())
+            with self._lock:
+                self._cache[grammar] = built
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(built, str):
+            raise ValueError(built)
+        return built
+
+    def _build(self, grammar: str, kind: str) -> llguidance.LLMatcher | str:
+        """A fresh matcher for ``grammar``, or the error message."""
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self._lltok
+            )
+            if is_error:
+                return f"invalid {kind} for structured output: {_brief(messages[0])}"
+            matcher = llguidance.LLMatcher(self._lltok, grammar, log_level=0)
+        except BaseException as exc:  # a Rust panic is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return f"invalid {kind} for structured output: {_brief(str(exc))}"
+        if matcher.is_error():  # (building can fail where checking did not)
+            return f"invalid structured output grammar: {_brief(matcher.get_error())}"
+        return matcher
+
+    def is_compiled(self, spec: StructuredOutputSpec) -> bool:
+        """True when ``spec``'s grammar (or its error) is cached: `matcher` is then a copy."""
+        with self._lock:
+            return spec.to_llguidance() in self._cache
+
+    def prepare(self, spec: StructuredOutputSpec) -> None:
+        """Build ``spec``'s grammar into the cache (for a worker thread); errors are kept for
+        the request's own checks."""
+        try:
+            self.compile(spec)
+        except ValueError:
+            pass
 
     def matcher(self, spec: StructuredOutputSpec) -> StructuredMatcher:
-        """A fresh per-request matcher for ``spec``."""
-        return StructuredMatcher(self, self.compile(spec))
+        """A fresh per-request matcher for ``spec`` (a copy of the cached one: microseconds)."""
+        return StructuredMatcher(self, self.compile(spec).deep_copy())
 
     def decode(self, token_ids: Sequence[int]) -> bytes:
         """The bytes llguidance sees for ``token_ids`` (for checks and debugging)."""
@@ -210,14 +256,11 @@ class StructuredOutputBackend:
 class StructuredMatcher:
     """Per-request constraint state. Call a mask method, sample under it, then :meth:`accept`."""
 
-    def __init__(self, backend: StructuredOutputBackend, grammar: str) -> None:
+    def __init__(self, backend: StructuredOutputBackend, matcher: llguidance.LLMatcher) -> None:
         self.vocab_size = backend.vocab_size
         self.eos_token_id = backend.eos_token_id
         self._words = (self.vocab_size + 31) // 32
-        self._matcher = llguidance.LLMatcher(backend._lltok, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ValueError(f"invalid structured output grammar: "
-                             f"{_brief(self._matcher.get_error())}")
+        self._matcher = matcher
         self._num_accepted = 0
 
     def fill_bitmask(self, out: torch.Tensor) -> None:

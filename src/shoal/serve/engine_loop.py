@@ -3,7 +3,8 @@ the web side submits and aborts through a command queue and receives, per reques
 `Update` per step that changed it (new text, tokens, logprobs; the output when it is done).
 
 Invariant: only the loop thread touches the engine. A request joins the running batch at the
-next step after its submission; an abort frees its KV blocks in the next loop turn. Admission
+next step after its submission (one whose structured-output grammar is not built yet, once a
+worker thread has built it); an abort frees its KV blocks in the next loop turn. Admission
 is bounded: past `max_queued_requests` requests (or `max_queued_prompt_tokens` prompt tokens)
 that have not produced a token yet, `submit` raises `QueueFull` instead of queueing; a prompt
 larger than the token bound alone raises `ValueError` (it would never fit). Once the loop thread
@@ -14,6 +15,7 @@ submitted before that gets an aborted last update: no request waits for a thread
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -116,6 +118,9 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._queued = [0, 0]  # requests, prompt tokens not yet started (under _lock)
         self._closed = False  # the loop thread takes no more commands (under _lock)
+        self._compiling: dict[int, Handle] = {}  # id -> handle whose grammar builds (_lock)
+        self._aborted_compiling: set[int] = set()  # (loop thread only)
+        self._grammars: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self.snapshot: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
@@ -190,6 +195,12 @@ class EngineLoop:
         finally:  # wake every waiter with an aborted end; settle the engine
             with self._lock:
                 self._closed = True
+                compiling = list(self._compiling.values())
+                self._compiling.clear()
+            if self._grammars is not None:
+                self._grammars.shutdown(wait=False, cancel_futures=True)
+            for handle in compiling:  # no choices, an aborted end
+                handle.push(Update([], [], [], []))
             for handle in self._live.values():
                 handle.push(Update([""] * len(handle.sent), [[] for _ in handle.sent],
                                    [[] for _ in handle.sent], ["abort"] * len(handle.sent)))
@@ -241,14 +252,55 @@ class EngineLoop:
             return False
         while True:
             kind, handle, args = command
-            if kind == "add":
+            if kind == "add" and not self._compile_first(handle, args):
                 self._add(handle, *args)
+            elif kind == "compiled":
+                with self._lock:
+                    self._compiling.pop(id(handle), None)
+                self._add(handle, *args)
+                if id(handle) in self._aborted_compiling:
+                    self._aborted_compiling.discard(id(handle))
+                    self._abort(handle)
             elif kind == "abort" and handle.group in self._live:
                 self._abort(handle)
+            elif kind == "abort":
+                with self._lock:
+                    if id(handle) in self._compiling:
+                        self._aborted_compiling.add(id(handle))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _compile_first(self, handle: Handle, args: tuple) -> bool:
+        """Whether the request's structured-output grammar is not built yet: it then builds on
+        a worker thread while the engine steps (building one can take a second), and the
+        request comes back as a "compiled" command; a cached grammar is added at once."""
+        spec = getattr(args[1], "structured", None)
+        if spec is None or self.engine is None:
+            return False
+        try:
+            backend = self.engine.structured_backend()
+            if backend.is_compiled(spec):
+                return False
+        except Exception:  # the request's own checks report it
+            return False
+        if self._grammars is None:
+            self._grammars = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="shoal-grammar")
+        with self._lock:
+            self._compiling[id(handle)] = handle
+
+        def build() -> None:
+            try:
+                backend.prepare(spec)
+            finally:  # the request always comes back (its own checks report a failure)
+                with self._lock:
+                    if not self._closed:
+                        self._commands.put(("compiled", handle, args))
+
+        self._grammars.submit(build)
+        return True
 
     def _add(self, handle: Handle, prompt, params: SamplingParams, ids, priority: int) -> None:
         try:
