@@ -220,11 +220,14 @@ def test_queue_limit_answers_429() -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
-def test_key_required_but_not_for_health(live: LiveServer, path: str) -> None:
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/tokenize"])
+def test_key_required_but_not_for_health_and_metrics(live: LiveServer, path: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(live.base + path, timeout=10)
     assert err.value.code == 401
+    for open_path in ("/health", "/metrics"):
+        with urllib.request.urlopen(live.base + open_path, timeout=10) as reply:
+            assert reply.status == 200
 
 
 @pytest.mark.parametrize("grace", [60, 1])

@@ -9,15 +9,20 @@ from fastapi.responses import JSONResponse
 from shoal.serve.protocol import error_body
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class RequireKey:
-    """The API key on every path but /health (401 otherwise). Plain ASGI, so that a handler
-    still sees its client disconnect (BaseHTTPMiddleware's wrapped `receive` hides it)."""
+    """The API key on every path but /health and /metrics (401 otherwise): probes and
+    Prometheus scrapers carry no key, and neither path shows a prompt (vLLM keys only /v1).
+    Plain ASGI, so that a handler still sees its client disconnect (BaseHTTPMiddleware's
+    wrapped `receive` hides it)."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = JSONResponse(error_body("missing or wrong API key",
