@@ -8,7 +8,6 @@ from fastapi.responses import JSONResponse
 
 from shoal.serve.protocol import error_body
 
-
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
