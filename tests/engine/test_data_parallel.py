@@ -52,16 +52,22 @@ def test_an_interrupt_leaves_the_replicas_usable(replicas) -> None:
     assert [v[1:] for v in _view(after)] == [v[1:] for v in _view(alone)]
 
 
-def test_generate_cli_with_two_replicas(tmp_path: Path) -> None:
+def test_generate_cli_with_two_replicas(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Outputs in input order; the summary sums the replicas' counters, the prefix cache's
+    too."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 6]}) for i in range(5))
                    + "\n", encoding="utf-8")
     assert main(["generate", "--model", "tiny", "--device", "cpu", "--max-model-len", "64",
                  "--max-tokens", "3", "--quiet", "--dp", "2", "--input", str(src),
-                 "--output", str(dst)]) == 0
+                 "--output", str(dst), "--enable-prefix-caching"]) == 0
     records = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
     assert all(len(r["outputs"][0]["token_ids"]) == 3 for r in records)
+    err = capsys.readouterr().err
+    assert "5 requests on 2 replicas (0 errors, 0 preemptions) | prompt tokens 10 | output " \
+           "tokens 15 |" in err, err
+    assert "prefix cache: 0/10 prompt tokens hit" in err, err
 
 
 def test_requests_are_split_by_prompt_and_output_tokens() -> None:

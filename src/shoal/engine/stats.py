@@ -3,10 +3,33 @@ drafts (by draft position) and async scheduling's overlap."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from shoal.runner.step_io import RunnerOutput
 from shoal.scheduler.step_plan import StepPlan
+
+
+C = TypeVar("C")
+
+
+def summed(counters: Sequence[C]) -> C:
+    """Several engines' counters (dataclasses of numbers and per-position lists, as
+    `EngineStats` and `PrefixCacheStats`) added field by field; lists by position."""
+    total = counters[0]
+    for other in counters[1:]:
+        values = {}
+        for f in fields(total):
+            a, b = getattr(total, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                longest = max(len(a), len(b))
+                a, b = a + [0] * (longest - len(a)), b + [0] * (longest - len(b))
+                values[f.name] = [x + y for x, y in zip(a, b, strict=True)]
+            else:
+                values[f.name] = a + b
+        total = replace(total, **values)
+    return total
 
 
 @dataclass

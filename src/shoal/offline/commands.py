@@ -8,6 +8,7 @@ earlier run wrote (by custom_id, else input line) and appends the rest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -93,21 +94,27 @@ def prefix_summary(stats) -> str:
 def summary(llm, outs: Sequence[RequestOutput], elapsed: float) -> None:
     if not llm.primary:
         return
-    if llm.engine is None or llm.torchrun is not None:  # replicas: what the outputs say
+    where, s, prefix = "", None, None
+    if llm.replicas is not None:  # data parallel: the replicas' counters, summed
+        where = f" on {llm.replicas.size} replicas"
+        with contextlib.suppress(ShoalError):  # (a replica gone: what the outputs say)
+            s, prefix = llm.replicas.stats()
+    elif llm.engine is not None and llm.torchrun is None:
+        s, prefix = llm.engine.stats, llm.engine.scheduler.prefix_stats
+    errors = sum(1 for o in outs if o.error)
+    if s is None:  # torchrun ranks: what the outputs say
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         size = llm.replicas.size if llm.replicas is not None else llm.torchrun.world
-        print(f"{len(outs)} requests ({sum(1 for o in outs if o.error)} errors) on "
-              f"{size} replicas | output tokens {tokens} | {elapsed:.2f} s | "
-              f"{tokens / max(elapsed, 1e-9):.1f} output tok/s", file=sys.stderr)
+        print(f"{len(outs)} requests ({errors} errors) on {size} replicas | output tokens "
+              f"{tokens} | {elapsed:.2f} s | {tokens / max(elapsed, 1e-9):.1f} output tok/s",
+              file=sys.stderr)
         return
-    s = llm.engine.stats
     share = s.decoder_rows_skipped / s.decoder_rows_total if s.decoder_rows_total else 0.0
-    errors = sum(1 for o in outs if o.error)
-    print(f"{len(outs)} requests ({errors} errors, {s.preemptions} preemptions) | prompt "
+    print(f"{len(outs)} requests{where} ({errors} errors, {s.preemptions} preemptions) | prompt "
           f"tokens {s.prompt_tokens} | output tokens {s.output_tokens} | {elapsed:.2f} s | "
           f"{s.output_tokens / max(elapsed, 1e-9):.1f} output tok/s | tail-only prefill "
           f"skipped {share:.0%} of decoder work"
-          + prefix_summary(llm.engine.scheduler.prefix_stats)
+          + prefix_summary(prefix)
           + (f" | drafts accepted {s.drafts_accepted}/{s.drafts_proposed} (mean accepted "
              f"length {s.mean_accepted_length:.2f}; by position "
              + " ".join(f"{a}/{p}" for a, p in zip(s.drafts_accepted_at, s.drafts_proposed_at,

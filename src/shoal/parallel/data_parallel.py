@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 from shoal.config import RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
+from shoal.engine.stats import summed
 from shoal.parallel.placement import Feeder, split_by_load
 from shoal.scheduler.config import SchedulerConfig
 
@@ -117,6 +118,10 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, write
                 results.put(("loads", None, rank, llm.expert_loads()))
             except ValueError as exc:
                 results.put(("failed", None, rank, str(exc)))
+            continue
+        if command[0] == "stats":
+            results.put(("stats", None, rank, (llm.engine.stats,
+                                               llm.engine.scheduler.prefix_stats)))
             continue
         _, call, items = command
         running[0] = True
@@ -319,6 +324,21 @@ class DataParallel:
                 total[prefix] = [a + b for a, b in zip(total.get(prefix, [0] * len(counts)),
                                                        counts, strict=True)]
         return dict(sorted(total.items()))
+
+    def stats(self) -> tuple:
+        """The replicas' engine counters and prefix-cache counters (None when caching is
+        off), summed."""
+        for rank in range(self.size):
+            self.commands[rank].put(("stats", None, None))
+        got = []
+        while len(got) < self.size:  # (an interrupted call's leftovers are skipped)
+            kind, _, rank, payload = self._get(60.0)
+            if kind == "failed":
+                raise ShoalError(f"data-parallel replica {rank}: {payload}")
+            if kind == "stats":
+                got.append(payload)
+        prefix = [p for _, p in got if p is not None]
+        return summed([s for s, _ in got]), summed(prefix) if prefix else None
 
     def close(self, timeout: float = 30.0) -> None:
         for rank, proc in enumerate(self.processes):
