@@ -10,7 +10,6 @@ from typing import TypeVar
 from shoal.runner.step_io import RunnerOutput
 from shoal.scheduler.step_plan import StepPlan
 
-
 C = TypeVar("C")
 
 
