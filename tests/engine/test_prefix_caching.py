@@ -132,6 +132,20 @@ def test_blocks_evicted_to_the_host_tier_come_back_for_a_hit(checkpoint: Path) -
     assert (host_stats.hit_tokens, host_stats.host_hit_tokens) == (512, 256)
 
 
+def test_one_request_at_a_time_keeps_the_whole_budget_as_cache(checkpoint: Path) -> None:
+    """max_num_seqs = 1: the device pool is the whole budget, not one request's blocks, so a
+    prefix seen two requests earlier still hits."""
+    rng = random.Random(4)
+    shared = [rng.randint(3, 500) for _ in range(300)]
+    batch = [shared + [7], [rng.randint(3, 500) for _ in range(500)], shared + [9, 9]]
+    engine = llm(checkpoint, True, prefill_mode="full", max_num_seqs=1, num_prefix_snapshots=8,
+                 async_scheduling=False)
+    assert engine.engine.scheduler.usage().num_blocks > 5  # (one request: 5 blocks)
+    spared = [engine.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
+              .num_cached_tokens for p in batch]
+    assert spared == [0, 0, 256]
+
+
 def test_the_store_serves_a_new_engine_and_a_corrupt_store_is_a_miss(
         checkpoint: Path, tmp_path: Path) -> None:
     """An engine writes its blocks and its prompt-end snapshot to the store; a new engine (a

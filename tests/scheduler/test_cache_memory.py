@@ -64,6 +64,9 @@ def test_plan_memory_math() -> None:
     # Blocks are capped at what num_slots max-length requests can use.
     capped = plan_memory(layout, budget, max_num_seqs=2, max_model_len=4096)
     assert (capped.num_slots, capped.num_blocks) == (2, 2 * 16)
+    # ... unless prefix caching keeps finished requests' blocks: then the whole budget.
+    cached = plan_memory(layout, budget, max_num_seqs=2, max_model_len=4096, prefix_caching=True)
+    assert cached.num_blocks == (budget - 2 * per_slot) // per_block
 
 
 def test_plan_memory_reduces_slots_then_fails_clearly() -> None:

@@ -51,7 +51,8 @@ class MemoryPlan:
 
 
 def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
-                max_model_len: int, num_snapshots: int = 0) -> MemoryPlan:
+                max_model_len: int, num_snapshots: int = 0,
+                prefix_caching: bool = False) -> MemoryPlan:
     """Split `budget_bytes` into request slots and KV blocks (after `num_snapshots` ring
     snapshots of prefix caching, taken off the top).
 
@@ -59,7 +60,9 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
        if the budget cannot hold that, raise ValueError.
     2. Slots: `max_num_seqs`, or fewer if they would not fit beside that one request (then
        `num_slots < max_num_seqs` and the engine should say so).
-    3. Blocks: the rest of the budget, but no more than `num_slots` max-length requests can use.
+    3. Blocks: the rest of the budget; without `prefix_caching` no more than `num_slots`
+       max-length requests can use (with it, finished requests' blocks stay as cache, so
+       every block the budget holds is useful).
     """
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs}: expected >= 1")
@@ -84,7 +87,8 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, max_num_seqs: int,
     if per_slot:
         num_slots = min(max_num_seqs, (budget_bytes - max_blocks * per_block) // per_slot)
     num_blocks = (budget_bytes - num_slots * per_slot) // per_block if per_block else max_blocks
-    num_blocks = min(num_blocks, num_slots * max_blocks)
+    if not prefix_caching:
+        num_blocks = min(num_blocks, num_slots * max_blocks)
     return MemoryPlan(block_size=layout.block_size, num_blocks=num_blocks, num_slots=num_slots,
                       bytes_per_block=per_block, bytes_per_slot=per_slot,
                       max_blocks_per_request=max_blocks, budget_bytes=full_budget,
