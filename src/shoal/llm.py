@@ -77,7 +77,7 @@ class LLM:
         if self.engine is not None:
             return self.engine.tokenizer
         if self._tokenizer is None:
-            from shoal.engine.engine import load_tokenizer
+            from shoal.tokenizer.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.config)
         return self._tokenizer

@@ -1,6 +1,7 @@
 """Damaged or ambiguous checkpoints fail with one line naming the culprit before any tensor is
 used: shard paths outside the checkpoint or of the wrong type, config values of the wrong type
-or range, a preset name that is also a folder; a shard in a sub-folder reads its own bytes."""
+or range, a preset name that is also a folder, another model's tokenizer; a shard in a
+sub-folder reads its own bytes."""
 
 from __future__ import annotations
 
@@ -108,3 +109,17 @@ def test_a_tensor_stored_twice_and_a_file_as_the_model(ckpt: Path, tmp_path: Pat
     with pytest.raises(ShoalError, match="is a file"):
         resolve_model_config(str(ckpt / "config.json"))
     assert (ckpt / shards[0]).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_tokenizer_of_another_model_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """A tokenizer.json whose size fits but whose BOS / EOS ids are not config.json's."""
+    from shoal.config import EngineConfig
+    from shoal.tokenizer.tokenizer import load_tokenizer
+
+    copy = Path(shutil.copytree(ckpt, tmp_path / "c"))
+    assert load_tokenizer(EngineConfig.create(str(copy), device="cpu")).eos_token_id == 1
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    with pytest.raises(ShoalError, match=r"tokenizer.json does not match config.json: EOS "
+                                         r"\S+ is id 1 in the tokenizer, 2 in the config"):
+        load_tokenizer(EngineConfig.create(str(copy), device="cpu"))

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from shoal.config import EngineConfig
-from shoal.engine.engine import load_tokenizer
 from shoal.sampling.structured import StructuredOutputBackend, StructuredOutputSpec
 from shoal.tokenizer.parser import OutputParser
 from shoal.tokenizer.render import render_dsml_tool_calls
+from shoal.tokenizer.tokenizer import load_tokenizer
 from shoal.tokenizer.tool_grammar import tool_call_grammar
 
 TOOLS = [

@@ -24,11 +24,10 @@ import itertools
 import logging
 import numbers
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-from shoal.config import EngineConfig, ShoalError
+from shoal.config import EngineConfig
 from shoal.engine.outputs import Logprob, RequestOutput
 from shoal.engine.overlap import OverlappedSteps
 from shoal.engine.request import EngineRequest
@@ -40,20 +39,9 @@ from shoal.scheduler.request import Request
 from shoal.scheduler.scheduler import Scheduler
 from shoal.scheduler.step_plan import StepOutcome, StepPlan
 from shoal.tokenizer.special import THINK_END, THINK_START
-from shoal.tokenizer.synthetic import build_synthetic_tokenizer
-from shoal.tokenizer.tokenizer import Tokenizer
+from shoal.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(config: EngineConfig) -> Tokenizer:
-    vocab = config.model_config.vocab_size
-    if config.is_preset:
-        return Tokenizer(build_synthetic_tokenizer(config.model_config), vocab)
-    path = Path(config.model) / "tokenizer.json"
-    if not path.exists():
-        raise ShoalError(f"model {config.model!r}: no tokenizer.json in the checkpoint directory")
-    return Tokenizer.from_file(path, vocab)
 
 
 def token_id_list(value: object, name: str) -> list[int]:

@@ -159,3 +159,26 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def load_tokenizer(config) -> Tokenizer:
+    """The tokenizer of an `EngineConfig`: a preset's synthetic one, else the checkpoint's
+    tokenizer.json, checked against config.json (vocabulary size, BOS and EOS ids)."""
+    from shoal.config import ShoalError
+    from shoal.tokenizer.synthetic import build_synthetic_tokenizer
+
+    vocab = config.model_config.vocab_size
+    if config.is_preset:
+        return Tokenizer(build_synthetic_tokenizer(config.model_config), vocab)
+    path = Path(config.model) / "tokenizer.json"
+    if not path.exists():
+        raise ShoalError(f"model {config.model!r}: no tokenizer.json in the checkpoint directory")
+    tokenizer = Tokenizer.from_file(path, vocab)
+    model = config.model_config
+    for name, text, want in (("BOS", BOS_TEXT, model.bos_token_id),
+                             ("EOS", EOS_TEXT, model.eos_token_id)):
+        got = tokenizer.backend.token_to_id(text)
+        if got != want:  # another model's tokenizer.json (its size alone may fit)
+            raise ShoalError(f"model {config.model!r}: tokenizer.json does not match config.json:"
+                             f" {name} {text} is id {got} in the tokenizer, {want} in the config")
+    return tokenizer
