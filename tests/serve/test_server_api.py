@@ -162,7 +162,8 @@ def test_several_prompts_in_one_completion_request(live: LiveServer) -> None:
 
 def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
     """`echo` puts the prompt before each choice; with `logprobs` the prompt's tokens come
-    first with their log-probs (none for the first token), as a scoring client reads them."""
+    first with their log-probs (none for the first token), as a scoring client reads them,
+    streamed or not."""
     client = live.client()
     prompt = [5, 6, 7, 8]
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
@@ -179,9 +180,17 @@ def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
     streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
                                               temperature=0, echo=True, stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=1,
-                                       echo=True, stream=True))
+    for given in (prompt, text):  # streamed with log-probs: the same tokens and log-probs
+        whole = client.completions.create(model="tiny", prompt=given, max_tokens=2, logprobs=1,
+                                          temperature=0, echo=True).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(
+            model="tiny", prompt=given, max_tokens=2, logprobs=1, temperature=0, echo=True,
+            stream=True) if c.choices]
+        got = [x for c in chunks if c.logprobs for x in zip(
+            c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset, strict=True)]
+        assert "".join(c.text for c in chunks) == whole.text
+        assert got == list(zip(whole.logprobs.tokens, whole.logprobs.token_logprobs,
+                               whole.logprobs.text_offset, strict=True))
 
 
 def test_logit_bias_and_allowed_token_ids(live: LiveServer) -> None:

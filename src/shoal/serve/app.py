@@ -176,12 +176,13 @@ class Server:
             inputs = body.prompt_inputs()
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        handles, firsts = [], []
+        handles, firsts, prompt_ids = [], [], []
         try:
             for prompt, ids in inputs:
                 if prompt and ids is None:  # once, off the event loop (the engine takes ids)
                     ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                                   add_special_tokens=True)
+                prompt_ids.append(ids)
                 handles.append(self._submit(prompt, params, ids, "prompt", body.priority,
                                             request))
             for handle in handles:
@@ -192,8 +193,9 @@ class Server:
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            echoes = [(text if text is not None else self.tokenizer.decode(ids))
-                      if body.echo else "" for text, ids in inputs]
+            echoes = [(text if text is not None else self.tokenizer.decode(ids), ids)
+                      if body.echo else ("", None)
+                      for (text, _), ids in zip(inputs, prompt_ids, strict=True)]
             return StreamingResponse(self._completion_streams(
                 firsts, handles, rid, created, params, body, echoes),
                 media_type="text/event-stream")
@@ -202,7 +204,7 @@ class Server:
 
     async def _completion_streams(self, firsts: list[Update], handles: list[Handle],
                                   rid: str, created: int, params,
-                                  body, echoes: list[str]) -> AsyncIterator[str]:
+                                  body, echoes: list[tuple]) -> AsyncIterator[str]:
         """The prompts' chunks as they come (merged), then the end over all of them."""
         lasts: list[Update] = list(firsts)
         async for line in merge([self._completion_chunks(i, lasts, handle, rid, created,
@@ -213,17 +215,24 @@ class Server:
             yield line
 
     async def _completion_chunks(self, i: int, lasts: list[Update], handle: Handle,
-                                 rid: str, created: int, params, echo: str
+                                 rid: str, created: int, params, echo: tuple
                                  ) -> AsyncIterator[str]:
-        """Prompt i's chunks (after `echo`, its text when echoed), from its update in lasts[i]
-        to its last (kept in lasts[i])."""
+        """Prompt i's chunks (after `echo`, its (text, token ids) when echoed, with the
+        prompt's log-probs when asked), from its update in lasts[i] to its last (kept in
+        lasts[i])."""
         update, done, want_lp = lasts[i], False, params.logprobs
-        offsets = [len(echo)] * params.n  # where each choice's next token starts (text_offset)
+        (echo, echo_ids), echo_lp = echo, None
+        if echo and want_lp is not None:
+            prompt_lps = update.prompt_logprobs or [None] * len(echo_ids)
+            echo_lp = self.logprobs.completion(list(zip(echo_ids, prompt_lps, strict=True)),
+                                               want_lp)
+        # where each choice's next token starts (text_offset)
+        offsets = [sum(map(len, echo_lp["tokens"])) if echo_lp else len(echo)] * params.n
         try:
             for j in range(params.n if echo else 0):
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": self.model_name, "choices": [{
-                               "index": i * params.n + j, "text": echo, "logprobs": None,
+                               "index": i * params.n + j, "text": echo, "logprobs": echo_lp,
                                "finish_reason": None}]})
             while True:
                 for j, (text, entries, reason) in enumerate(zip(

@@ -48,6 +48,7 @@ class Update:
     logprobs: list[list[tuple[int, dict[int, Logprob]]]]
     finish_reasons: list[str | None]
     output: RequestOutput | None = None  # set once the request is done (then it is the last)
+    prompt_logprobs: list | None = None  # on a request's first update, when it asked for them
 
 
 @dataclass
@@ -343,13 +344,15 @@ class EngineLoop:
             done = all(c.finished for c in children)
             if not (changed or done):
                 continue
+            first = not handle.started
             self._started(handle)
             output = None
             if done:
                 output = engine.output(group)
                 engine.release(group)
                 del self._live[group]
-            handle.push(Update(text, tokens, logprobs, reasons, output))
+            handle.push(Update(text, tokens, logprobs, reasons, output,
+                               children[0].prompt_logprobs if first else None))
 
     def _snapshot(self) -> None:
         s, scheduler = self.engine.stats, self.engine.scheduler

@@ -240,8 +240,6 @@ class CompletionRequest(_Sampling):
     def params(self) -> SamplingParams:
         """`echo` with `logprobs` asks for the prompt's log-probs too (the first token has
         none), as lm-eval-harness-style scoring does."""
-        if self.echo and self.stream and self.logprobs is not None:
-            raise ValueError("echo: with logprobs only without stream")
         fields = self.sampling_fields()
         fields["max_tokens"] = self.max_completion_tokens or self.max_tokens
         if self.logprobs is not None:
