@@ -70,15 +70,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store-path", dest="kv_store_path", default=None,
                    help="prefix caching's persistent tier: blocks written to this directory "
                    "(10 + 2 erasure-coded shards) and read back by later runs")
+    p.add_argument("--kv-store-max-gb", dest="kv_store_max_gb", type=float, default=None,
+                   help="the persistent tier's size bound in GB (1e9 bytes); least recently "
+                   "used objects are evicted beyond it (default: unbounded)")
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
                 "spec_confidence", "spec_verify_budget", "spec_verify", "async_scheduling",
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
-                "kv_store_path", "kv_store_ttl_days", "block_size", "prefix_resume",
-                "expert_parallel", "expert_placement", "batch_invariant", "backends",
-                "collective_timeout_s", "scheduling_policy", "spec_overlap")
+                "kv_store_path", "kv_store_ttl_days", "kv_store_max_gb", "block_size",
+                "prefix_resume", "expert_parallel", "expert_placement", "batch_invariant",
+                "backends", "collective_timeout_s", "scheduling_policy", "spec_overlap")
 # the CLI's own defaults: short greedy completions
 CLI_SAMPLING_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 STRUCTURED_FLAGS = ("json_schema", "regex", "grammar", "choice")

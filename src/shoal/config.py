@@ -6,6 +6,7 @@ an unknown keyword raises with the list of valid ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -39,7 +40,9 @@ class CacheConfig:
     them back (0: no host tier). kv_store_path: the persistent tier: a directory where blocks
     and prompt-end ring snapshots are written as they are made (10 + 2 erasure-coded shards
     over 12 subdirectories, checksummed, `kv_store_ttl_days` to live), read back by later runs
-    and processes of the same model and settings (None: no store)."""
+    and processes of the same model and settings (None: no store). kv_store_max_gb: the store's
+    size bound in GB (1e9 bytes) of shard files; least recently used objects are evicted past
+    it (None: unbounded)."""
 
     block_size: int = 256
     kv_cache_memory_gb: float | None = None
@@ -50,6 +53,7 @@ class CacheConfig:
     kv_host_memory_gb: float = 0.0
     kv_store_path: str | None = None
     kv_store_ttl_days: float = 3.0
+    kv_store_max_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 128:
@@ -68,6 +72,13 @@ class CacheConfig:
         if not 0 < self.kv_store_ttl_days < 1e5:
             raise ShoalError(f"kv_store_ttl_days: got {self.kv_store_ttl_days}, expected a "
                              "number of days > 0")
+        if self.kv_store_max_gb is not None:
+            if not 0 < self.kv_store_max_gb < math.inf:  # (NaN fails too)
+                raise ShoalError(f"kv_store_max_gb: got {self.kv_store_max_gb}, expected a "
+                                 "size in GB > 0 (None: unbounded)")
+            if self.kv_store_path is None:
+                raise ShoalError("kv_store_max_gb: bounds the persistent tier; it needs "
+                                 "kv_store_path")
         if self.kv_store_path is not None:
             if not self.enable_prefix_caching:
                 raise ShoalError("kv_store_path: the store is the prefix cache's persistent "

@@ -136,7 +136,7 @@ OPTION_VALUES = {  # a valid non-default value for every engine option
     "enable_prefix_caching": True, "num_prefix_snapshots": 5, "kv_host_memory_gb": 0.01,
     "prefix_resume": "exact",  # (its only value)
     "scheduling_policy": "priority", "spec_overlap": True,
-    "kv_store_path": "/nonexistent/shoal-kv", "kv_store_ttl_days": 7.0,
+    "kv_store_path": "/nonexistent/shoal-kv", "kv_store_ttl_days": 7.0, "kv_store_max_gb": 2.5,
 }
 
 

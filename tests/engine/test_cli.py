@@ -179,3 +179,34 @@ def test_threads_default_to_omp_num_threads_else_the_cores(
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
     _threads(SimpleNamespace(threads=1))  # the flag wins
     assert torch.get_num_threads() == 1
+
+
+def test_kv_store_max_gb_flag_reaches_the_config_and_is_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`--kv-store-max-gb` reaches CacheConfig.kv_store_max_gb (checked before the model
+    loads); a bad value exits 2 with one line naming the option."""
+    from shoal.config import EngineConfig, ShoalError
+
+    seen = []
+    create = EngineConfig.create.__func__
+
+    def spy(cls, model, **opts):
+        seen.append(create(cls, model, **opts).cache.kv_store_max_gb)
+        raise ShoalError("stop before the model loads")
+
+    store = ["generate", "--model", "tiny", "--device", "cpu", "--prompt", "x",
+             "--enable-prefix-caching", "--kv-store-path", str(tmp_path / "kv"), *GREEDY_ARGS]
+    with monkeypatch.context() as m:
+        m.setattr(EngineConfig, "create", classmethod(spy))
+        assert main([*store, "--kv-store-max-gb", "2.5"]) == 2
+    assert seen == [2.5]
+    capsys.readouterr()
+    for value, message in (("0", "kv_store_max_gb: got 0.0, expected a size in GB > 0"),
+                           ("nan", "kv_store_max_gb: got nan"),
+                           ("inf", "kv_store_max_gb: got inf")):
+        assert main([*store, "--kv-store-max-gb", value]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*store, "--kv-store-max-gb", "lots"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--kv-store-max-gb: invalid float value" in err

@@ -3,12 +3,14 @@ prefix cache. Standalone (no torch): opaque byte objects under 32-byte content k
 
 - erasure.py: the k + m shard codec (any k shards rebuild an object)
 - store.py: layout on disk, index, reads, background writer (`KVStore`)
-- gc.py: TTL expiry and removal of expired objects and orphaned temp files
+- config.py: its settings (`KVStoreConfig`: TTL, size bound, gc period) and counters
+- gc.py: TTL expiry, removal of expired objects and orphaned temp files, LRU eviction
 """
 
+from shoal.kvstore.config import KVStoreConfig, KVStoreStats
 from shoal.kvstore.erasure import ErasureCodec, InsufficientShardsError, decode, encode
 from shoal.kvstore.gc import GcReport
-from shoal.kvstore.store import KVStore, KVStoreConfig, KVStoreStats
+from shoal.kvstore.store import KVStore
 
 __all__ = ["ErasureCodec", "InsufficientShardsError", "encode", "decode", "GcReport", "KVStore",
            "KVStoreConfig", "KVStoreStats"]

@@ -1,13 +1,17 @@
 """Garbage collection of the KV block store (src/shoal/kvstore/store.py): the names of its files,
 when an object counts as expired, the open-time recovery scan (which objects on disk are whole,
-which files are garbage) and the collection pass (expired objects, orphaned temp files).
+which files are garbage), the collection pass (expired objects, orphaned temp files) and the
+eviction pass (least recently used objects, when the store is over its size bound).
 
 Invariants: an object is expired once `now - written_at >= ttl_s`, where `written_at` is its last
-write or refresh; an expired object is never served. The pass re-checks each candidate and
-removes it under the store's writer lock, so a concurrent re-put either lands first (and keeps
-the object) or after (and rewrites it). A temp file is removed only when its name does not carry
-the live writer's token and it has not changed for `orphan_age_s` (another live process's
-writes in flight are younger), and an object with too few shard files likewise.
+write or refresh; an expired object is never served. Both passes re-check each candidate and
+remove it under the store's writer lock, so a concurrent re-put either lands first (and keeps
+the object: it is no longer expired, or no longer the least recently used) or after (and
+rewrites it). Both see only the calling process's index: another process sharing the
+directories finds the objects removed here missing, which its reads take as a miss. A temp
+file is removed only when its name does not carry the live writer's token and it has not
+changed for `orphan_age_s` (another live process's writes in flight are younger), and an object
+with too few shard files likewise.
 """
 
 from __future__ import annotations
@@ -161,3 +165,31 @@ def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock:
         logger.debug("kvstore gc: %d expired objects (%d bytes), %d orphaned temp files",
                      expired, freed, orphans)
     return GcReport(expired=expired, orphans=orphans, bytes_freed=freed)
+
+
+def evict_lru(index: Mapping[bytes, Expirable], *, target_bytes: int, total: Callable[[], int],
+              keep: bytes | None, lock: Lock,
+              remove_object: Callable[[bytes], int]) -> tuple[int, int]:
+    """Remove objects, oldest `written_at` first and never `keep`, until `total()` (the index's
+    bytes) is at most `target_bytes`; returns (objects removed, bytes freed).
+
+    As in `collect`: candidates are listed under `lock`, and each is re-checked and removed
+    under it, one at a time; one whose `written_at` moved meanwhile (refreshed) is kept.
+    """
+    with lock:
+        order = [(e.written_at, key) for key, e in index.items() if key != keep]
+    order.sort()  # (outside the lock: O(n log n) over the whole index)
+    evicted = freed = 0
+    for written_at, key in order:
+        with lock:
+            if total() <= target_bytes:
+                break
+            entry = index.get(key)
+            if entry is None or entry.written_at != written_at:
+                continue  # removed meanwhile, or refreshed (now recently used)
+            freed += remove_object(key)
+            evicted += 1
+    if evicted:
+        logger.debug("kvstore eviction: %d least recently used objects (%d bytes)",
+                     evicted, freed)
+    return evicted, freed

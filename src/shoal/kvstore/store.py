@@ -11,13 +11,24 @@ object is rebuilt only from shards of one write.
 The file's mtime is the object's `written_at`: set from the store's clock on write, moved by a
 refresh (a re-put of a present key touches the shard files instead of rewriting them), read back
 when the index is rebuilt by scanning the directories on open (gc.recover). There is no fsync:
-this is a cache, and a shard torn by a power loss fails its checksum. One store per directory set.
+this is a cache, and a shard torn by a power loss fails its checksum.
+Size: `bytes_on_disk` counts the shard files of the objects in this process's index. A write
+that takes it over `max_bytes` makes the writer evict the least recently used objects (oldest
+`written_at`; never the object just written) down to `EVICT_TO * max_bytes`; an object over
+`max_bytes` alone is not written; an open over the bound evicts at once. gc (expiry, orphans)
+runs at open, then on the writer every `config.gc_every_s` of the store's clock.
+Several processes (data-parallel replicas) may share the directories, each with its own index:
+each bounds what its index counts (N processes: about N * max_bytes at most), and removes by
+gc or eviction objects the others index; their `get` then finds no shard file and returns
+None: a miss, not a lost read, logged at debug level only.
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
 raises into the caller on I/O failure and `put` never blocks: a full queue drops the put; a
 failed write (a full disk) stops the writes with one warning while reads go on; a directory
-that cannot be used at open disables the store with one warning.
+that cannot be used at open disables the store with one warning. `bytes_on_disk <= max_bytes`
+but while the writer evicts after a write; eviction and gc re-check each object under the
+writer lock (gc.py).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from pathlib import Path
 import xxhash
 
 from shoal.kvstore import gc as kvgc
+from shoal.kvstore.config import KVStoreConfig, KVStoreStats
 from shoal.kvstore.erasure import ErasureCodec
 
 logger = logging.getLogger("shoal.kvstore")
@@ -49,41 +61,9 @@ MAGIC = b"SKVS"
 HEADER = struct.Struct("<4sHBB32sQQQ")
 CHECKED = HEADER.size - 8  # the checksum covers every header byte before it, then the payload
 _STOP = object()
-
-
-@dataclass(frozen=True)
-class KVStoreConfig:
-    num_dirs: int = 12  # shards per object, one directory (disk) each
-    data_shards: int = 10  # k: any k of the num_dirs shards rebuild an object
-    ttl_s: float = 3 * 86400.0  # an object expires this long after its last write or refresh
-    max_queue: int = 64  # pending writes; a put beyond this is dropped, never blocks
-    # a temp file or an incomplete object untouched this long belongs to a dead writer (another
-    # live process's writes in flight are younger) and is removed
-    orphan_age_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for name, ok, rule in [
-                ("data_shards", self.data_shards >= 1, ">= 1"),
-                ("num_dirs", self.num_dirs > self.data_shards, f"> data_shards ({self.data_shards})"),
-                ("ttl_s", self.ttl_s > 0, "> 0"), ("max_queue", self.max_queue >= 1, ">= 1")]:
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class KVStoreStats:
-    enabled: bool  # reads served (False: nothing is)
-    writable: bool  # puts written (False after a failed write: reads go on)
-    objects: int
-    bytes_on_disk: int
-    puts: int  # put() calls, refreshes and drops included
-    dropped_puts: int  # not written: queue full, store disabled or the write failed
-    hits: int
-    misses: int
-    repaired_reads: int  # hits that rebuilt a missing or corrupt data shard from parity
-    lost_reads: int  # objects found with fewer than k good shards: a miss, and removed
-    expired_removed: int
-    orphans_removed: int  # dead writers' temp files and objects left with < k shard files
+# Eviction goes below the bound so that a full store sorts its index once per ~10% of max_bytes
+# written rather than on every put.
+EVICT_TO = 0.9
 
 
 @dataclass
@@ -99,6 +79,7 @@ class KVStore:
     def __init__(self, root: str | os.PathLike | Sequence[str | os.PathLike], *,
                  num_dirs: int | None = None, data_shards: int = 10,
                  ttl_s: float = 3 * 86400.0, max_queue: int = 64, orphan_age_s: float = 600.0,
+                 max_bytes: int | None = None, gc_interval_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if isinstance(root, str | os.PathLike):
             n = 12 if num_dirs is None else num_dirs
@@ -108,7 +89,8 @@ class KVStore:
             if num_dirs is not None and num_dirs != len(dirs):
                 raise ValueError(f"num_dirs ({num_dirs}) != number of directories ({len(dirs)})")
         self.config = KVStoreConfig(num_dirs=len(dirs), data_shards=data_shards, ttl_s=ttl_s,
-                                    max_queue=max_queue, orphan_age_s=orphan_age_s)
+                                    max_queue=max_queue, orphan_age_s=orphan_age_s,
+                                    max_bytes=max_bytes, gc_interval_s=gc_interval_s)
         if len({os.path.abspath(d) for d in dirs}) != len(dirs):
             raise ValueError("directories must be distinct: shards of one object share a name")
         self.dirs = tuple(dirs)
@@ -118,7 +100,7 @@ class KVStore:
         self._token = uuid.uuid4().hex[:16]  # names this writer's temp files (see gc.py)
         self._index: dict[bytes, _Entry] = {}
         self._disk_bytes = 0
-        self._io_lock = threading.Lock()  # writer's object writes, gc and lost-object removal
+        self._io_lock = threading.Lock()  # object writes, gc, eviction, lost-object removal
         self._lock = threading.Lock()  # the counters and the enabled flag
         self._counts = {f.name: 0 for f in fields(KVStoreStats)[4:]}  # the counters of stats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -135,6 +117,7 @@ class KVStore:
             self._index_add(key, _Entry(written_at, disk_bytes))
         self._count(orphans_removed=removed)
         self.gc()
+        self._evict(keep=None)  # the directories may hold more (a new bound, other processes)
         self._thread = threading.Thread(target=self._writer, name="shoal-kvstore-writer",
                                         daemon=True)
         self._thread.start()
@@ -186,8 +169,12 @@ class KVStore:
         except ValueError:  # fewer than k good shards (InsufficientShardsError)
             data = None
         if data is None:
-            logger.debug("kvstore: %s has fewer than %d good shards; removed", key.hex(), self._k)
-            self._count(lost_reads=1, misses=1)
+            # No shard file left: another process sharing the directories removed it (its own
+            # gc or eviction), a plain miss; else shards were lost or damaged.
+            gone = not any(os.path.exists(self.shard_path(i, key)) for i in range(self._n))
+            logger.debug("kvstore: %s has fewer than %d good shards (%s); removed", key.hex(),
+                         self._k, "gone" if gone else "lost")
+            self._count(lost_reads=0 if gone else 1, misses=1)
             try:  # so that contains() says no and a later put writes it afresh
                 with self._io_lock:
                     self._remove_object(key)
@@ -204,7 +191,8 @@ class KVStore:
                 and not kvgc.is_expired(entry.written_at, self._clock(), self.config.ttl_s))
 
     def gc(self) -> kvgc.GcReport:
-        """Remove expired objects and orphaned temp files (run on open; the caller may repeat it)."""
+        """Remove expired objects and orphaned temp files (run on open and by the writer every
+        `config.gc_every_s`; the caller may also run it)."""
         if not self._writable:
             return kvgc.GcReport()
         try:
@@ -284,21 +272,23 @@ class KVStore:
         return (raw[HEADER.size:], write) if h.intdigest() == checksum else None
 
     def _writer(self) -> None:
+        every = self.config.gc_every_s
+        next_gc = self._clock() + every
         while True:
-            item = self._queue.get()
+            # Wake for the next gc when idle. The wait is real time; the store's clock decides
+            # whether gc is due, checked after every item too (so a fake clock needs no sleep).
+            try:
+                item = self._queue.get(timeout=min(max(next_gc - self._clock(), 0.0), every))
+            except queue.Empty:
+                item = None
             try:
                 if item is _STOP:
                     return
-                key, data = item
-                if not self._writable:
-                    self._count(dropped_puts=1)
-                    continue
-                with self._io_lock:
-                    # A put of a key written by an earlier put still in the queue only refreshes.
-                    if data is None or self.contains(key):
-                        self._refresh(key)
-                    else:
-                        self._write_object(key, data)
+                if item is not None:
+                    self._write_or_refresh(*item)
+                if self._clock() >= next_gc:
+                    self.gc()
+                    next_gc = self._clock() + every
             except OSError as exc:
                 self._count(dropped_puts=1)
                 self._stop_writes(f"write failed: {exc}")
@@ -307,7 +297,35 @@ class KVStore:
                 self._count(dropped_puts=1)
                 self._stop_writes("writer error")
             finally:
-                self._queue.task_done()
+                if item is not None:
+                    self._queue.task_done()
+
+    def _write_or_refresh(self, key: bytes, data: bytes | None) -> None:
+        if not self._writable:
+            self._count(dropped_puts=1)
+            return
+        with self._io_lock:
+            # A put of a key written by an earlier put still in the queue only refreshes.
+            if data is None or self.contains(key):
+                self._refresh(key)
+                return
+            written = self._write_object(key, data)
+        if written:
+            self._evict(keep=key)
+
+    def _evict(self, keep: bytes | None) -> None:
+        """Evict least recently used objects down to EVICT_TO * max_bytes if over max_bytes."""
+        bound = self.config.max_bytes
+        if bound is None or self._disk_bytes <= bound or not self._writable:
+            return
+        try:
+            evicted, freed = kvgc.evict_lru(
+                self._index, target_bytes=int(bound * EVICT_TO), total=lambda: self._disk_bytes,
+                keep=keep, lock=self._io_lock, remove_object=self._remove_object)
+        except OSError as exc:  # the bound cannot be kept: stop growing
+            self._stop_writes(f"eviction failed: {exc}")
+            return
+        self._count(evicted=evicted, bytes_evicted=freed)
 
     def _refresh(self, key: bytes) -> None:
         entry = self._index.get(key)
@@ -319,9 +337,14 @@ class KVStore:
                 os.utime(self.shard_path(i, key), (now, now))
         entry.written_at = now
 
-    def _write_object(self, key: bytes, data: bytes) -> None:
+    def _write_object(self, key: bytes, data: bytes) -> bool:
+        """Write the object's shards and index it; False if it alone exceeds max_bytes."""
         now = self._clock()
         shards = self._codec.encode(data)
+        disk_bytes = sum(HEADER.size + len(s) for s in shards)
+        if self.config.max_bytes is not None and disk_bytes > self.config.max_bytes:
+            self._count(dropped_puts=1, oversized_puts=1)
+            return False
         write = int.from_bytes(os.urandom(8), "little")
         done: list[Path] = []
         tmp: Path | None = None
@@ -349,7 +372,8 @@ class KVStore:
             for p in done + ([tmp] if tmp is not None else []):  # no partial object remains
                 kvgc.unlink_quiet(p)
             raise
-        self._index_add(key, _Entry(now, sum(HEADER.size + len(s) for s in shards)))
+        self._index_add(key, _Entry(now, disk_bytes))
+        return True
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -125,7 +126,9 @@ class ModelRunner:
         if cache.kv_store_path:
             from shoal.kvstore import KVStore
 
-            store = KVStore(cache.kv_store_path, ttl_s=cache.kv_store_ttl_days * 86400)
+            max_gb = cache.kv_store_max_gb
+            store = KVStore(cache.kv_store_path, ttl_s=cache.kv_store_ttl_days * 86400,
+                            max_bytes=None if max_gb is None else math.ceil(max_gb * 1e9))
         return KVOffload(self.layout, blocks, snapshots, self.device, store)
 
     # ---- one step ---------------------------------------------------------------------------
