@@ -15,6 +15,7 @@ import urllib.request
 import openai
 import pytest
 
+import shoal
 from support.chat import TOOL_BLOCK
 from support.live_server import (
     API_KEY,
@@ -138,6 +139,13 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live: LiveS
                  "shoal_time_to_first_token_seconds_bucket", "shoal_preemptions_total"):
         assert name in text
     assert [m.id for m in live.client().models.list().data] == ["tiny"]
+    assert live.client().models.retrieve("tiny").max_model_len == 256
+    with pytest.raises(openai.NotFoundError):
+        live.client().models.retrieve("other")
+    req = urllib.request.Request(live.base + "/version",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read())["version"] == shoal.__version__
     ok = live.client().completions.create(model="tiny", prompt="still here", max_tokens=2)
     assert ok.usage.completion_tokens == 2
 

@@ -1,8 +1,8 @@
 """`shoal serve`: the OpenAI-compatible HTTP API over one `EngineLoop`.
 
 Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent events with
-reasoning / content / tool-call deltas and an optional usage chunk), /v1/models, /tokenize,
-/detokenize, /health, /metrics. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
+reasoning / content / tool-call deltas and an optional usage chunk), /v1/models (and
+/v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
 a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
 429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
 cuts ends with finish_reason `abort` and an error event).
@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from shoal import __version__
 from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
 from shoal.serve.auth import RequireKey
@@ -349,11 +350,22 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
                                 status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "shoal", "max_model_len": llm.config.scheduler.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "shoal", "max_model_len": llm.config.scheduler.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        server._check_model(model)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():
