@@ -69,7 +69,7 @@ class StoreTier:
     def snapshot(self, key: bytes) -> tuple[bool, bytes] | None:
         """(decoder rings exact, the snapshot's bytes) at the boundary after `key`, or None."""
         skey = snapshot_key(key)
-        if not self.store.contains(skey):
+        if skey not in self._fetched and not self.store.contains(skey):
             return None
         data = self._fetch(skey)
         if not data:
@@ -96,6 +96,8 @@ class StoreTier:
         return data
 
     def _fetch(self, key: bytes) -> bytes | None:
+        """The object's bytes, read once: a lookup and the load after it use the same bytes,
+        also when the store's writer evicts or expires the object in between."""
         if key not in self._fetched:
             if len(self._fetched) >= MAX_FETCHED:
                 self._fetched.pop(next(iter(self._fetched)))
