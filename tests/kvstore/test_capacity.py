@@ -159,6 +159,47 @@ def test_another_store_takes_an_object_evicted_by_the_first_as_a_miss(tmp_path, 
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_an_object_another_store_uses_is_neither_evicted_nor_expired(tmp_path, object_bytes):
+    """Store a's index keeps the time of a's own write; b's hits move the files' mtime, and
+    a's eviction and gc read it before removing an object, so b's working set stays."""
+    clock = FakeClock()
+    start = clock.t
+    with KVStore(tmp_path, ttl_s=100, max_bytes=int(2.5 * object_bytes), clock=clock) as a:
+        put_at(a, clock, 0)  # start + 1
+        put_at(a, clock, 1)  # start + 2
+        with KVStore(tmp_path, ttl_s=100, clock=clock) as b:
+            clock.t += 1
+            b.touch(key(0))  # b uses object 0
+            b.flush()
+            put_at(a, clock, 2)  # over the bound: 1 goes, not 0 (the oldest in a's index)
+            assert [a.contains(key(i)) for i in range(3)] == [True, False, True]
+            clock.t = start + 50
+            b.touch(key(0))
+            b.flush()
+            clock.t = start + 105  # 100 s after a's writes of 0 and 2; 55 s after b's hit
+            assert a.gc().expired == 1
+            assert a.contains(key(0)) and not a.contains(key(2))
+            assert b.get(key(0)) == blob(SIZE, 0)
+
+
+def test_a_put_queued_behind_the_write_that_evicts_its_object_writes_it(tmp_path,
+                                                                        object_bytes):
+    """A put of a present object queues its data: if a write ahead of it evicts the object,
+    the put writes it again (it is not a lost refresh); `pending` shows it until then."""
+    clock = FakeClock()
+    with KVStore(tmp_path, max_bytes=int(2.5 * object_bytes), clock=clock) as s:
+        put_at(s, clock, 0)
+        put_at(s, clock, 1)
+        clock.t += 1
+        with s._io_lock:  # the writer waits: both puts queue behind its first
+            assert s.put(key(2), blob(SIZE, 2)) and s.put(key(0), blob(SIZE, 0))
+            assert s.pending(key(0)) and s.contains(key(0))
+        s.flush()  # 2 evicts 0; then 0 is written again (and evicts 1)
+        assert s.get(key(0)) == blob(SIZE, 0) and not s.pending(key(0))
+        st = s.stats()
+        assert (st.evicted, st.dropped_puts) == (2, 0)
+
+
 def test_bad_bound_or_gc_period_raises_value_error(tmp_path):
     for kwargs, name in [({"max_bytes": 0}, "max_bytes"), ({"max_bytes": float("inf")},
                                                            "max_bytes"),

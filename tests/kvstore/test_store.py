@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from shoal.kvstore import KVStore
+from shoal.kvstore import KVStore, shard_file
 from shoal.kvstore import store as store_mod
 
 
@@ -108,7 +108,7 @@ def test_corrupt_shards_repaired_or_lost_never_wrong(tmp_path):
         assert all([s.put(k, v) for k, v in objects.items()])
         s.flush()
         keys = list(objects)
-        hsize = store_mod.HEADER.size
+        hsize = shard_file.HEADER.size
         for k, (a, b) in zip(keys, pairs, strict=False):  # every pair of shards corrupted
             flip(s.shard_path(a, k), hsize + 17)
             flip(s.shard_path(b, k), 40)  # a header byte (object length), checksummed too

@@ -180,12 +180,13 @@ def test_echo_returns_the_prompt_and_its_logprobs(live: LiveServer) -> None:
     streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
                                               temperature=0, echo=True, stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
-    for given in (prompt, text):  # streamed with log-probs: the same tokens and log-probs
+    for given, extra in ((prompt, {}), (text, {}), (prompt, {"truncate_prompt_tokens": 3})):
+        # streamed with log-probs: the same tokens and log-probs
         whole = client.completions.create(model="tiny", prompt=given, max_tokens=2, logprobs=1,
-                                          temperature=0, echo=True).choices[0]
+                                          temperature=0, echo=True, extra_body=extra).choices[0]
         chunks = [c.choices[0] for c in client.completions.create(
             model="tiny", prompt=given, max_tokens=2, logprobs=1, temperature=0, echo=True,
-            stream=True) if c.choices]
+            stream=True, extra_body=extra) if c.choices]
         got = [x for c in chunks if c.logprobs for x in zip(
             c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset, strict=True)]
         assert "".join(c.text for c in chunks) == whole.text

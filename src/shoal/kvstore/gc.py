@@ -16,10 +16,11 @@ with too few shard files likewise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
@@ -28,6 +29,7 @@ from typing import Protocol
 logger = logging.getLogger("shoal.kvstore")
 
 SHARD_SUFFIX = ".kvs"
+MTIME_SLACK_S = 1e-3  # file times round to the file system's resolution
 TEMP_SUFFIX = ".tmp"
 
 
@@ -141,14 +143,37 @@ def unlink_quiet(path: str | Path) -> int:
         return 0
 
 
+def newest_mtime(paths: Iterable[Path]) -> float | None:
+    """The newest mtime of an object's shard files (another process sharing the directories
+    refreshes an object by touching them), None if none is left."""
+    times = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            times.append(os.stat(path).st_mtime)
+    return max(times, default=None)
+
+
+def _moved_on_disk(entry: Expirable, key: bytes,
+                   disk_written_at: Callable[[bytes], float | None]) -> bool:
+    """Whether another process refreshed the object since this index saw it (its files' mtime
+    is newer); the entry then takes that time."""
+    on_disk = disk_written_at(key)
+    if on_disk is None or on_disk <= entry.written_at + MTIME_SLACK_S:
+        return False
+    entry.written_at = on_disk
+    return True
+
+
 def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock: Lock,
             remove_object: Callable[[bytes], int], dirs: Sequence[Path],
-            live_token: str, orphan_age_s: float) -> GcReport:
+            live_token: str, orphan_age_s: float,
+            disk_written_at: Callable[[bytes], float | None] = lambda key: None) -> GcReport:
     """One collection pass: expired objects (index entry and shard files) and orphaned temps.
 
     `remove_object(key)` is called with `lock` held; it drops the key's index entry and shard
     files and returns the bytes freed. The lock is taken per object, so the writer is held up
-    for one object's unlinks at a time, never for the whole pass.
+    for one object's unlinks at a time, never for the whole pass. `disk_written_at(key)`: the
+    object's files' newest mtime, checked before removing it (another process's refresh).
     """
     with lock:
         candidates = [key for key, e in index.items() if is_expired(e.written_at, now, ttl_s)]
@@ -158,6 +183,9 @@ def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock:
             entry = index.get(key)
             if entry is None or not is_expired(entry.written_at, now, ttl_s):
                 continue  # removed meanwhile, or refreshed by a re-put
+            if _moved_on_disk(entry, key, disk_written_at) and \
+                    not is_expired(entry.written_at, now, ttl_s):
+                continue  # refreshed by another process
             freed += remove_object(key)
             expired += 1
     orphans = sweep_temps(dirs, live_token, orphan_age_s)
@@ -168,13 +196,15 @@ def collect(index: Mapping[bytes, Expirable], *, now: float, ttl_s: float, lock:
 
 
 def evict_lru(index: Mapping[bytes, Expirable], *, target_bytes: int, total: Callable[[], int],
-              keep: bytes | None, lock: Lock,
-              remove_object: Callable[[bytes], int]) -> tuple[int, int]:
+              keep: bytes | None, lock: Lock, remove_object: Callable[[bytes], int],
+              disk_written_at: Callable[[bytes], float | None] = lambda key: None
+              ) -> tuple[int, int]:
     """Remove objects, oldest `written_at` first and never `keep`, until `total()` (the index's
     bytes) is at most `target_bytes`; returns (objects removed, bytes freed).
 
     As in `collect`: candidates are listed under `lock`, and each is re-checked and removed
-    under it, one at a time; one whose `written_at` moved meanwhile (refreshed) is kept.
+    under it, one at a time; one whose `written_at` moved meanwhile (refreshed, also by another
+    process: `disk_written_at`) is kept.
     """
     with lock:
         order = [(e.written_at, key) for key, e in index.items() if key != keep]
@@ -187,6 +217,8 @@ def evict_lru(index: Mapping[bytes, Expirable], *, target_bytes: int, total: Cal
             entry = index.get(key)
             if entry is None or entry.written_at != written_at:
                 continue  # removed meanwhile, or refreshed (now recently used)
+            if _moved_on_disk(entry, key, disk_written_at):
+                continue  # used by another process: recently used
             freed += remove_object(key)
             evicted += 1
     if evicted:

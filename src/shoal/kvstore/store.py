@@ -3,11 +3,9 @@ layout, the in-memory index, reads, and the background writer.
 
 Layout: an object under a 32-byte key is cut by the erasure codec (erasure.py) into k data and
 m parity shards; shard i lives in directory i (`root/dNN`, one per disk) at
-`<dir>/<hex[:2]>/<hex>.kvs`, written as a temp file and renamed. A shard file is a 64-byte header
-(magic, format version, shard index, shard count, key, object length, write id, xxh3-64
-checksum of the header's other fields and the payload) followed by the payload. The write id is
-random per put: two processes writing one key at once may leave shards of both writes, and an
-object is rebuilt only from shards of one write.
+`<dir>/<hex[:2]>/<hex>.kvs`, written as a temp file and renamed (format: shard_file.py). A
+shard's write id is random per put: two processes writing one key at once may leave shards of
+both writes, and an object is rebuilt only from shards of one write.
 The file's mtime is the object's `written_at`: set from the store's clock on write, moved by a
 refresh (a re-put of a present key touches the shard files instead of rewriting them), read back
 when the index is rebuilt by scanning the directories on open (gc.recover). There is no fsync:
@@ -18,9 +16,9 @@ that takes it over `max_bytes` makes the writer evict the least recently used ob
 `max_bytes` alone is not written; an open over the bound evicts at once. gc (expiry, orphans)
 runs at open, then on the writer every `config.gc_every_s` of the store's clock.
 Several processes (data-parallel replicas) may share the directories, each with its own index:
-each bounds what its index counts (N processes: about N * max_bytes at most), and removes by
-gc or eviction objects the others index; their `get` then finds no shard file and returns
-None: a miss, not a lost read, logged at debug level only.
+each bounds what its index counts (N processes: about N * max_bytes at most); gc and eviction
+keep an object whose files another process refreshed (their mtime), and a `get` of an object
+another process removed is a plain miss (not a lost read).
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
@@ -37,7 +35,6 @@ import contextlib
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import uuid
@@ -46,20 +43,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import xxhash
-
 from shoal.kvstore import gc as kvgc
+from shoal.kvstore import shard_file
 from shoal.kvstore.config import KVStoreConfig, KVStoreStats
 from shoal.kvstore.erasure import ErasureCodec
 
 logger = logging.getLogger("shoal.kvstore")
 
 KEY_BYTES = 32
-FORMAT_VERSION = 2
-MAGIC = b"SKVS"
-# magic, version, shard index, shard count, key, object length, write id, checksum: 64 bytes
-HEADER = struct.Struct("<4sHBB32sQQQ")
-CHECKED = HEADER.size - 8  # the checksum covers every header byte before it, then the payload
 _STOP = object()
 # Eviction goes below the bound so that a full store sorts its index once per ~10% of max_bytes
 # written rather than on every put.
@@ -100,6 +91,7 @@ class KVStore:
         self._token = uuid.uuid4().hex[:16]  # names this writer's temp files (see gc.py)
         self._index: dict[bytes, _Entry] = {}
         self._disk_bytes = 0
+        self._pending: Counter = Counter()  # keys queued with data, not yet written (_lock)
         self._io_lock = threading.Lock()  # object writes, gc, eviction, lost-object removal
         self._lock = threading.Lock()  # the counters and the enabled flag
         self._counts = {f.name: 0 for f in fields(KVStoreStats)[4:]}  # the counters of stats()
@@ -127,20 +119,31 @@ class KVStore:
         return self._enabled
 
     def put(self, key: bytes, data: bytes) -> bool:
-        """Queue `data` under `key`; False if dropped (queue full or store disabled). A key already
-        present only gets its timestamp refreshed (no rewrite); the data is then not kept."""
+        """Queue `data` under `key`; False if dropped (queue full or store disabled). A key
+        present when the writer gets to it only gets its timestamp refreshed (no rewrite)."""
         _check_key(key)
         self._count(puts=1)
         if not self._writable or self._thread is None:
             self._count(dropped_puts=1)
             return False
-        item = (key, None if self.contains(key) else bytes(data))
-        try:
-            self._queue.put_nowait(item)
+        with self._lock:
+            self._pending[key] += 1
+        try:  # (the data stays queued: the object may be gone by the time the writer runs)
+            self._queue.put_nowait((key, bytes(data)))
         except queue.Full:
+            self._done_pending(key)
             self._count(dropped_puts=1)
             return False
         return True
+
+    def pending(self, key: bytes) -> bool:
+        """Queued to be written and not written yet (the index does not show it)."""
+        with self._lock:
+            return key in self._pending
+
+    def _done_pending(self, key: bytes) -> None:
+        with self._lock:
+            self._pending -= Counter({key: 1})  # (drops keys that reach 0)
 
     def touch(self, key: bytes) -> None:
         """Restart a present object's time to live (a hit keeps what is used); queued as a
@@ -197,6 +200,7 @@ class KVStore:
             return kvgc.GcReport()
         try:
             report = kvgc.collect(self._index, now=self._clock(), ttl_s=self.config.ttl_s,
+                                  disk_written_at=self._disk_written_at,
                                   lock=self._io_lock, remove_object=self._remove_object,
                                   dirs=self.dirs, live_token=self._token,
                                   orphan_age_s=self.config.orphan_age_s)
@@ -245,6 +249,9 @@ class KVStore:
         self._disk_bytes += entry.disk_bytes - (old.disk_bytes if old else 0)
         self._index[key] = entry
 
+    def _disk_written_at(self, key: bytes) -> float | None:
+        return kvgc.newest_mtime(self.shard_path(i, key) for i in range(self._n))
+
     def _remove_object(self, key: bytes) -> int:
         """Drop `key`'s index entry and shard files (the caller holds _io_lock)."""
         entry = self._index.pop(key, None)
@@ -261,15 +268,7 @@ class KVStore:
                 raw = f.read()
         except OSError:
             return None
-        if len(raw) < HEADER.size:
-            return None
-        magic, version, index, count, hkey, _, write, checksum = HEADER.unpack_from(raw)
-        if (magic, version, index, count, hkey) != (MAGIC, FORMAT_VERSION, i, self._n, key):
-            return None
-        view = memoryview(raw)
-        h = xxhash.xxh3_64(view[:CHECKED])
-        h.update(view[HEADER.size:])
-        return (raw[HEADER.size:], write) if h.intdigest() == checksum else None
+        return shard_file.parse(raw, i, self._n, key)
 
     def _writer(self) -> None:
         every = self.config.gc_every_s
@@ -298,6 +297,8 @@ class KVStore:
                 self._stop_writes("writer error")
             finally:
                 if item is not None:
+                    if item is not _STOP and item[1] is not None:
+                        self._done_pending(item[0])
                     self._queue.task_done()
 
     def _write_or_refresh(self, key: bytes, data: bytes | None) -> None:
@@ -321,7 +322,8 @@ class KVStore:
         try:
             evicted, freed = kvgc.evict_lru(
                 self._index, target_bytes=int(bound * EVICT_TO), total=lambda: self._disk_bytes,
-                keep=keep, lock=self._io_lock, remove_object=self._remove_object)
+                keep=keep, lock=self._io_lock, remove_object=self._remove_object,
+                disk_written_at=self._disk_written_at)
         except OSError as exc:  # the bound cannot be kept: stop growing
             self._stop_writes(f"eviction failed: {exc}")
             return
@@ -341,7 +343,7 @@ class KVStore:
         """Write the object's shards and index it; False if it alone exceeds max_bytes."""
         now = self._clock()
         shards = self._codec.encode(data)
-        disk_bytes = sum(HEADER.size + len(s) for s in shards)
+        disk_bytes = sum(shard_file.HEADER.size + len(s) for s in shards)
         if self.config.max_bytes is not None and disk_bytes > self.config.max_bytes:
             self._count(dropped_puts=1, oversized_puts=1)
             return False
@@ -350,10 +352,7 @@ class KVStore:
         tmp: Path | None = None
         try:
             for i, payload in enumerate(shards):
-                head = HEADER.pack(MAGIC, FORMAT_VERSION, i, self._n, key, len(data), write, 0)
-                h = xxhash.xxh3_64(head[:CHECKED])
-                h.update(payload)
-                head = head[:CHECKED] + struct.pack("<Q", h.intdigest())
+                head = shard_file.header(i, self._n, key, len(data), write, payload)
                 final = self.shard_path(i, key)
                 tmp = final.with_name(kvgc.temp_name(final.stem, self._token))
                 try:

@@ -168,6 +168,8 @@ class PrefixCache:
         has a snapshot usable for a prefill of `prefill_len` tokens (at least one token is
         always left to compute)."""
         host, store = self.host, self.store_tier
+        if store is not None:
+            store.begin_lookup()
         cached = 0
         for key in hashes:
             if key not in self._block_of and (host is None or key not in host.blocks) and (

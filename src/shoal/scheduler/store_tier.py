@@ -10,9 +10,9 @@ scheduler's: `find` asks the store's index, the object is read and checked once 
 expired object is a miss, never wrong KV) and its bytes travel in the plan as a `*_load`
 transfer. A snapshot object is one byte (decoder rings exact) followed by the snapshot.
 
-The store is passed in as an object with `contains(key)`, `get(key)` and `touch(key)` (a hit
-restarts the object's time to live) (the scheduler imports
-no package beyond the standard library).
+The store is passed in as an object with `contains(key)`, `pending(key)` (queued, not yet
+written), `get(key)` and `touch(key)` (a hit restarts the object's time to live) (the
+scheduler imports no package beyond the standard library).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from shoal.scheduler.host_tier import (
     Transfer,
 )
 
-MAX_FETCHED = 256  # objects read but not yet loaded (a waiting head is looked up every step)
+MAX_FETCHED = 256  # objects earlier lookups read (a waiting head is looked up every step)
 
 
 def snapshot_key(key: bytes) -> bytes:
@@ -41,24 +41,31 @@ class StoreTier:
         self.store = store
         self._transfers = transfers  # the prefix cache's list for the plan being built
         self._fetched: dict[bytes, bytes | None] = {}
-        self._queued: set[bytes] = set()  # persisted in this process (the index lags writes)
+        self._lookup: dict[bytes, bytes | None] = {}  # what the last lookup read (for its load)
         self.blocks_loaded = 0
         self.snapshots_loaded = 0
 
     # ---- writes -------------------------------------------------------------------------
     def persist_block(self, key: bytes, block_id: int) -> None:
-        if key not in self._queued and not self.store.contains(key):
-            self._queued.add(key)
+        if self._absent(key):
             self._transfers.append(Transfer(BLOCK_PERSIST, block_id, key=key))
 
     def persist_snapshot(self, key: bytes, sid: int, decoder_exact: bool) -> None:
         skey = snapshot_key(key)
-        if skey not in self._queued and not self.store.contains(skey):
-            self._queued.add(skey)
+        if self._absent(skey):
             self._transfers.append(Transfer(SNAPSHOT_PERSIST, sid, key=skey,
                                             data=bytes([decoder_exact])))
 
+    def _absent(self, key: bytes) -> bool:
+        """Neither stored nor queued to be (an object the store evicted or expired is absent
+        again; a second put of one still in flight only refreshes it)."""
+        return not self.store.contains(key) and not self.store.pending(key)
+
     # ---- reads --------------------------------------------------------------------------
+    def begin_lookup(self) -> None:
+        """A new lookup: what it reads is kept for its load, however many objects it reads."""
+        self._lookup = {}
+
     def has_block(self, key: bytes) -> bool:
         return self.store.contains(key)
 
@@ -69,7 +76,8 @@ class StoreTier:
     def snapshot(self, key: bytes) -> tuple[bool, bytes] | None:
         """(decoder rings exact, the snapshot's bytes) at the boundary after `key`, or None."""
         skey = snapshot_key(key)
-        if skey not in self._fetched and not self.store.contains(skey):
+        if skey not in self._lookup and skey not in self._fetched and \
+                not self.store.contains(skey):
             return None
         data = self._fetch(skey)
         if not data:
@@ -90,7 +98,7 @@ class StoreTier:
 
     def _take(self, key: bytes) -> bytes:
         """A fetched object for a load (read again if a long lookup pushed it out)."""
-        data = self._fetched.pop(key, None) or self.store.get(key)
+        data = self._lookup.get(key) or self._fetched.pop(key, None) or self.store.get(key)
         if data is None:
             raise RuntimeError(f"store object {key.hex()[:16]} vanished between lookup and load")
         return data
@@ -98,8 +106,10 @@ class StoreTier:
     def _fetch(self, key: bytes) -> bytes | None:
         """The object's bytes, read once: a lookup and the load after it use the same bytes,
         also when the store's writer evicts or expires the object in between."""
-        if key not in self._fetched:
-            if len(self._fetched) >= MAX_FETCHED:
-                self._fetched.pop(next(iter(self._fetched)))
-            self._fetched[key] = self.store.get(key)
-        return self._fetched[key]
+        if key not in self._lookup:
+            if key not in self._fetched:
+                if len(self._fetched) >= MAX_FETCHED:
+                    self._fetched.pop(next(iter(self._fetched)))
+                self._fetched[key] = self.store.get(key)
+            self._lookup[key] = self._fetched[key]
+        return self._lookup[key]

@@ -41,7 +41,7 @@ from shoal.serve.protocol import (
 )
 from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.serve.replica_loop import ReplicaLoop
-from shoal.serve.responses import chat_response, completion_response
+from shoal.serve.responses import chat_response, completion_response, echo_text
 from shoal.serve.sse import merge, sse
 from shoal.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shoal.tokenizer.encoding import encode_messages
@@ -194,8 +194,7 @@ class Server:
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            echoes = [(text if text is not None else self.tokenizer.decode(ids), ids)
-                      if body.echo else ("", None)
+            echoes = [(echo_text(text, ids, body, self.tokenizer), ids) if body.echo else ("", None)
                       for (text, _), ids in zip(inputs, prompt_ids, strict=True)]
             return StreamingResponse(self._completion_streams(
                 firsts, handles, rid, created, params, body, echoes),
@@ -223,13 +222,13 @@ class Server:
         lasts[i])."""
         update, done, want_lp = lasts[i], False, params.logprobs
         (echo, echo_ids), echo_lp = echo, None
-        if echo and want_lp is not None:
-            prompt_lps = update.prompt_logprobs or [None] * len(echo_ids)
-            echo_lp = self.logprobs.completion(list(zip(echo_ids, prompt_lps, strict=True)),
-                                               want_lp)
-        # where each choice's next token starts (text_offset)
-        offsets = [sum(map(len, echo_lp["tokens"])) if echo_lp else len(echo)] * params.n
         try:
+            if echo and want_lp is not None:  # (the engine keeps a truncated prompt's tail)
+                lps = update.prompt_logprobs or [None] * len(echo_ids)
+                echo_lp = self.logprobs.completion(
+                    list(zip(echo_ids[len(echo_ids) - len(lps):], lps, strict=True)), want_lp)
+            # where each choice's next token starts (text_offset)
+            offsets = [sum(map(len, echo_lp["tokens"])) if echo_lp else len(echo)] * params.n
             for j in range(params.n if echo else 0):
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": self.model_name, "choices": [{

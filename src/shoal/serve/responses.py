@@ -15,6 +15,14 @@ from shoal.serve.protocol import (
 )
 
 
+def echo_text(prompt: str | None, ids: list[int], body: CompletionRequest, tokenizer) -> str:
+    """The prompt `echo` shows: the one the engine saw (a truncated prompt's kept tail)."""
+    if prompt is not None and body.truncate_prompt_tokens is None:
+        return prompt
+    return tokenizer.decode(ids[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens
+                            else ids)
+
+
 def echo_of(out: RequestOutput, body: CompletionRequest, fmt: LogprobFormat
             ) -> tuple[str, list]:
     """What `echo` puts before each choice: the prompt's text, and its (token, logprobs)
@@ -22,7 +30,7 @@ def echo_of(out: RequestOutput, body: CompletionRequest, fmt: LogprobFormat
     if not body.echo:
         return "", []
     ids = out.prompt_token_ids
-    text = out.prompt if out.prompt is not None else fmt.tokenizer.decode(ids)
+    text = echo_text(out.prompt, ids, body, fmt.tokenizer)
     return text, list(zip(ids, out.prompt_logprobs or [None] * len(ids), strict=True)) \
         if body.logprobs is not None else []
 
