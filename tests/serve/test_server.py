@@ -233,7 +233,7 @@ def test_key_required_but_not_for_health_and_metrics(live: LiveServer, path: str
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(live.base + path, timeout=10)
     assert err.value.code == 401
-    for open_path in ("/health", "/metrics"):
+    for open_path in ("/health", "/metrics", "/version"):
         with urllib.request.urlopen(live.base + open_path, timeout=10) as reply:
             assert reply.status == 200
 

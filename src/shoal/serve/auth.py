@@ -8,12 +8,12 @@ from fastapi.responses import JSONResponse
 
 from shoal.serve.protocol import error_body
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class RequireKey:
-    """The API key on every path but /health and /metrics (401 otherwise): probes and
-    Prometheus scrapers carry no key, and neither path shows a prompt (vLLM keys only /v1).
+    """The API key on every path but /health, /metrics and /version (401 otherwise): probes and
+    Prometheus scrapers carry no key, and none of them shows a prompt (vLLM keys only /v1).
     Plain ASGI, so that a handler still sees its client disconnect (BaseHTTPMiddleware's
     wrapped `receive` hides it)."""
 

@@ -19,8 +19,8 @@ def serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", dest="api_key", default=None,
-                   help="required as 'Authorization: Bearer KEY' on every path but /health and "
-                        "/metrics (default: $SHOAL_API_KEY)")
+                   help="required as 'Authorization: Bearer KEY' on every path but /health, "
+                        "/metrics and /version (default: $SHOAL_API_KEY)")
     s.add_argument("--served-model-name", dest="served_model_name", default=None)
     s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=256,
                    help="requests waiting for their first token before new ones get 429")
