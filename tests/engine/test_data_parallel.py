@@ -46,6 +46,8 @@ def test_an_interrupt_leaves_the_replicas_usable(replicas) -> None:
     with pytest.raises(KeyboardInterrupt), interrupt_after(1.0):
         replicas.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100, ignore_eos=True),
                           use_tqdm=False)
+    stats, prefix = replicas.replicas.stats()  # the interrupted call's leftovers skipped
+    assert stats.num_requests >= 8 and prefix is None
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=4)
     after = replicas.generate([[4, 4], [8]], params, use_tqdm=False)
     alone = LLM("tiny", **OPTS).generate([[4, 4], [8]], params, use_tqdm=False)

@@ -113,15 +113,7 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, write
             if serve_replica(llm.engine, rank, commands, results):
                 return
             continue
-        if command[0] == "loads":
-            try:
-                results.put(("loads", None, rank, llm.expert_loads()))
-            except ValueError as exc:
-                results.put(("failed", None, rank, str(exc)))
-            continue
-        if command[0] == "stats":
-            results.put(("stats", None, rank, (llm.engine.stats,
-                                               llm.engine.scheduler.prefix_stats)))
+        if _answer(llm, rank, command, results):
             continue
         _, call, items = command
         running[0] = True
@@ -138,6 +130,21 @@ def _replica(rank: int, model: str, options: dict, threads: int, commands, write
         except BaseException as exc:  # noqa: BLE001 - the front end raises it
             running[0] = False
             results.put(("failed", call, rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _answer(llm, rank: int, command: tuple, results) -> bool:
+    """Answer a query of the front end ("loads", "stats"; also in the middle of a call);
+    whether `command` was one."""
+    if command[0] == "loads":
+        try:
+            results.put(("loads", None, rank, llm.expert_loads()))
+        except ValueError as exc:
+            results.put(("failed", None, rank, str(exc)))
+    elif command[0] == "stats":
+        results.put(("stats", None, rank, (llm.engine.stats, llm.engine.scheduler.prefix_stats)))
+    else:
+        return False
+    return True
 
 
 def _serve_fed(llm, rank: int, first: tuple, commands, results, running: list) -> None:
@@ -159,7 +166,7 @@ def _serve_fed(llm, rank: int, first: tuple, commands, results, running: list) -
             if command[0] == "stop":  # the LLM closed mid-call: stop after this call
                 commands.put(command)
                 return None
-            if command[1] != call:
+            if _answer(llm, rank, command, results) or command[1] != call:
                 continue
             return None if command[0] == "end" else command[2]
 
@@ -332,8 +339,8 @@ class DataParallel:
             self.commands[rank].put(("stats", None, None))
         got = []
         while len(got) < self.size:  # (an interrupted call's leftovers are skipped)
-            kind, _, rank, payload = self._get(60.0)
-            if kind == "failed":
+            kind, got_call, rank, payload = self._get(60.0)
+            if kind == "failed" and got_call is None:
                 raise ShoalError(f"data-parallel replica {rank}: {payload}")
             if kind == "stats":
                 got.append(payload)
