@@ -156,6 +156,7 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     if cache.kv_cache_memory_gb is not None:
         return int(cache.kv_cache_memory_gb * 1e9)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # memory an engine closed in this process still holds is free
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * cache.gpu_memory_utilization - GPU_ACTIVATION_RESERVE_GB * 1e9)
     return int(CPU_KV_BUDGET_GB * 1e9)
