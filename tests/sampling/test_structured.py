@@ -214,6 +214,31 @@ def test_each_grammar_is_built_once_and_matchers_are_independent(tokenizer, monk
     assert len(built) == 3
 
 
+def test_threads_asking_for_one_new_grammar_build_it_once(tokenizer, monkeypatch):
+    import threading
+    import time
+
+    backend = StructuredOutputBackend(tokenizer, eos_token_id=EOS_ID, vocab_size=VOCAB)
+    built = []
+    build = StructuredOutputBackend._build
+
+    def slow(self, grammar, kind):
+        built.append(grammar)
+        time.sleep(0.2)  # the other threads arrive while it builds
+        return build(self, grammar, kind)
+
+    monkeypatch.setattr(StructuredOutputBackend, "_build", slow)
+    spec = StructuredOutputSpec(regex=r"[a-f]{5}")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(backend.matcher(spec)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(built) == 1 and len(got) == 4 and len({id(m) for m in got}) == 4
+
+
 def test_backend_validation(tokenizer):
     with pytest.raises(ValueError, match="vocab_size"):
         StructuredOutputBackend(tokenizer, eos_token_id=1, vocab_size=10)

@@ -193,6 +193,7 @@ class StructuredOutputBackend:
         self.cache_size = cache_size
         self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
+        self._building: dict[str, threading.Event] = {}  # grammars a thread is building (_lock)
 
     def compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
         """The pristine matcher of ``spec``'s grammar (never advanced: copy it), built once per
@@ -200,16 +201,27 @@ class StructuredOutputBackend:
         remembered). Safe from any thread: llguidance releases the interpreter lock while it
         builds, so building off the engine thread (`prepare`) keeps the engine stepping."""
         grammar = spec.to_llguidance()
-        with self._lock:
-            built = self._cache.get(grammar)
-            if built is not None:
-                self._cache.move_to_end(grammar)
-        if built is None:
-            built = self._build(grammar, spec.kind())
+        while True:
             with self._lock:
-                self._cache[grammar] = built
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                built = self._cache.get(grammar)
+                if built is not None:
+                    self._cache.move_to_end(grammar)
+                    break
+                other = self._building.get(grammar)  # another thread builds it: wait for that
+                if other is None:
+                    self._building[grammar] = threading.Event()
+                    break
+            other.wait()
+        if built is None:
+            try:
+                built = self._build(grammar, spec.kind())
+                with self._lock:
+                    self._cache[grammar] = built
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+            finally:
+                with self._lock:
+                    self._building.pop(grammar).set()
         if isinstance(built, str):
             raise ValueError(built)
         return built
