@@ -3,6 +3,7 @@ prefix cache. Standalone (no torch): opaque byte objects under 32-byte content k
 
 - erasure.py: the k + m shard codec (any k shards rebuild an object)
 - store.py: layout on disk, index, reads, background writer (`KVStore`)
+- shard_file.py: a shard file's header and checksum
 - config.py: its settings (`KVStoreConfig`: TTL, size bound, gc period) and counters
 - gc.py: TTL expiry, removal of expired objects and orphaned temp files, LRU eviction
 """
