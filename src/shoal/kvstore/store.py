@@ -174,7 +174,7 @@ class KVStore:
         if data is None:
             # No shard file left: another process sharing the directories removed it (its own
             # gc or eviction), a plain miss; else shards were lost or damaged.
-            gone = not any(os.path.exists(self.shard_path(i, key)) for i in range(self._n))
+            gone = self._disk_written_at(key) is None
             logger.debug("kvstore: %s has fewer than %d good shards (%s); removed", key.hex(),
                          self._k, "gone" if gone else "lost")
             self._count(lost_reads=0 if gone else 1, misses=1)
