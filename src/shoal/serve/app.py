@@ -183,7 +183,8 @@ class Server:
                 if prompt and ids is None:  # once, off the event loop (the engine takes ids)
                     ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
                                                   add_special_tokens=True)
-                prompt_ids.append(ids)
+                keep = body.truncate_prompt_tokens  # (the engine keeps a prompt's tail)
+                prompt_ids.append(ids[-keep:] if keep and ids is not None else ids)
                 handles.append(self._submit(prompt, params, ids, "prompt", body.priority,
                                             request))
             for handle in handles:
@@ -223,10 +224,10 @@ class Server:
         update, done, want_lp = lasts[i], False, params.logprobs
         (echo, echo_ids), echo_lp = echo, None
         try:
-            if echo and want_lp is not None:  # (the engine keeps a truncated prompt's tail)
+            if echo and want_lp is not None:
                 lps = update.prompt_logprobs or [None] * len(echo_ids)
-                echo_lp = self.logprobs.completion(
-                    list(zip(echo_ids[len(echo_ids) - len(lps):], lps, strict=True)), want_lp)
+                echo_lp = self.logprobs.completion(list(zip(echo_ids, lps, strict=True)),
+                                                   want_lp)
             # where each choice's next token starts (text_offset)
             offsets = [sum(map(len, echo_lp["tokens"])) if echo_lp else len(echo)] * params.n
             for j in range(params.n if echo else 0):

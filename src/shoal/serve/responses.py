@@ -16,11 +16,11 @@ from shoal.serve.protocol import (
 
 
 def echo_text(prompt: str | None, ids: list[int], body: CompletionRequest, tokenizer) -> str:
-    """The prompt `echo` shows: the one the engine saw (a truncated prompt's kept tail)."""
+    """The prompt `echo` shows: the one the engine saw (`ids`, a truncated prompt's kept tail,
+    decoded; else the prompt's own text)."""
     if prompt is not None and body.truncate_prompt_tokens is None:
         return prompt
-    return tokenizer.decode(ids[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens
-                            else ids)
+    return tokenizer.decode(ids)
 
 
 def echo_of(out: RequestOutput, body: CompletionRequest, fmt: LogprobFormat
