@@ -31,7 +31,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["full", "staircase", "bounded"])
     for name, kind in (("replay_window", int), ("max_num_seqs", int), ("max_model_len", int),
                        ("max_num_batched_tokens", int), ("kv_cache_memory_gb", float),
-                       ("block_size", int), ("kv_store_ttl_days", float),
+                       ("gpu_memory_utilization", float), ("block_size", int), ("kv_store_ttl_days", float),
                        ("collective_timeout_s", float)):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
@@ -76,7 +76,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "kv_cache_memory_gb", "load_format", "seed", "speculative",
+                "max_model_len", "kv_cache_memory_gb", "gpu_memory_utilization", "load_format", "seed", "speculative",
                 "spec_confidence", "spec_verify_budget", "spec_verify", "async_scheduling",
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
                 "kv_store_path", "kv_store_ttl_days", "kv_store_max_gb", "block_size",
@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--gpus", type=int, default=None, help="plan per GPU, experts over N GPUs")
     i.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=float, default=141.0)
     i.add_argument("--host-memory-gb", dest="host_memory_gb", type=float, default=None)
+    i.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   help="plan the pool as prefix caching sizes it (every block the budget holds)")
+    i.add_argument("--num-prefix-snapshots", dest="num_prefix_snapshots", type=int, default=64)
     sub.add_parser("make-checkpoint", add_help=False,
                    help="write a synthetic checkpoint (--preset NAME --out DIR [--seed N])")
     sub.add_parser("demo", help="write the tiny checkpoint, load it back, generate")

@@ -55,6 +55,12 @@ class CacheConfig:
     kv_store_ttl_days: float = 3.0
     kv_store_max_gb: float | None = None
 
+    @property
+    def device_snapshots(self) -> int:
+        """Ring snapshots the device pool holds: only exact prefix resumes keep them."""
+        exact = self.enable_prefix_caching and self.prefix_resume == "exact"
+        return self.num_prefix_snapshots if exact else 0
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 128:
             raise ShoalError(f"block_size: got {self.block_size}, expected a multiple of 128")

@@ -19,15 +19,21 @@ def print_info(args) -> int:
           f"draft, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     layout = print_roles(cfg)
     budget = int(args.kv_cache_memory_gb * 1e9)
-    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len)
+    prefix = args.enable_prefix_caching
+    snapshots = args.num_prefix_snapshots if prefix else 0
+    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len, snapshots,
+                       prefix_caching=prefix)
     print(f"memory plan for {args.kv_cache_memory_gb} GB: {plan.num_blocks} blocks of "
           f"{plan.block_size} tokens ({plan.max_context_tokens} context tokens), "
-          f"{plan.num_slots} request slots")
+          f"{plan.num_slots} request slots" + (
+              f", {snapshots} ring snapshots (prefix caching: every block the budget holds)"
+              if prefix else ""))
     if args.gpus is not None:
         from shoal.parallel.gpu_plan import plan_gpus
 
         gpus = plan_gpus(cfg, args.gpus, args.gpu_memory_gb, max_num_seqs=args.max_num_seqs,
-                         max_model_len=args.max_model_len, host_memory_gb=args.host_memory_gb)
+                         max_model_len=args.max_model_len, host_memory_gb=args.host_memory_gb,
+                         prefix_caching=prefix, num_snapshots=snapshots)
         print("\n".join(gpus.lines()))
     return 0
 

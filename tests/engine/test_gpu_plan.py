@@ -35,3 +35,26 @@ def test_info_prints_the_plan(capsys) -> None:
     out = capsys.readouterr().out
     assert "plan for 8 GPU(s) of 80 GB" in out and "routed experts 37.0 GB" in out
 
+
+
+def test_prefix_caching_plans_the_whole_pool(capsys) -> None:
+    """With prefix caching the pool takes every block the budget holds (less the snapshots),
+    as the engine sizes it; without, only what `max_num_seqs` max-length requests use."""
+    plain = plan_gpus(PRESETS["mini"], 1, 141, max_num_seqs=1, max_model_len=4096)
+    cached = plan_gpus(PRESETS["mini"], 1, 141, max_num_seqs=1, max_model_len=4096,
+                       prefix_caching=True, num_snapshots=64)
+    assert plain.kv_blocks == 4096 // 256 and cached.kv_blocks > 100 * plain.kv_blocks
+    assert main(["info", "--model", "mini", "--max-num-seqs", "1", "--max-model-len", "4096",
+                 "--kv-cache-memory-gb", "2"]) == 0
+    assert "16 blocks of 256 tokens" in capsys.readouterr().out
+    assert main(["info", "--model", "mini", "--max-num-seqs", "1", "--max-model-len", "4096",
+                 "--kv-cache-memory-gb", "2", "--enable-prefix-caching"]) == 0
+    out = capsys.readouterr().out
+    assert "64 ring snapshots" in out and "16 blocks of" not in out
+
+
+def test_gpu_memory_utilization_flag(capsys) -> None:
+    """vLLM's --gpu-memory-utilization reaches the engine config (checked before loading)."""
+    assert main(["generate", "--model", "tiny", "--device", "cpu",
+                 "--gpu-memory-utilization", "1.5", "--prompt", "x"]) == 2
+    assert "gpu_memory_utilization: got 1.5" in capsys.readouterr().err

@@ -64,8 +64,10 @@ class GpuPlan:
 
 def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_seqs: int,
               max_model_len: int, utilization: float = 0.9, block_size: int = 256,
-              host_memory_gb: float | None = None) -> GpuPlan:
-    """The plan of rank 0 (every rank holds the same bytes: the experts split evenly)."""
+              host_memory_gb: float | None = None, prefix_caching: bool = False,
+              num_snapshots: int = 0) -> GpuPlan:
+    """The plan of rank 0 (every rank holds the same bytes: the experts split evenly);
+    `prefix_caching` and `num_snapshots` as in `plan_memory`."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus}: expected >= 1")
     dense = experts = engram = 0
@@ -89,7 +91,8 @@ def plan_gpus(config: ModelConfig, gpus: int, gpu_memory_gb: float, *, max_num_s
         not even one request of max_model_len fits)."""
         kv = int((gpu_memory_gb * 1e9 - on_gpu) * utilization - GPU_ACTIVATION_RESERVE_GB * 1e9)
         try:
-            return kv, plan_memory(layout, max(kv, 0), max_num_seqs, max_model_len)
+            return kv, plan_memory(layout, max(kv, 0), max_num_seqs, max_model_len,
+                                   num_snapshots, prefix_caching=prefix_caching)
         except ValueError:
             return kv, None
 

@@ -47,12 +47,13 @@ def engram_on_host(config: EngineConfig, device: torch.device, world: int = 1) -
         return False
     if placement == "host":
         return True
-    sched = config.scheduler
+    sched, cache = config.scheduler, config.cache
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
     return not plan_gpus(mc, world, total, max_num_seqs=sched.max_num_seqs,
                          max_model_len=sched.max_model_len,
-                         utilization=config.cache.gpu_memory_utilization,
-                         block_size=config.cache.block_size).engram_on_gpu
+                         utilization=cache.gpu_memory_utilization, block_size=cache.block_size,
+                         prefix_caching=cache.enable_prefix_caching,
+                         num_snapshots=cache.device_snapshots).engram_on_gpu
 
 
 @dataclass(frozen=True)

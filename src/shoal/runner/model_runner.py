@@ -106,8 +106,7 @@ class ModelRunner:
             cache = self.config.cache
             return plan_memory(self.layout, kv_budget_bytes(self.config, self.device),
                                sched.max_num_seqs, sched.max_model_len,
-                               cache.num_prefix_snapshots if cache.enable_prefix_caching
-                               and cache.prefix_resume == "exact" else 0,
+                               cache.device_snapshots,
                                prefix_caching=cache.enable_prefix_caching)
         except ValueError as exc:
             raise ShoalError(f"KV cache: {exc}") from None
