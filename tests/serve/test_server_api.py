@@ -310,3 +310,30 @@ def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tmp_path) -> None
     assert main(["serve", path, "--device", "cpu", "--max-model-len", "64",
                  "--port", "8123"]) == 0
     assert ran["port"] == 8123 and ran["app"].state.server.model_name == path
+
+
+def test_continuous_usage_stats(live: LiveServer) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries its request's usage
+    so far (its kept prompt tokens, the tokens its choices generated up to that chunk); the
+    final usage chunk still sums the request."""
+    client = live.client()
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(
+        model="tiny", prompt=[[5, 6, 7, 8, 9], [10, 11]], max_tokens=5, n=2, stream=True,
+        temperature=1.0, seed=4, stream_options=opts,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4}))
+    for prompt, kept in ((0, 4), (1, 2)):
+        mine = [c for c in chunks if c.choices and c.choices[0].index // 2 == prompt]
+        done = [c.usage.completion_tokens for c in mine]
+        assert all(c.usage.prompt_tokens == kept for c in mine)
+        assert done == sorted(done) and done[-1] == 10 and done[0] >= 1
+        assert all(c.usage.total_tokens == kept + c.usage.completion_tokens for c in mine)
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == 6
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options=opts, extra_body={"ignore_eos": True}))
+    assert chat[0].usage.completion_tokens <= 1 and chat[0].choices[0].delta.role
+    assert [c.usage.completion_tokens for c in chat[-2:]] == [4, 4]  # finish, usage chunk
+    plain = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True))
+    assert all(c.usage is None for c in plain)

@@ -2,8 +2,9 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent events with
 reasoning / content / tool-call deltas and an optional usage chunk), /v1/models (and
-/v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version. Errors have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for
-a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
+/v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version; the streams' chunks
+are made in serve/streams.py. Errors have OpenAI's body (`{"error": {"message", "type",
+"param", "code"}}`): 400 for a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
 429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
 cuts ends with finish_reason `abort` and an error event).
 
@@ -35,17 +36,15 @@ from shoal.serve.metrics import Metrics
 from shoal.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_deltas,
     error_body,
     usage_of,
 )
-from shoal.serve.protocol import finish_reason as _finish_reason
 from shoal.serve.replica_loop import ReplicaLoop
 from shoal.serve.responses import chat_response, completion_response, echo_text
 from shoal.serve.sse import merge, sse
+from shoal.serve.streams import chat_stream, completion_chunks
 from shoal.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shoal.tokenizer.encoding import encode_messages
-from shoal.tokenizer.parser import OutputParser
 
 DISCONNECT_POLL_S = 0.25
 logger = logging.getLogger(__name__)
@@ -96,14 +95,14 @@ class Server:
                 handle.updates.put_nowait(None)
                 return
 
-    def _abort(self, handle: Handle) -> None:
+    def abort(self, handle: Handle) -> None:
         handle.watcher.cancel()
         self.loop.abort(handle)
 
     async def _first(self, handle: Handle) -> Update:
         """The first update; a request rejected by the engine becomes a 400, one the engine
         ended before it produced anything (shutdown, an engine failure) a 503."""
-        update = await self._next(handle)
+        update = await self.next_update(handle)
         if all(r == "abort" for r in update.finish_reasons) and not any(update.token_ids):
             raise APIError(503, self.loop.stopped_reason(), "server_error")
         out = update.output
@@ -112,7 +111,7 @@ class Server:
                            else None)
         return update
 
-    async def _next(self, handle: Handle) -> Update:
+    async def next_update(self, handle: Handle) -> Update:
         """The request's next update (APIError 499 once its client has gone)."""
         update = await handle.updates.get()
         if update is None:
@@ -131,6 +130,7 @@ class Server:
                 self.metrics.itl.observe((now - last) / tokens)
         if tokens:
             handle.last_token_time = now
+            handle.generated += tokens
         if update.output is not None:
             self.metrics.e2e.observe(now - handle.submitted)
         if update.output is not None or all(r == "abort" for r in update.finish_reasons):
@@ -143,12 +143,12 @@ class Server:
         while update.output is None:
             if all(r == "abort" for r in update.finish_reasons):
                 raise APIError(503, self.loop.stopped_reason(), "server_error")
-            update = await self._next(handle)
+            update = await self.next_update(handle)
         if update.output.error is not None:
             raise APIError(500, update.output.error, "server_error")
         return update.output
 
-    def _stream_end(self, updates: list[Update], body, rid: str, created: int,
+    def stream_end(self, updates: list[Update], body, rid: str, created: int,
                     obj: str) -> Iterator[str]:
         """After the requests' last updates: the usage chunk when asked for
         (`stream_options.include_usage`), or an error event when the server cut the stream
@@ -191,7 +191,7 @@ class Server:
                 firsts.append(await self._first(handle))
         except BaseException:  # one prompt refused: none of them runs
             for handle in handles:
-                self._abort(handle)
+                self.abort(handle)
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -208,54 +208,12 @@ class Server:
                                   body, echoes: list[tuple]) -> AsyncIterator[str]:
         """The prompts' chunks as they come (merged), then the end over all of them."""
         lasts: list[Update] = list(firsts)
-        async for line in merge([self._completion_chunks(i, lasts, handle, rid, created,
-                                                         params, echoes[i])
+        async for line in merge([completion_chunks(self, i, lasts, handle, rid, created,
+                                                   params, body, echoes[i])
                                  for i, handle in enumerate(handles)]):
             yield line
-        for line in self._stream_end(lasts, body, rid, created, "text_completion"):
+        for line in self.stream_end(lasts, body, rid, created, "text_completion"):
             yield line
-
-    async def _completion_chunks(self, i: int, lasts: list[Update], handle: Handle,
-                                 rid: str, created: int, params, echo: tuple
-                                 ) -> AsyncIterator[str]:
-        """Prompt i's chunks (after `echo`, its (text, token ids) when echoed, with the
-        prompt's log-probs when asked), from its update in lasts[i] to its last (kept in
-        lasts[i])."""
-        update, done, want_lp = lasts[i], False, params.logprobs
-        (echo, echo_ids), echo_lp = echo, None
-        try:
-            if echo and want_lp is not None:
-                lps = update.prompt_logprobs or [None] * len(echo_ids)
-                echo_lp = self.logprobs.completion(list(zip(echo_ids, lps, strict=True)),
-                                                   want_lp)
-            # where each choice's next token starts (text_offset)
-            offsets = [sum(map(len, echo_lp["tokens"])) if echo_lp else len(echo)] * params.n
-            for j in range(params.n if echo else 0):
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [{
-                               "index": i * params.n + j, "text": echo, "logprobs": echo_lp,
-                               "finish_reason": None}]})
-            while True:
-                for j, (text, entries, reason) in enumerate(zip(
-                        update.text, update.logprobs, update.finish_reasons, strict=True)):
-                    if text or reason is not None or entries:
-                        lp = self.logprobs.completion(entries, want_lp, offsets[j]) \
-                            if want_lp is not None and entries else None
-                        if lp is not None:
-                            offsets[j] += sum(len(x) for x in lp["tokens"])
-                        yield sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": self.model_name, "choices": [{
-                                        "index": i * params.n + j, "text": text,
-                                        "logprobs": lp,
-                                        "finish_reason": _finish_reason(reason)}]})
-                if update.output is not None or all(r is not None
-                                                    for r in update.finish_reasons):
-                    break
-                update = lasts[i] = await self._next(handle)
-            done = True
-        finally:
-            if not done:
-                self._abort(handle)
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -272,58 +230,13 @@ class Server:
         first = await self._first(handle)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._chat_stream(first, handle, rid, created, prompt,
-                                                       params.logprobs, body),
+            return StreamingResponse(chat_stream(self, first, handle, rid, created, prompt,
+                                                 params.logprobs, body),
                                      media_type="text/event-stream")
         out = await self._collect(first, handle)
         parse_chat_output(out, prompt)
         return chat_response(rid, created, self.model_name, body, out, self.logprobs)
 
-    async def _chat_stream(self, update: Update, handle: Handle, rid: str,
-                           created: int, prompt: str, want_lp: int | None, body
-                           ) -> AsyncIterator[str]:
-        n = len(update.text)
-        parsers = [OutputParser.for_prompt(prompt) for _ in range(n)]
-        calls: list[dict[int, str]] = [{} for _ in range(n)]  # call index -> id
-        ended = [False] * n
-
-        def chunk(index: int, delta: dict, reason: str | None = None, lp=None) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.model_name, "choices": [{
-                             "index": index, "delta": delta, "logprobs": lp,
-                             "finish_reason": reason}]})
-
-        done = False
-        try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            while True:
-                for i in range(n):
-                    if ended[i]:
-                        continue
-                    events = parsers[i].feed(update.text[i])
-                    reason = update.finish_reasons[i]
-                    if reason is not None:
-                        events += parsers[i].close()
-                    lp = self.logprobs.chat(update.logprobs[i], want_lp) \
-                        if want_lp is not None and update.logprobs[i] else None
-                    for delta in chat_deltas(events, calls[i]):
-                        yield chunk(i, delta, lp=lp)
-                        lp = None
-                    if lp is not None:
-                        yield chunk(i, {}, lp=lp)
-                    if reason is not None:
-                        ended[i] = True
-                        yield chunk(i, {}, _finish_reason(reason, bool(calls[i])))
-                if all(ended) or update.output is not None:
-                    break
-                update = await self._next(handle)
-            done = True
-            for line in self._stream_end([update], body, rid, created, "chat.completion.chunk"):
-                yield line
-        finally:
-            if not done:
-                self._abort(handle)
 
 def create_app(llm, *, model_name: str, api_key: str | None = None,
                limits: Limits | None = None) -> FastAPI:

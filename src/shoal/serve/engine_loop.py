@@ -63,6 +63,7 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # produced a token (or finished): no longer queued
     last_token_time: float | None = None  # (metrics: inter-token latency)
+    generated: int = 0  # tokens its choices produced so far (the web side counts them)
     sent: list[list[int]] = field(default_factory=list)  # per choice: text, tokens, logprobs
     watcher: asyncio.Task | None = None  # the web side's disconnect watch
 

@@ -68,6 +68,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class ResponseFormat(BaseModel):
