@@ -254,7 +254,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path, grace: int) -
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--model", "tiny",
                              "--device", "cpu", "--port", str(port), "--max-model-len", "128",
-                             "--shutdown-grace", str(grace), "--threads", "1"],
+                             "--shutdown-grace", str(grace), "--threads", "1",
+                             # (uvicorn's pass-throughs: the server must still start)
+                             "--root-path", "/api", "--allowed-origins", "http://ui.example",
+                             "--uvicorn-log-level", "error"],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"

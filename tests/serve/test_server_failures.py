@@ -7,6 +7,7 @@ malformed JSON is named as such."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -116,3 +117,40 @@ def test_unknown_fields_are_ignored_and_bad_json_is_named(live: LiveServer) -> N
     code, reply = post(live, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert code == 400 and "top_logprobs" in reply["error"]["message"]
+
+
+def test_cors_preflight_and_origins() -> None:
+    """--allowed-origins: a browser's preflight is answered without the key (it carries none),
+    an allowed origin's calls get its CORS header, another origin's preflight is refused; a
+    server without origins sends no CORS header."""
+    live = LiveServer(max_num_seqs=2, max_model_len=128, allowed_origins=["http://ui.example"])
+    try:
+        def preflight(origin: str):
+            return urllib.request.Request(
+                live.base + "/v1/chat/completions", method="OPTIONS",
+                headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type"})
+
+        with urllib.request.urlopen(preflight("http://ui.example"), timeout=10) as r:
+            assert r.status == 200
+            assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(preflight("http://evil.example"), timeout=10)
+        assert refused.value.code == 400
+        models = urllib.request.Request(live.base + "/v1/models", headers={
+            "Origin": "http://ui.example", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(models, timeout=10) as r:
+            assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        with pytest.raises(urllib.error.HTTPError) as no_key:  # the key is still required
+            urllib.request.urlopen(urllib.request.Request(
+                live.base + "/v1/models", headers={"Origin": "http://ui.example"}), timeout=10)
+        assert no_key.value.code == 401
+    finally:
+        live.stop()
+    plain = LiveServer(max_num_seqs=2, max_model_len=128)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(plain.base + "/health", headers={
+                "Origin": "http://ui.example"}), timeout=10) as r:
+            assert "access-control-allow-origin" not in r.headers
+    finally:
+        plain.stop()

@@ -22,8 +22,10 @@ class LiveServer:
 
         limits = Limits(engine_options.pop("max_queued_requests", 256),
                         engine_options.pop("max_queued_prompt_tokens", 1 << 20))
+        origins = engine_options.pop("allowed_origins", ())
         self.llm = LLM(engine_options.pop("model", "tiny"), device="cpu", **engine_options)
-        self.app = create_app(self.llm, model_name="tiny", api_key=API_KEY, limits=limits)
+        self.app = create_app(self.llm, model_name="tiny", api_key=API_KEY, limits=limits,
+                              allowed_origins=origins)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

@@ -19,9 +19,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -239,7 +240,9 @@ class Server:
 
 
 def create_app(llm, *, model_name: str, api_key: str | None = None,
-               limits: Limits | None = None) -> FastAPI:
+               limits: Limits | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
+    """The app; `allowed_origins`: the origins browsers may call it from (CORS, outside the
+    key check so that a preflight, which carries no key, is answered)."""
     server = Server(llm, model_name, limits or Limits())
 
     @contextlib.asynccontextmanager
@@ -253,6 +256,9 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
 
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
 
     install_error_handlers(app)
 

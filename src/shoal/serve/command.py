@@ -28,6 +28,16 @@ def serve_args(s: argparse.ArgumentParser) -> None:
                    default=1 << 20)
     s.add_argument("--shutdown-grace", dest="shutdown_grace", type=float, default=30.0,
                    help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--allowed-origins", dest="allowed_origins", action="append", default=None,
+                   help="an origin browsers may call from (CORS; repeatable, '*' for any; "
+                   "default: none)")
+    s.add_argument("--root-path", dest="root_path", default="",
+                   help="the path prefix a proxy serves this under (ASGI root_path)")
+    s.add_argument("--ssl-keyfile", dest="ssl_keyfile", default=None)
+    s.add_argument("--ssl-certfile", dest="ssl_certfile", default=None)
+    s.add_argument("--uvicorn-log-level", dest="uvicorn_log_level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="info logs every request")
 
 
 def cmd_serve(args, check_config: Callable[[Any], None], make_llm: Callable[[Any], Any]) -> int:
@@ -45,14 +55,18 @@ def cmd_serve(args, check_config: Callable[[Any], None], make_llm: Callable[[Any
     llm = make_llm(args)
     name = args.served_model_name or args.model
     app = create_app(llm, model_name=name, api_key=args.api_key or os.environ.get(
-        "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens))
-    print(f"shoal serve: {llm.startup_summary()}; serving {name} on http://{args.host}:"
-          f"{args.port}/v1", file=sys.stderr)
+        "SHOAL_API_KEY"), limits=Limits(args.max_queued_requests, args.max_queued_prompt_tokens),
+        allowed_origins=args.allowed_origins or ())
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"shoal serve: {llm.startup_summary()}; serving {name} on {scheme}://{args.host}:"
+          f"{args.port}{args.root_path}/v1", file=sys.stderr)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
     # handler found at start: make that one a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, root_path=args.root_path,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             timeout_graceful_shutdown=args.shutdown_grace)
     graceful_server(uvicorn, config, app.state.server.loop.stop).run()
     print("shoal serve: stopped", file=sys.stderr)
