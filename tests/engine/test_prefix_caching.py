@@ -178,6 +178,24 @@ def test_the_store_serves_a_new_engine_and_a_corrupt_store_is_a_miss(
     assert got == expected and stats.hit_tokens == 0
 
 
+def test_engines_sharing_a_store_serve_each_other(checkpoint: Path, tmp_path: Path) -> None:
+    """Two engines open one store directory (data-parallel replicas): blocks one writes after
+    both opened serve the other's request sharing the prefix, with the outputs of a run
+    without the cache."""
+    rng = random.Random(5)
+    shared = [rng.randint(3, 500) for _ in range(300)]
+    first, second = shared + [7] * 10, shared + [rng.randint(3, 500) for _ in range(50)]
+    expected = outputs(llm(checkpoint, False, prefill_mode="full"), [second], GREEDY)
+    store = str(tmp_path / "kv")
+    writer, reader = (llm(checkpoint, True, prefill_mode="full", kv_store_path=store)
+                      for _ in range(2))
+    outputs(writer, [first], GREEDY)
+    writer.engine.runner.offload.flush()
+    assert outputs(reader, [second], GREEDY) == expected
+    stats = reader.engine.scheduler.prefix_stats
+    assert (stats.hit_tokens, stats.store_hit_tokens) == (256, 256)
+
+
 def pages(caches, blocks: list[int]) -> list[torch.Tensor]:
     """Copies of `blocks`' pages in every source's compressed-KV and index-K planes."""
     return [plane[b * caches.rows_per_block(source):][:caches.rows_per_block(source)].clone()

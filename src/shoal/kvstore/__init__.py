@@ -6,6 +6,7 @@ prefix cache. Standalone (no torch): opaque byte objects under 32-byte content k
 - shard_file.py: a shard file's header and checksum
 - config.py: its settings (`KVStoreConfig`: TTL, size bound, gc period) and counters
 - gc.py: TTL expiry, removal of expired objects and orphaned temp files, LRU eviction
+- sharing.py: several processes over one store's directories (others' objects, one bound)
 """
 
 from shoal.kvstore.config import KVStoreConfig, KVStoreStats

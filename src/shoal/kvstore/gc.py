@@ -120,6 +120,21 @@ def recover(dirs: Sequence[Path], *, min_shards: int, live_token: str,
     return objects, removed
 
 
+def scan_shards(root: Path) -> dict[bytes, tuple[float, int]]:
+    """`{key: (mtime, size)}` of the shard files in one shard directory (one listing, one stat
+    per file); a file removed meanwhile is skipped."""
+    found: dict[bytes, tuple[float, int]] = {}
+    for sub in _fanout_dirs(root):
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(sub):
+                key = _shard_key(e.name)
+                if key is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = e.stat()
+                        found[key] = (st.st_mtime, st.st_size)
+    return found
+
+
 def sweep_temps(dirs: Sequence[Path], live_token: str, orphan_age_s: float) -> int:
     """Remove stale orphaned temp files under the shard directories (`dir/<hex[:2]>/<file>`)."""
     removed = 0

@@ -1,10 +1,15 @@
 """The shard file format of the KV block store: a 64-byte header (magic, format version, shard
 index, shard count, key, object length, write id, xxh3-64 checksum of the header's other fields
-and the payload) followed by the payload. A shard is used only if all of it checks out."""
+and the payload) followed by the payload. A shard is used only if all of it checks out.
+An object's shards are written in index order, each as a temp file renamed into place, so the
+last shard's file existing means the whole object was written."""
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import xxhash
 
@@ -35,3 +40,36 @@ def parse(raw: bytes, index: int, count: int, key: bytes) -> tuple[bytes, int] |
     h = xxhash.xxh3_64(view[:CHECKED])
     h.update(view[HEADER.size:])
     return (raw[HEADER.size:], write) if h.intdigest() == checksum else None
+
+
+def write_object(paths: Sequence[Path], key: bytes, length: int, write: int,
+                 payloads: Sequence[bytes], temp_name: Callable[[str], str],
+                 mtime: float) -> None:
+    """Write shard i of the object `key` to paths[i], in order, each as a temp file (named by
+    `temp_name(stem)`) renamed into place with `mtime`; on an error no shard of this write
+    remains and the error is raised."""
+    done: list[Path] = []
+    tmp: Path | None = None
+    try:
+        for i, (final, payload) in enumerate(zip(paths, payloads, strict=True)):
+            head = header(i, len(paths), key, length, write, payload)
+            tmp = final.with_name(temp_name(final.stem))
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # fan-out directory: made on first use (or after loss)
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
+                f.write(head)
+                f.write(payload)
+            os.utime(tmp, (mtime, mtime))
+            os.replace(tmp, final)
+            tmp = None
+            done.append(final)
+    except BaseException:
+        for p in done + ([tmp] if tmp is not None else []):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        raise

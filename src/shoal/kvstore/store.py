@@ -15,10 +15,9 @@ that takes it over `max_bytes` makes the writer evict the least recently used ob
 `written_at`; never the object just written) down to `EVICT_TO * max_bytes`; an object over
 `max_bytes` alone is not written; an open over the bound evicts at once. gc (expiry, orphans)
 runs at open, then on the writer every `config.gc_every_s` of the store's clock.
-Several processes (data-parallel replicas) may share the directories, each with its own index:
-each bounds what its index counts (N processes: about N * max_bytes at most); gc and eviction
-keep an object whose files another process refreshed (their mtime), and a `get` of an object
-another process removed is a plain miss (not a lost read).
+Several processes (data-parallel replicas) may share the directories, each with its own
+index (sharing.py: an index miss looks at the disk; with `max_bytes`, rescans keep every index
+counting the directories, so the bound holds for all of them).
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
@@ -44,7 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from shoal.kvstore import gc as kvgc
-from shoal.kvstore import shard_file
+from shoal.kvstore import shard_file, sharing
 from shoal.kvstore.config import KVStoreConfig, KVStoreStats
 from shoal.kvstore.erasure import ErasureCodec
 
@@ -91,6 +90,7 @@ class KVStore:
         self._token = uuid.uuid4().hex[:16]  # names this writer's temp files (see gc.py)
         self._index: dict[bytes, _Entry] = {}
         self._disk_bytes = 0
+        self._since_rescan = 0  # bytes this writer wrote since its last rescan
         self._pending: Counter = Counter()  # keys queued with data, not yet written (_lock)
         self._io_lock = threading.Lock()  # object writes, gc, eviction, lost-object removal
         self._lock = threading.Lock()  # the counters and the enabled flag
@@ -188,10 +188,17 @@ class KVStore:
         return data
 
     def contains(self, key: bytes) -> bool:
-        """Index lookup (no I/O): present, not expired, store enabled."""
+        """Present, not expired, store enabled: the index, else the disk (another process's
+        object written after this index was built; one stat)."""
+        if not self._enabled:
+            return False
         entry = self._index.get(key)
-        return (self._enabled and entry is not None
-                and not kvgc.is_expired(entry.written_at, self._clock(), self.config.ttl_s))
+        found = (entry.written_at, entry.disk_bytes) if entry is not None else self._on_disk(key)
+        return found is not None and not kvgc.is_expired(found[0], self._clock(),
+                                                         self.config.ttl_s)
+
+    def _on_disk(self, key: bytes) -> tuple[float, int] | None:
+        return sharing.on_disk(self.shard_path(self._n - 1, key), self._n)
 
     def gc(self) -> kvgc.GcReport:
         """Remove expired objects and orphaned temp files (run on open and by the writer every
@@ -312,7 +319,17 @@ class KVStore:
                 return
             written = self._write_object(key, data)
         if written:
+            bound = self.config.max_bytes
+            self._since_rescan += self._index[key].disk_bytes
+            if bound is not None and self._since_rescan >= sharing.RESCAN_EVERY * bound:
+                self._rescan()
             self._evict(keep=key)
+
+    def _rescan(self) -> None:
+        self._since_rescan = 0
+        sharing.rescan(self.dirs[-1], self._index, self._n, lock=self._io_lock,
+                       add=lambda key, mtime, size: self._index_add(key, _Entry(mtime, size)),
+                       remove_object=self._remove_object, disk_written_at=self._disk_written_at)
 
     def _evict(self, keep: bytes | None) -> None:
         """Evict least recently used objects down to EVICT_TO * max_bytes if over max_bytes."""
@@ -331,8 +348,12 @@ class KVStore:
 
     def _refresh(self, key: bytes) -> None:
         entry = self._index.get(key)
-        if entry is None:
-            return  # removed by gc after the put was queued: nothing to refresh
+        if entry is None:  # another process's object: indexed now; else gone, nothing to do
+            found = self._on_disk(key)
+            if found is None:
+                return
+            entry = _Entry(*found)
+            self._index_add(key, entry)
         now = self._clock()
         for i in range(self._n):
             with contextlib.suppress(FileNotFoundError):  # a lost shard: reads rebuild it
@@ -348,29 +369,9 @@ class KVStore:
             self._count(dropped_puts=1, oversized_puts=1)
             return False
         write = int.from_bytes(os.urandom(8), "little")
-        done: list[Path] = []
-        tmp: Path | None = None
-        try:
-            for i, payload in enumerate(shards):
-                head = shard_file.header(i, self._n, key, len(data), write, payload)
-                final = self.shard_path(i, key)
-                tmp = final.with_name(kvgc.temp_name(final.stem, self._token))
-                try:
-                    f = open(tmp, "wb")
-                except FileNotFoundError:  # fan-out directory: made on first use (or after loss)
-                    tmp.parent.mkdir(parents=True, exist_ok=True)
-                    f = open(tmp, "wb")
-                with f:
-                    f.write(head)
-                    f.write(payload)
-                os.utime(tmp, (now, now))
-                os.replace(tmp, final)
-                tmp = None
-                done.append(final)
-        except BaseException:
-            for p in done + ([tmp] if tmp is not None else []):  # no partial object remains
-                kvgc.unlink_quiet(p)
-            raise
+        shard_file.write_object([self.shard_path(i, key) for i in range(self._n)], key,
+                                len(data), write, shards,
+                                lambda stem: kvgc.temp_name(stem, self._token), now)
         self._index_add(key, _Entry(now, disk_bytes))
         return True
 

@@ -1,0 +1,82 @@
+"""Several stores (processes) over one directory set: an object another store wrote after this
+one opened is a hit and joins this index on its first refresh; an object whose last shard is
+not yet written is not; with a size bound the stores' rescans keep the directories under it
+(each store alone would hold the bound), and rescans drop objects another store removed."""
+
+from __future__ import annotations
+
+from kvstore.test_capacity import SIZE, object_bytes, on_disk, put_at  # noqa: F401 (fixture)
+from kvstore.test_store import FakeClock, blob, key
+from shoal.kvstore import KVStore
+from shoal.kvstore.sharing import RESCAN_EVERY
+
+
+def test_an_object_written_by_another_store_after_open_is_a_hit(tmp_path):
+    clock = FakeClock()
+    with KVStore(tmp_path, ttl_s=100, clock=clock) as a, \
+            KVStore(tmp_path, ttl_s=100, clock=clock) as b:
+        assert not a.contains(key(1))
+        put_at(b, clock, 1)
+        assert a.contains(key(1)) and a.get(key(1)) == blob(SIZE, 1)
+        assert a.stats().objects == 0  # on disk, not yet in a's index
+        clock.t += 60
+        a.touch(key(1))  # a's hit: indexed and refreshed for every store
+        a.flush()
+        assert a.stats().objects == 1
+        clock.t += 60  # 120 s after b's write, 60 s after a's hit
+        assert a.contains(key(1)) and b.gc().expired == 0 and b.contains(key(1))
+        assert a.put(key(1), blob(SIZE, 9))  # present: refreshed, not rewritten
+        a.flush()
+        assert b.get(key(1)) == blob(SIZE, 1) and a.stats().dropped_puts == 0
+        clock.t += 101
+        assert not a.contains(key(1))  # expired by its files' time too
+
+
+def test_an_object_without_its_last_shard_is_not_a_hit(tmp_path):
+    """A write renames its shards in order: until the last is there, another store misses."""
+    with KVStore(tmp_path) as a, KVStore(tmp_path) as b:
+        b.put(key(2), blob(SIZE, 2))
+        b.flush()
+        last = b.shard_path(11, key(2))
+        held = last.read_bytes()
+        last.unlink()  # as if b were still writing it
+        assert not a.contains(key(2)) and a.get(key(2)) is None
+        assert all(b.shard_path(i, key(2)).exists() for i in range(11))  # left alone
+        last.write_bytes(held)
+        assert a.get(key(2)) == blob(SIZE, 2)
+
+
+def test_the_bound_holds_for_stores_sharing_the_directories(tmp_path, object_bytes):
+    """Two stores each bounded at 20 objects write 30 each: together the files stay within
+    the bound (plus each one's writes between rescans), the most recent objects stay, and each
+    index counts the other's objects."""
+    clock = FakeClock()
+    bound = 20 * object_bytes
+    with KVStore(tmp_path, max_bytes=bound, clock=clock) as a, \
+            KVStore(tmp_path, max_bytes=bound, clock=clock) as b:
+        for i in range(30):
+            put_at(a, clock, 2 * i)
+            put_at(b, clock, 2 * i + 1)
+            assert on_disk(tmp_path) <= bound * (1 + 2 * RESCAN_EVERY) + object_bytes
+        assert on_disk(tmp_path) <= bound
+        assert all(a.contains(key(i)) and b.contains(key(i)) for i in range(56, 60))
+        assert not a.contains(key(0)) and not b.contains(key(1))
+        assert a.stats().objects > 10 and b.stats().objects > 10  # both stores' objects
+        assert a.stats().evicted + b.stats().evicted >= 40
+
+
+def test_a_rescan_drops_objects_another_store_removed(tmp_path, object_bytes):
+    clock = FakeClock()
+    with KVStore(tmp_path, clock=clock) as b:
+        for i in range(3):
+            put_at(b, clock, i)
+    with KVStore(tmp_path, max_bytes=100 * object_bytes, clock=clock) as a:
+        assert a.stats().objects == 3
+        for i in range(3):
+            for d in range(12):
+                a.shard_path(d, key(i)).unlink()
+        put_at(a, clock, 10)
+        for i in range(11, 16):  # 5 objects of 100: past RESCAN_EVERY of the bound
+            put_at(a, clock, i)
+        st = a.stats()
+        assert st.objects == 6 and st.bytes_on_disk == on_disk(tmp_path) == 6 * object_bytes
