@@ -15,16 +15,7 @@ from kvstore.test_store import FakeClock, blob, key, kvs_files, warnings_of
 from shoal.kvstore import KVStore
 from shoal.kvstore.store import EVICT_TO
 
-SIZE = 1000  # bytes of each object's data
-
-
-@pytest.fixture(scope="module")
-def object_bytes(tmp_path_factory) -> int:
-    """Shard file bytes of one SIZE-byte object (all such objects take the same)."""
-    with KVStore(tmp_path_factory.mktemp("probe")) as s:
-        s.put(key(0), blob(SIZE))
-        s.flush()
-        return s.stats().bytes_on_disk
+SIZE = 1000  # bytes of each object's data (the `object_bytes` fixture: conftest.py)
 
 
 def on_disk(root) -> int:

@@ -5,7 +5,7 @@ not yet written is not; with a size bound the stores' rescans keep the directori
 
 from __future__ import annotations
 
-from kvstore.test_capacity import SIZE, object_bytes, on_disk, put_at  # noqa: F401 (fixture)
+from kvstore.test_capacity import SIZE, on_disk, put_at
 from kvstore.test_store import FakeClock, blob, key
 from shoal.kvstore import KVStore
 from shoal.kvstore.sharing import RESCAN_EVERY

@@ -304,11 +304,12 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path, grace: int) -
             proc.kill()
 
 
-def test_prefix_cache_hits_show_in_the_metrics() -> None:
+def test_prefix_cache_hits_show_in_the_metrics(tmp_path) -> None:
     """The same 200-token prompt twice: the second resumes at the 128-token boundary (the same
-    completion), and /metrics counts the hit."""
+    completion), and /metrics counts the hit, and the KV store's counters."""
     server = LiveServer(max_num_seqs=4, max_model_len=256, block_size=128,
-                        enable_prefix_caching=True, prefill_mode="full")
+                        enable_prefix_caching=True, prefill_mode="full",
+                        kv_store_path=str(tmp_path / "kv"))
     try:
         prompt = [3 + (7 * i) % 400 for i in range(200)]
         texts = [server.client().completions.create(
@@ -321,5 +322,8 @@ def test_prefix_cache_hits_show_in_the_metrics() -> None:
             text = r.read().decode()
         assert "shoal_prefix_hit_tokens_total 128.0" in text, text
         assert "shoal_prefix_query_tokens_total 400.0" in text
+        assert "shoal_kv_store_puts_total" in text
+        assert "shoal_kv_store_dropped_puts_total 0.0" in text
+        assert "shoal_kv_store_lost_reads_total 0.0" in text
     finally:
         server.stop()

@@ -381,3 +381,8 @@ class EngineLoop:
                 prefix_snapshot_evictions=prefix.snapshot_evictions,
                 kv_block_evictions=scheduler.kv.pool.num_evictions,
                 kv_blocks_cached_idle=scheduler.kv.pool.num_evictable)
+            store = scheduler.kv.prefix.store
+            if store is not None:
+                st = store.stats()
+                self.snapshot.update({f"kv_store_{name}": getattr(st, name) for name in (
+                    "puts", "dropped_puts", "hits", "misses", "lost_reads", "evicted")})

@@ -25,7 +25,12 @@ COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
             "prefix_snapshots_saved": "ring snapshots saved", "prefix_snapshot_evictions":
             "ring snapshots evicted", "kv_block_evictions": "cached KV blocks evicted",
             "spec_verify_rows": "rows that verified speculative drafts (mean accepted length: "
-            "1 + drafts_accepted / spec_verify_rows)"}
+            "1 + drafts_accepted / spec_verify_rows)",
+            "kv_store_puts": "objects handed to the KV store", "kv_store_dropped_puts":
+            "of those, not written (queue full, write failed, disk full, over the bound)",
+            "kv_store_hits": "KV store reads served", "kv_store_misses": "KV store reads missed",
+            "kv_store_lost_reads": "KV store objects found with too few good shards (removed)",
+            "kv_store_evicted": "KV store objects evicted by its size bound"}
 PER_POSITION = {"drafts_proposed_at": "speculative drafts verified at this draft position",
                 "drafts_accepted_at": "speculative drafts accepted at this draft position"}
 
