@@ -2,8 +2,9 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent events with
 reasoning / content / tool-call deltas and an optional usage chunk), /v1/models (and
-/v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version; the streams' chunks
-are made in serve/streams.py. Errors have OpenAI's body (`{"error": {"message", "type",
+/v1/models/{id}), /v1/responses (OpenAI's Responses API over the chat path, stored responses
+by id: responses_api.py, responses_stream.py), /tokenize, /detokenize, /health, /metrics,
+/version; the completion and chat streams' chunks are made in serve/streams.py. Errors have OpenAI's body (`{"error": {"message", "type",
 "param", "code"}}`): 400 for a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
 429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
 cuts ends with finish_reason `abort` and an error event).
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from shoal import __version__
 from shoal.engine.outputs import RequestOutput
 from shoal.llm import parse_chat_output
+from shoal.serve import responses_api
 from shoal.serve.auth import RequireKey
 from shoal.serve.engine_loop import EngineLoop, EngineStopped, Handle, Limits, QueueFull, Update
 from shoal.serve.errors import APIError, install_error_handlers
@@ -42,6 +44,8 @@ from shoal.serve.protocol import (
 )
 from shoal.serve.replica_loop import ReplicaLoop
 from shoal.serve.responses import chat_response, completion_response, echo_text
+from shoal.serve.responses_api import ResponsesRequest
+from shoal.serve.responses_stream import response_events
 from shoal.serve.sse import merge, sse
 from shoal.serve.streams import chat_stream, completion_chunks
 from shoal.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -62,6 +66,7 @@ class Server:
             ReplicaLoop(llm.replicas, self.tokenizer, limits)
         self.metrics = Metrics(lambda: self.loop.snapshot)
         self.logprobs = LogprobFormat(self.tokenizer)
+        self.stored = responses_api.ResponseStore()
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_model(self, model: str, body=None) -> None:
@@ -239,6 +244,51 @@ class Server:
         return chat_response(rid, created, self.model_name, body, out, self.logprobs)
 
 
+    # ---- /v1/responses ------------------------------------------------------------------------
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat path (serve/responses_api.py)."""
+        self._check_model(body.model, body)
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            stored = self.stored.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"previous_response_id: {body.previous_response_id!r} is "
+                               f"not stored (this server keeps the last {self.stored.capacity} "
+                               "stored responses, in memory)", "not_found_error",
+                               "previous_response_id")
+            history = stored.conversation
+        try:
+            chat = body.chat_request(history)
+            params = chat.params()
+            prompt = encode_messages(chat.message_dicts(), **chat.encode_options())
+            conversation = history + body.input_messages()
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False)
+        handle = self._submit(prompt, params, ids, "input", body.priority, request)
+        first = await self._first(handle)
+        rid, created = responses_api.new_id("resp"), int(time.time())
+
+        def keep(response: dict) -> None:
+            if body.store:
+                self.stored.put(rid, response, conversation + responses_api.item_messages(
+                    response["output"], "output"))
+
+        if body.stream:
+            return StreamingResponse(response_events(self, first, handle, prompt, rid, created,
+                                                     body, keep),
+                                     media_type="text/event-stream")
+        out = await self._collect(first, handle)
+        parse_chat_output(out, prompt)
+        c = out.outputs[0]
+        response = responses_api.response_body(
+            rid, created, self.model_name, body, responses_api.output_items(c),
+            responses_api.finish_status(c.finish_reason),
+            responses_api.usage(out, responses_api.think_end_id(self.tokenizer)))
+        keep(response)
+        return response
+
+
 def create_app(llm, *, model_name: str, api_key: str | None = None,
                limits: Limits | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app; `allowed_origins`: the origins browsers may call it from (CORS, outside the
@@ -297,6 +347,23 @@ def create_app(llm, *, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await server.responses(body, request)
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(rid: str):
+        stored = server.stored.get(rid)
+        if stored is None:
+            raise APIError(404, f"response {rid!r} is not stored", "not_found_error")
+        return stored.response
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        if not server.stored.delete(rid):
+            raise APIError(404, f"response {rid!r} is not stored", "not_found_error")
+        return {"id": rid, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest):

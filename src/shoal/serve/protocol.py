@@ -76,7 +76,7 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
-class _Sampling(BaseModel):
+class SamplingBody(BaseModel):
     # unknown fields are kept aside and ignored, with a warning (as vLLM: OpenAI clients send
     # fields such as store, metadata or service_tier that mean nothing here)
     model_config = ConfigDict(extra="allow")
@@ -146,7 +146,7 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -231,7 +231,7 @@ class ChatCompletionRequest(_Sampling):
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

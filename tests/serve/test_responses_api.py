@@ -1,0 +1,165 @@
+"""OpenAI's Responses API through the real `openai` client on tiny (CPU, loopback): a response
+equals the chat completion of the same messages (text, reasoning, usage, status), its stream
+equals it item for item with well-formed events, `previous_response_id` continues a stored
+conversation, function calls and their outputs round-trip, and what cannot be served is a 400
+naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from support.chat import TOOL_BLOCK
+from support.live_server import LiveServer, post
+
+NO_THINKING = {"effort": "none"}
+
+
+def chat_of(live: LiveServer, messages: list[dict], **kw):
+    return live.client().chat.completions.create(model="tiny", messages=messages,
+                                                 temperature=0, **kw)
+
+
+def test_a_response_is_the_chat_completion_of_its_messages(live: LiveServer) -> None:
+    client = live.client()
+    for effort, chat_effort in ((None, None), ({"effort": "none"}, "none"),
+                                ({"effort": "minimal"}, "low")):
+        extra = {} if effort is None else {"reasoning": effort}
+        r = client.responses.create(model="tiny", instructions="be brief",
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_text", "text": "hello "},
+                                        {"type": "input_text", "text": "there"}]}],
+                                    max_output_tokens=10, temperature=0, **extra)
+        chat = chat_of(live, [{"role": "system", "content": "be brief"},
+                              {"role": "user", "content": "hello there"}], max_tokens=10,
+                       **({} if chat_effort is None else {"reasoning_effort": chat_effort}))
+        message = chat.choices[0].message
+        assert r.object == "response" and r.id.startswith("resp_") and r.model == "tiny"
+        assert r.output_text == (message.content or "")
+        reasoning = [i for i in r.output if i.type == "reasoning"]
+        assert ("".join(p.text for i in reasoning for p in i.content)
+                == (getattr(message, "reasoning_content", None) or ""))
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
+        assert r.usage.output_tokens == chat.usage.completion_tokens == 10
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[-1].status == "incomplete"
+        thinking = effort is None or effort["effort"] != "none"
+        assert (r.usage.output_tokens_details.reasoning_tokens > 0) == thinking
+
+
+def test_the_stream_equals_the_response(live: LiveServer) -> None:
+    client = live.client()
+    args = {"model": "tiny", "input": "once upon a time", "max_output_tokens": 40,
+            "temperature": 0.8, "extra_body": {"seed": 3}}
+    whole = client.responses.create(**args)
+    events = list(client.responses.create(**args, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert events[-1].type == f"response.{whole.status}" and final.status == whole.status
+    assert final.id == events[0].response.id and final.usage == whole.usage
+    assert [(i.type, i.status) for i in final.output] == [(i.type, i.status)
+                                                          for i in whole.output]
+    assert final.output_text == whole.output_text
+    for index, item in enumerate(final.output):  # each item: added, deltas, done
+        mine = [e for e in events if getattr(e, "output_index", None) == index]
+        assert mine[0].type == "response.output_item.added" and mine[0].item.id == item.id
+        assert mine[-1].type == "response.output_item.done" and mine[-1].item == item
+        deltas = "".join(e.delta for e in mine if e.type.endswith(".delta"))
+        assert deltas == item.content[0].text
+        assert all(e.item_id == item.id for e in mine if hasattr(e, "item_id"))
+    assert client.responses.retrieve(final.id).output_text == whole.output_text
+
+
+def test_previous_response_id_continues_the_conversation(live: LiveServer) -> None:
+    client = live.client()
+    first = client.responses.create(model="tiny", input="hi", max_output_tokens=6,
+                                    temperature=0, reasoning=NO_THINKING)
+    second = client.responses.create(model="tiny", input="and then?", max_output_tokens=6,
+                                     temperature=0, reasoning=NO_THINKING,
+                                     previous_response_id=first.id)
+    chat = chat_of(live, [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "and then?"}],
+                   max_tokens=6, reasoning_effort="none")
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                       store=False)
+    for rid in (unstored.id, "resp_nothing"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+            client.responses.create(model="tiny", input="x", previous_response_id=rid)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_function_calls_and_their_outputs(live: LiveServer) -> None:
+    """A DSML call in the output is a function_call item (forced here by a grammar: random
+    weights make no call); sent back with its output, the next turn's prompt is the chat
+    encoding of the assistant's tool call and the tool's result."""
+    client = live.client()
+    forced = client.responses.create(
+        model="tiny", input="weather in Paris?", max_output_tokens=100, temperature=0,
+        reasoning=NO_THINKING, extra_body={"guided_choice": [TOOL_BLOCK]})
+    (call,) = [i for i in forced.output if i.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and forced.status == "completed"
+    streamed = list(client.responses.create(
+        model="tiny", input="weather in Paris?", max_output_tokens=100, temperature=0,
+        reasoning=NO_THINKING, extra_body={"guided_choice": [TOOL_BLOCK]}, stream=True))
+    (done,) = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    result = client.responses.create(
+        model="tiny", previous_response_id=forced.id, max_output_tokens=5, temperature=0,
+        reasoning=NO_THINKING,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    chat = chat_of(live, [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": forced.output_text, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+        max_tokens=5, reasoning_effort="none")
+    assert result.output_text == chat.choices[0].message.content
+    assert result.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_json_schema_text_format(live: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    r = live.client().responses.create(
+        model="tiny", input="answer", max_output_tokens=24, temperature=1.0,
+        extra_body={"seed": 9}, reasoning=NO_THINKING,
+        text={"format": {"type": "json_schema", "name": "r", "schema": schema}})
+    value = json.loads(r.output_text)
+    assert set(value) == {"ok"} and isinstance(value["ok"], bool)
+    assert r.text.format.type == "json_schema"
+
+
+BAD = [  # (body, text the 400's message names)
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "n": 2}, "n"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning_effort"),
+]
+
+
+def test_what_cannot_be_served_is_a_400_naming_it(live: LiveServer) -> None:
+    for body, text in BAD:
+        code, reply = post(live, "/v1/responses", {"model": "tiny", **body})
+        assert code == 400 and text in reply["error"]["message"], (body, reply)
+    code, reply = post(live, "/v1/responses", {"model": "other", "input": "x"})
+    assert code == 404
