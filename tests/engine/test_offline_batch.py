@@ -341,3 +341,39 @@ def test_run_batch_flags_fill_only_what_a_body_leaves_unset() -> None:
     line = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}
     bad = parse_batch_line(json.dumps(line), 4, "tiny", {})
     assert bad.body is None and bad.items[0]["error"].startswith("line 4: body.max_tokens")
+
+
+def test_run_batch_answers_responses_bodies(tmp_path: Path) -> None:
+    """A /v1/responses line is answered as the server would: a `response` whose text is the
+    chat completion's of the same messages; previous_response_id is a 400 (a batch stores
+    none); flags fill what the body leaves unset."""
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+
+    from shoal.offline.openai_batch import parse_batch_line
+
+    hello = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    lines = [
+        {"custom_id": "resp", "url": "/v1/responses", "body": {
+            "instructions": "be brief", "input": "hello", "max_output_tokens": 6,
+            "temperature": 0, "reasoning": {"effort": "high"}}},
+        {"custom_id": "chat", "url": "/v1/chat/completions", "body": {
+            "messages": hello, "max_completion_tokens": 6, "temperature": 0,
+            "reasoning_effort": "high"}},
+        {"custom_id": "prev", "url": "/v1/responses", "body": {
+            "input": "x", "previous_response_id": "resp_1"}},
+    ]
+    src, dst = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    assert main(["run-batch", "--model", "tiny", "--device", "cpu", "--max-model-len", "128",
+                 "-i", str(src), "-o", str(dst), "--quiet"]) == 0
+    resp, chat, prev = _records(dst)
+    r = Response.model_validate(resp["response"]["body"])
+    message = ChatCompletion.model_validate(chat["response"]["body"]).choices[0].message
+    assert r.status == "incomplete" and r.usage.output_tokens == 6
+    reasoning = "".join(p.text for i in r.output if i.type == "reasoning" for p in i.content)
+    assert reasoning == message.reasoning_content and r.output_text == (message.content or "")
+    assert prev["response"]["status_code"] == 400 and "previous_response_id" in prev["error"]
+    line = {"custom_id": "a", "url": "/v1/responses", "body": {"input": "hi"}}
+    (item,) = parse_batch_line(json.dumps(line), 1, "tiny", {"max_tokens": 3}).items
+    assert item["sampling_params"].max_tokens == 3

@@ -7,12 +7,15 @@ naming the field."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from support.chat import TOOL_BLOCK
-from support.live_server import LiveServer, post
+from support.live_server import API_KEY, LiveServer, post
 
 NO_THINKING = {"effort": "none"}
 
@@ -141,6 +144,29 @@ def test_json_schema_text_format(live: LiveServer) -> None:
     value = json.loads(r.output_text)
     assert set(value) == {"ok"} and isinstance(value["ok"], bool)
     assert r.text.format.type == "json_schema"
+
+
+def test_objects_and_events_validate_as_the_sdk_types(live: LiveServer) -> None:
+    """Strict validation (the client itself parses leniently): the response object and every
+    streamed event, with reasoning, text cut by the limit, and a function call."""
+    events = TypeAdapter(ResponseStreamEvent)
+    for body in ({"input": "hi", "max_output_tokens": 8},
+                 {"input": "hi", "max_output_tokens": 100, "temperature": 0,
+                  "reasoning": NO_THINKING, "guided_choice": [TOOL_BLOCK]}):
+        code, raw = post(live, "/v1/responses", {"model": "tiny", **body})
+        assert code == 200
+        Response.model_validate(raw)
+        req = urllib.request.Request(
+            live.base + "/v1/responses", data=json.dumps(
+                {"model": "tiny", "stream": True, **body}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+        lines = [line for line in text.split("\n") if line]
+        assert [line.split(": ", 1)[0] for line in lines] == ["event", "data"] * (len(lines) // 2)
+        for name, data in zip(lines[::2], lines[1::2], strict=True):
+            event = events.validate_python(json.loads(data[len("data: "):]))
+            assert name == f"event: {event.type}"
 
 
 BAD = [  # (body, text the 400's message names)

@@ -1,9 +1,11 @@
 """The OpenAI batch file format (`shoal run-batch`, as `vllm run-batch`): request lines
-`{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}` in,
+`{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/responses", "body"}` in,
 result lines `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`
 out. A body is read by the server's request models (serve/protocol.py: the same fields,
 defaults and checks as `shoal serve`) and answered with the server's response bodies
-(serve/responses.py), so a line gives what the same request to the server would.
+(serve/responses.py, serve/responses_api.py), so a line gives what the same request to the
+server would (a Responses body without `previous_response_id`: a batch stores no responses).
 
 Invariant: every request line gives exactly one result line; a bad line or a failed request
 gives status 400, an error body (`{"error": {"message", "type", ...}}`) and the message as the
@@ -23,12 +25,14 @@ from pydantic import ValidationError
 
 from shoal.engine.outputs import RequestOutput
 from shoal.offline.requests import line_error
+from shoal.serve import responses_api
 from shoal.serve.logprobs import LogprobFormat
 from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from shoal.serve.responses import chat_response, completion_response
+from shoal.serve.responses_api import ResponsesRequest
 
-URLS = ("/v1/chat/completions", "/v1/completions")
-_MODELS = {URLS[0]: ChatCompletionRequest, URLS[1]: CompletionRequest}
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+_MODELS = {URLS[0]: ChatCompletionRequest, URLS[1]: CompletionRequest, URLS[2]: ResponsesRequest}
 # body fields that mean nothing in a batch (a result is never streamed)
 _DROPPED = ("stream", "stream_options", "metadata", "store")
 
@@ -41,7 +45,7 @@ class BatchLine:
     line: int
     custom_id: str | None
     url: str
-    body: ChatCompletionRequest | CompletionRequest | None
+    body: ChatCompletionRequest | CompletionRequest | ResponsesRequest | None
     items: tuple[dict, ...]
 
 
@@ -106,7 +110,12 @@ def parse_batch_line(text: str, line: int, model: str, flags: dict[str, Any],
             raise ValueError(_validation_message(exc)) from None
         if body.ignored_fields():
             warn(f"line {line}: body field(s) ignored: {', '.join(body.ignored_fields())}")
-        items = _items(body, flags)
+        if isinstance(body, ResponsesRequest):
+            if body.previous_response_id is not None:
+                raise ValueError("previous_response_id: a batch stores no responses")
+            items = _items(body.chat_request([]), flags)
+        else:
+            items = _items(body, flags)
     except (ValueError, TypeError) as exc:
         return BatchLine(line, custom_id, url, None, ({"error": f"line {line}: {exc}"},))
     return BatchLine(line, custom_id, url, body, items)
@@ -129,7 +138,13 @@ def batch_result(b: BatchLine, outs: list[RequestOutput], model: str,
                               "body": error_body(message, code=400)}
         return result
     created = int(time.time())
-    if isinstance(b.body, ChatCompletionRequest):
+    if isinstance(b.body, ResponsesRequest):
+        c = outs[0].outputs[0]
+        body = responses_api.response_body(
+            f"resp_{request_id}", created, model, b.body, responses_api.output_items(c),
+            responses_api.finish_status(c.finish_reason),
+            responses_api.usage(outs[0], responses_api.think_end_id(fmt.tokenizer)))
+    elif isinstance(b.body, ChatCompletionRequest):
         body = chat_response(f"chatcmpl-{request_id}", created, model, b.body, outs[0], fmt)
     else:
         body = completion_response(f"cmpl-{request_id}", created, model, b.body, outs, fmt)

@@ -89,12 +89,13 @@ class ResponsesRequest(SamplingBody):
                 "name": fmt.name or "output", "schema": fmt.schema_ or {"type": "object"}}}
         elif fmt is not None and fmt.type == "json_object":
             response_format = {"type": "json_object"}
-        return ChatCompletionRequest(
-            **sampling, messages=system + history + self.input_messages(),
-            max_completion_tokens=self.max_output_tokens, tools=chat_tools(self.tools),
-            tool_choice=chat_tool_choice(self.tool_choice),
-            parallel_tool_calls=self.parallel_tool_calls, reasoning_effort=effort,
-            response_format=response_format)
+        given = {"max_completion_tokens": self.max_output_tokens,
+                 "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
+                 "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
+                 "response_format": response_format}
+        # (only what the body gives: the request's fields_set is the body's)
+        return ChatCompletionRequest(**sampling, messages=system + history + self.input_messages(),
+                                     **{k: v for k, v in given.items() if v is not None})
 
 
 def _text(content: Any, where: str) -> str:
@@ -227,7 +228,8 @@ def usage(out: RequestOutput, think_end: int | None) -> dict[str, Any]:
         ids = list(c.token_ids)
         reasoning = ids.index(think_end) + 1 if think_end in ids else len(ids)
     return {"input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": u["total_tokens"]}
