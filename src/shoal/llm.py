@@ -302,4 +302,5 @@ def parse_chat_output(out: RequestOutput, prompt: str) -> None:
         completion.reasoning_content = parsed.reasoning_content
         completion.content = parsed.content
         completion.tool_calls = parsed.tool_calls
+        completion.tool_call_cut = parsed.call_cut
         completion.parse_warnings = list(parsed.warnings) + list(parsed.errors)

@@ -80,3 +80,66 @@ def test_a_rescan_drops_objects_another_store_removed(tmp_path, object_bytes):
             put_at(a, clock, i)
         st = a.stats()
         assert st.objects == 6 and st.bytes_on_disk == on_disk(tmp_path) == 6 * object_bytes
+
+
+def test_a_put_of_an_object_another_store_removed_writes_it(tmp_path, object_bytes):
+    """a's index still lists block 0 after b evicted it: a's put writes it again (not a
+    refresh of files that are gone), and a touch of such an object forgets it."""
+    clock = FakeClock()
+    with KVStore(tmp_path, clock=clock) as a, \
+            KVStore(tmp_path, max_bytes=3 * object_bytes, clock=clock) as b:
+        put_at(a, clock, 0)
+        put_at(a, clock, 1)
+        for i in range(2, 10):
+            put_at(b, clock, i)
+        assert not b.shard_path(11, key(0)).exists() and a.stats().objects == 2
+        put_at(a, clock, 0)
+        assert a.get(key(0)) == blob(SIZE, 0) and a.stats().dropped_puts == 0
+        a.touch(key(1))
+        a.flush()
+        assert not a.contains(key(1)) and a.stats().objects == 1
+
+
+def test_a_read_during_another_stores_removal_is_a_plain_miss(tmp_path, monkeypatch,
+                                                             object_bytes):
+    """b removes an object, its last shard first; a read by a before b's last unlink finds no
+    last shard: a plain miss that leaves b's files to b, never a lost read."""
+    from shoal.kvstore import store as store_mod
+
+    clock = FakeClock()
+    with KVStore(tmp_path, ttl_s=100, clock=clock) as a, \
+            KVStore(tmp_path, max_bytes=int(1.5 * object_bytes), clock=clock) as b:
+        put_at(b, clock, 1)
+        assert a.contains(key(1))
+        a.touch(key(1))  # indexed by a
+        a.flush()
+        real, seen = store_mod.kvgc.unlink_quiet, []
+
+        def unlink(path):
+            if str(path) == str(b.shard_path(0, key(1))) and not seen:  # b's last unlink
+                seen.append((a.contains(key(1)), a.get(key(1)),
+                             sum(b.shard_path(i, key(1)).exists() for i in range(12))))
+            return real(path)
+
+        monkeypatch.setattr(store_mod.kvgc, "unlink_quiet", unlink)
+        put_at(b, clock, 2)  # b evicts object 1
+        assert b.stats().evicted == 1
+        assert seen == [(True, None, 1)]  # a's index still said yes; the read missed
+        st = a.stats()
+        assert (st.lost_reads, st.misses, st.objects) == (0, 1, 0)
+
+
+def test_an_adopted_object_counts_against_the_bound(tmp_path, object_bytes):
+    """A store that only reads indexes another store's objects as it refreshes them, and
+    keeps its bound with them."""
+    clock = FakeClock()
+    with KVStore(tmp_path, clock=clock) as writer, \
+            KVStore(tmp_path, max_bytes=int(2.5 * object_bytes), clock=clock) as reader:
+        for i in range(4):
+            put_at(writer, clock, i)
+        for i in range(4):
+            clock.t += 1
+            reader.touch(key(i))
+            reader.flush()
+        assert reader.stats().objects <= 2 and reader.stats().evicted >= 2
+        assert on_disk(tmp_path) <= 2.5 * object_bytes

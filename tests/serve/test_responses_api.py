@@ -134,6 +134,42 @@ def test_function_calls_and_their_outputs(live: LiveServer) -> None:
     assert result.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_reasoning_only_turn_stays_in_the_conversation(live: LiveServer) -> None:
+    """A turn cut while thinking is one reasoning item: continued by previous_response_id or
+    sent back as items, it is an assistant turn of reasoning alone, as in chat."""
+    client = live.client()
+    first = client.responses.create(model="tiny", input="hi", max_output_tokens=4,
+                                    temperature=0)
+    assert [i.type for i in first.output] == ["reasoning"] and first.status == "incomplete"
+    chat = chat_of(live, [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "", "reasoning_content": "".join(
+                              p.text for p in first.output[0].content)},
+                          {"role": "user", "content": "and then?"}], max_tokens=2)
+    by_id = client.responses.create(model="tiny", input="and then?", max_output_tokens=2,
+                                    temperature=0, previous_response_id=first.id)
+    as_items = client.responses.create(
+        model="tiny", max_output_tokens=2, temperature=0,
+        input=[{"role": "user", "content": "hi"},
+               *[i.model_dump(exclude_none=True) for i in first.output],
+               {"role": "user", "content": "and then?"}])
+    assert by_id.usage.input_tokens == as_items.usage.input_tokens == chat.usage.prompt_tokens
+    assert by_id.output_text == as_items.output_text == (chat.choices[0].message.content or "")
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(live: LiveServer) -> None:
+    """The token limit inside a DSML call: the call item is `incomplete` (an agent must not
+    run it), streamed or not; a whole call in an incomplete response stays `completed`."""
+    client = live.client()
+    args = {"model": "tiny", "input": "weather?", "temperature": 0, "reasoning": NO_THINKING,
+            "extra_body": {"guided_choice": [TOOL_BLOCK + TOOL_BLOCK]}}
+    for limit, status in ((30, "incomplete"), (100, "completed")):  # (one block: 86 tokens)
+        r = client.responses.create(**args, max_output_tokens=limit)
+        streamed = list(client.responses.create(**args, max_output_tokens=limit, stream=True))
+        for output in (r.output, streamed[-1].response.output):
+            calls = [i for i in output if i.type == "function_call"]
+            assert calls[0].status == status and r.status == "incomplete"
+
+
 def test_json_schema_text_format(live: LiveServer) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}

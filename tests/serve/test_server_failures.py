@@ -154,3 +154,38 @@ def test_cors_preflight_and_origins() -> None:
             assert "access-control-allow-origin" not in r.headers
     finally:
         plain.stop()
+
+
+def test_open_paths_stay_open_under_a_root_path() -> None:
+    """`--root-path /api --api-key K`: uvicorn puts the root path into the request's path;
+    /health, /metrics and /version still answer without the key, /v1 still needs it."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from shoal import LLM
+    from shoal.serve.app import create_app
+
+    app = create_app(LLM("tiny", device="cpu", max_num_seqs=2, max_model_len=128),
+                     model_name="tiny", api_key=API_KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", root_path="/api"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        for path in ("/health", "/version", "/metrics"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+                assert r.status == 200, path
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert refused.value.code == 401
+    finally:
+        server.should_exit = True
+        thread.join(30)

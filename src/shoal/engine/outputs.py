@@ -30,6 +30,7 @@ class CompletionOutput:
     reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_cut: bool = False  # the text ended inside the last tool call
     parse_warnings: list[str] = field(default_factory=list)
 
 

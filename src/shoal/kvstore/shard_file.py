@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -73,3 +74,32 @@ def write_object(paths: Sequence[Path], key: bytes, length: int, write: int,
             except OSError:
                 pass
         raise
+
+
+def read_shard(path: Path, index: int, count: int, key: bytes) -> tuple[bytes, int] | None:
+    """Shard `index` of `key` from `path` as (payload, write id), None if unreadable or bad."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return parse(raw, index, count, key)
+
+
+def read_object(paths: Sequence[Path], key: bytes, k: int,
+                decode: Callable[[list[bytes | None]], bytes]) -> tuple[bytes | None, int]:
+    """(the object, data shards missing or bad) from its shard files paths[i]; the object is
+    None when fewer than k good shards of one write remain. The first k (data) shards are read
+    first; the parity only when one of them is bad or of another write."""
+    n = len(paths)
+    reads = [read_shard(paths[i], i, n, key) for i in range(k)]
+    whole = None not in reads and len({r[1] for r in reads}) == 1
+    reads += [None if whole else read_shard(paths[i], i, n, key) for i in range(k, n)]
+    writes = Counter(r[1] for r in reads if r is not None)
+    write = max(writes, key=writes.__getitem__) if writes else None
+    shards = [r[0] if r is not None and r[1] == write else None for r in reads]
+    try:
+        data = decode(shards)
+    except ValueError:  # fewer than k good shards (InsufficientShardsError)
+        data = None
+    return data, shards[:k].count(None)

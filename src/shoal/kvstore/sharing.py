@@ -8,8 +8,12 @@ with its own index of the objects.
   indexes every object on disk and drops the entries whose files another process removed, so
   `bytes_on_disk` counts the directories and the bound holds for all of them; several writers
   may overshoot it by about RESCAN_EVERY of it each between their rescans.
+- A put or a refresh asks the disk too: a put of an object another process removed writes it
+  again, a refresh of one forgets it.
+- Removal unlinks the last shard first, so a half-removed object is never taken for whole: a
+  read that finds no last shard is a plain miss (not a lost read) and leaves the files alone.
 - gc and eviction keep an object whose files another process refreshed (gc.py reads their
-  mtime); a read of an object another process removed is a plain miss (store.py).
+  mtime).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def rescan(last_dir: Path, index: MutableMapping, num_shards: int, *, lock: Lock
     """Index the objects listed in `last_dir` (the last shard directory: whole objects only)
     that `index` lacks (`add(key, written_at, disk_bytes)`), and drop the entries no shard file
     of which is left (`remove_object`). The listing runs outside `lock`, the merge under it."""
+    if not last_dir.is_dir():  # (a lost disk: no listing to go by)
+        return
     listed = kvgc.scan_shards(last_dir)
     with lock:
         for key, (mtime, size) in listed.items():

@@ -15,9 +15,8 @@ that takes it over `max_bytes` makes the writer evict the least recently used ob
 `written_at`; never the object just written) down to `EVICT_TO * max_bytes`; an object over
 `max_bytes` alone is not written; an open over the bound evicts at once. gc (expiry, orphans)
 runs at open, then on the writer every `config.gc_every_s` of the store's clock.
-Several processes (data-parallel replicas) may share the directories, each with its own
-index (sharing.py: an index miss looks at the disk; with `max_bytes`, rescans keep every index
-counting the directories, so the bound holds for all of them).
+Several processes may share the directories, each with its own index (sharing.py: an index
+miss, a refresh and a put look at the disk; rescans keep one bound for all of them).
 
 Invariants: `get` returns the bytes that were put or None, never other bytes: a shard is used
 only if its checksum, key and index match, and fewer than k such shards is a miss. No call
@@ -159,28 +158,19 @@ class KVStore:
         if not self.contains(key):
             self._count(misses=1)
             return None
-        reads = [self._read_shard(i, key) for i in range(self._k)]
-        whole = None not in reads and len({r[1] for r in reads}) == 1
-        # Parity is read only when a data shard is bad or from another write: else it is unused.
-        reads += [None if whole else self._read_shard(i, key) for i in range(self._k, self._n)]
-        writes = Counter(r[1] for r in reads if r is not None)
-        write = max(writes, key=writes.__getitem__) if writes else None
-        shards = [r[0] if r is not None and r[1] == write else None for r in reads]
-        missing_data = shards[:self._k].count(None)
-        try:
-            data = self._codec.decode(shards)
-        except ValueError:  # fewer than k good shards (InsufficientShardsError)
-            data = None
+        data, missing_data = shard_file.read_object(
+            [self.shard_path(i, key) for i in range(self._n)], key, self._k, self._codec.decode)
         if data is None:
-            # No shard file left: another process sharing the directories removed it (its own
-            # gc or eviction), a plain miss; else shards were lost or damaged.
-            gone = self._disk_written_at(key) is None
-            logger.debug("kvstore: %s has fewer than %d good shards (%s); removed", key.hex(),
-                         self._k, "gone" if gone else "lost")
+            # No last shard: another process sharing the directories removed it or is removing
+            # it (last shard first), a plain miss whose files are left to it; else shards were
+            # lost or damaged, and the object is removed.
+            gone = self._on_disk(key) is None
+            logger.debug("kvstore: %s has fewer than %d good shards (%s)", key.hex(), self._k,
+                         "gone" if gone else "lost")
             self._count(lost_reads=0 if gone else 1, misses=1)
             try:  # so that contains() says no and a later put writes it afresh
                 with self._io_lock:
-                    self._remove_object(key)
+                    self._forget(key) if gone else self._remove_object(key)
             except OSError as exc:
                 self._stop_writes(f"cannot remove an unrecoverable object: {exc}")
             return None
@@ -259,23 +249,21 @@ class KVStore:
     def _disk_written_at(self, key: bytes) -> float | None:
         return kvgc.newest_mtime(self.shard_path(i, key) for i in range(self._n))
 
-    def _remove_object(self, key: bytes) -> int:
-        """Drop `key`'s index entry and shard files (the caller holds _io_lock)."""
+    def _forget(self, key: bytes) -> int:
+        """Drop `key`'s index entry (the caller holds _io_lock); returns its bytes."""
         entry = self._index.pop(key, None)
         freed = entry.disk_bytes if entry else 0
         self._disk_bytes -= freed
-        for i in range(self._n):
-            kvgc.unlink_quiet(self.shard_path(i, key))
         return freed
 
-    def _read_shard(self, i: int, key: bytes) -> tuple[bytes, int] | None:
-        """Shard i's (payload, write id) if its header and checksum check out, else None."""
-        try:
-            with open(self.shard_path(i, key), "rb") as f:
-                raw = f.read()
-        except OSError:
-            return None
-        return shard_file.parse(raw, i, self._n, key)
+    def _remove_object(self, key: bytes) -> int:
+        """Drop `key`'s index entry and shard files, the last shard first, so that another
+        process never takes a half-removed object for a whole one (the caller holds
+        _io_lock)."""
+        freed = self._forget(key)
+        for i in reversed(range(self._n)):
+            kvgc.unlink_quiet(self.shard_path(i, key))
+        return freed
 
     def _writer(self) -> None:
         every = self.config.gc_every_s
@@ -312,18 +300,26 @@ class KVStore:
         if not self._writable:
             self._count(dropped_puts=1)
             return
+        written = 0
         with self._io_lock:
-            # A put of a key written by an earlier put still in the queue only refreshes.
-            if data is None or self.contains(key):
-                self._refresh(key)
+            # The disk decides (another process may have written or removed the object since
+            # this index saw it): present is a refresh, for a put too; a refresh of an object
+            # gone forgets it; a put of one gone writes it.
+            if self._on_disk(key) is not None:
+                if not self._refresh(key):
+                    return
+            elif data is None:
+                self._forget(key)
                 return
-            written = self._write_object(key, data)
-        if written:
-            bound = self.config.max_bytes
-            self._since_rescan += self._index[key].disk_bytes
-            if bound is not None and self._since_rescan >= sharing.RESCAN_EVERY * bound:
-                self._rescan()
-            self._evict(keep=key)
+            else:
+                written = self._write_object(key, data)
+                if not written:
+                    return
+        bound = self.config.max_bytes
+        self._since_rescan += written
+        if bound is not None and self._since_rescan >= sharing.RESCAN_EVERY * bound:
+            self._rescan()
+        self._evict(keep=key)
 
     def _rescan(self) -> None:
         self._since_rescan = 0
@@ -346,12 +342,14 @@ class KVStore:
             return
         self._count(evicted=evicted, bytes_evicted=freed)
 
-    def _refresh(self, key: bytes) -> None:
+    def _refresh(self, key: bytes) -> bool:
+        """Restart an object's time on disk; True if that indexed it (another process's)."""
         entry = self._index.get(key)
-        if entry is None:  # another process's object: indexed now; else gone, nothing to do
+        adopted = entry is None
+        if adopted:
             found = self._on_disk(key)
             if found is None:
-                return
+                return False
             entry = _Entry(*found)
             self._index_add(key, entry)
         now = self._clock()
@@ -359,21 +357,23 @@ class KVStore:
             with contextlib.suppress(FileNotFoundError):  # a lost shard: reads rebuild it
                 os.utime(self.shard_path(i, key), (now, now))
         entry.written_at = now
+        return adopted
 
-    def _write_object(self, key: bytes, data: bytes) -> bool:
-        """Write the object's shards and index it; False if it alone exceeds max_bytes."""
+    def _write_object(self, key: bytes, data: bytes) -> int:
+        """Write the object's shards and index it; its bytes on disk, 0 if it alone exceeds
+        max_bytes (not written)."""
         now = self._clock()
         shards = self._codec.encode(data)
         disk_bytes = sum(shard_file.HEADER.size + len(s) for s in shards)
         if self.config.max_bytes is not None and disk_bytes > self.config.max_bytes:
             self._count(dropped_puts=1, oversized_puts=1)
-            return False
+            return 0
         write = int.from_bytes(os.urandom(8), "little")
         shard_file.write_object([self.shard_path(i, key) for i in range(self._n)], key,
                                 len(data), write, shards,
                                 lambda stem: kvgc.temp_name(stem, self._token), now)
         self._index_add(key, _Entry(now, disk_bytes))
-        return True
+        return disk_bytes
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -116,7 +116,7 @@ def _text(content: Any, where: str) -> str:
 def item_messages(items: str | list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     """Input (or output) items as chat messages: consecutive function calls are one assistant
     turn's tool calls (after its message, if any), a reasoning item goes with the assistant
-    turn that follows it."""
+    turn that follows it, or is a turn of its own when none does."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -124,9 +124,14 @@ def item_messages(items: str | list[dict[str, Any]], name: str) -> list[dict[str
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         kind = item.get("type", "message")
+        role = item.get("role") if kind == "message" else None
+        if reasoning is not None and kind not in ("function_call", "reasoning") and \
+                role != "assistant":  # a turn of reasoning alone (cut, or ended in it)
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+            reasoning = None
         if kind == "message":
-            msg = {"role": item.get("role"), "content": _text(item.get("content"), f"{where}.content")}
-            if msg["role"] == "assistant" and reasoning is not None:
+            msg = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             messages.append(msg)
         elif kind == "reasoning":
@@ -153,6 +158,8 @@ def item_messages(items: str | list[dict[str, Any]], name: str) -> list[dict[str
             raise ValueError(f"{where}.type: {kind!r} is not supported (message, reasoning, "
                              "function_call, function_call_output)")
         prev = kind
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
     return messages
 
 
@@ -203,14 +210,16 @@ def call_item(name: str, arguments: str, status: str, item_id: str | None = None
 
 def output_items(c: CompletionOutput) -> list[dict[str, Any]]:
     """A parsed completion's output items: its reasoning, its message and its calls, those
-    that have text (at least one item); a text cut by the token limit is `incomplete`."""
+    that have text (at least one item); a text or a call cut by the token limit is
+    `incomplete`."""
     items = [reasoning_item(c.reasoning_content, "completed")] if c.reasoning_content else []
     if c.content or not (items or c.tool_calls):  # (an empty answer: one empty message)
         items.append(message_item(c.content or "", "completed"))
     items += [call_item(t.get("name") or "", t.get("arguments") or "{}", "completed")
               for t in c.tool_calls or ()]
-    if finish_status(c.finish_reason) == "incomplete" and items[-1]["type"] != "function_call":
-        items[-1]["status"] = "incomplete"  # the text that was cut
+    if finish_status(c.finish_reason) == "incomplete" and (
+            items[-1]["type"] != "function_call" or c.tool_call_cut):
+        items[-1]["status"] = "incomplete"  # the text or the call that was cut
     return items
 
 

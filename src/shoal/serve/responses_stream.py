@@ -43,10 +43,10 @@ class _Items:
         if e.kind in ("reasoning", "content") and e.text:
             kind = "reasoning" if e.kind == "reasoning" else "message"
             out = [] if self.open is not None and self.open["type"] == kind else \
-                self.close("completed") + self._start(kind)
+                self.close("completed") + self.start(kind)
             return out + self._delta(e.text)
         if e.kind == "tool_call":
-            return self.close("completed") + self._start("function_call", e.name or "")
+            return self.close("completed") + self.start("function_call", e.name or "")
         if e.kind == "tool_arguments" and e.text and self.open is not None:
             return self._delta(e.text)
         return []
@@ -54,7 +54,7 @@ class _Items:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
-    def _start(self, kind: str, name: str = "") -> list[str]:
+    def start(self, kind: str, name: str = "") -> list[str]:
         item = {"reasoning": lambda: api.reasoning_item("", "in_progress"),
                 "message": lambda: api.message_item("", "in_progress"),
                 "function_call": lambda: api.call_item(name, "", "in_progress")}[kind]()
@@ -85,14 +85,16 @@ class _Items:
             "response.output_text.delta"
         return [self.event(name, **self._where(), content_index=0, delta=text, **extra)]
 
-    def close(self, status: str) -> list[str]:
-        """Close the open item, if any, with `status`."""
+    def close(self, status: str, call_cut: bool = False) -> list[str]:
+        """Close the open item, if any, with `status` (a call: `incomplete` only when it was
+        cut, `call_cut`)."""
         item = self.open
         if item is None:
             return []
         where, text = self._where(), self.text
         if item["type"] == "function_call":
-            item.update(arguments=text or "{}", status="completed")
+            cut = status == "incomplete" and call_cut
+            item.update(arguments=text or "{}", status="incomplete" if cut else "completed")
             out = [self.event("response.function_call_arguments.done", **where,
                               arguments=item["arguments"])]
         else:
@@ -152,10 +154,11 @@ async def response_events(server, update: Update, handle: Handle, prompt: str, r
             return
         parse_chat_output(out, prompt)  # (the usage counts its reasoning tokens)
         status = api.finish_status(c.finish_reason)
-        for line in items.close(status):
+        if not items.items:  # nothing generated: one empty message, as the whole response has
+            for line in items.start("message"):
+                yield line
+        for line in items.close(status, parser.call_cut):
             yield line
-        if not items.items:  # nothing generated: an empty message, as the whole response has
-            items.items.append(api.message_item("", status))
         final = response(status, token_usage=api.usage(out, api.think_end_id(server.tokenizer)))
         keep(final)
         yield event(f"response.{status}", response=final)

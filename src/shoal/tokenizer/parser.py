@@ -89,6 +89,7 @@ class ParsedOutput:
     warnings: list[str] = field(default_factory=list)
     finished: bool = False  # EOS was seen
     state: ParserState = ParserState.DONE
+    call_cut: bool = False  # the output ended inside the last tool call
 
 
 _DSML_OPEN = f"<{DSML}"
@@ -150,6 +151,7 @@ class OutputParser:
         self._calls_open = False
         self._finished = False
         self._closed = False
+        self.call_cut = False  # the output ended inside the last call (cut by a token limit)
         self.errors: list[str] = []
         self.warnings: list[str] = []
 
@@ -187,6 +189,7 @@ class OutputParser:
         elif self.state is ParserState.TOOLS:
             if held.strip():
                 self.errors.append(f"output ended inside a tool call block: {held[:80]!r}")
+            self.call_cut = bool(self._calls) and not self._calls[-1].closed
             self._close_call(events, "output ended before the call was closed")
             if self._calls_open:
                 self.warnings.append(f"output ended without {CALLS_CLOSE}")
@@ -203,6 +206,7 @@ class OutputParser:
             warnings=list(self.warnings),
             finished=self._finished,
             state=self.state,
+            call_cut=self.call_cut,
         )
 
     # ----------------------------------------------------------------- internals
