@@ -21,15 +21,16 @@ from shoal.serve.sse import sse
 from shoal.tokenizer.parser import OutputParser
 
 
-def running_usage(body, handle: Handle) -> dict | None:
-    """The request's usage so far, when the body asked for it on every chunk, else None."""
+def running_usage(body, handle: Handle, unsent: int = 0) -> dict | None:
+    """The request's usage so far (less `unsent` tokens whose text no chunk has carried yet),
+    when the body asked for it on every chunk, else None."""
     opts = body.stream_options
     if not (opts and opts.include_usage and opts.continuous_usage_stats):
         return None
     keep = getattr(body, "truncate_prompt_tokens", None)
     prompt = min(handle.prompt_tokens, keep) if keep else handle.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": handle.generated,
-            "total_tokens": prompt + handle.generated}
+    done = handle.generated - unsent
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 async def completion_chunks(server, i: int, lasts: list[Update], handle: Handle, rid: str,
@@ -81,17 +82,19 @@ async def chat_stream(server, update: Update, handle: Handle, rid: str, created:
     calls: list[dict[int, str]] = [{} for _ in range(n)]  # call index -> id
     ended = [False] * n
 
-    def chunk(index: int, delta: dict, reason: str | None = None, lp=None) -> str:
+    def chunk(index: int, delta: dict, reason: str | None = None, lp=None,
+              unsent: int = 0) -> str:
         event = {"id": rid, "object": "chat.completion.chunk", "created": created,
                  "model": server.model_name, "choices": [{
                      "index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
-        usage = running_usage(body, handle)
+        usage = running_usage(body, handle, unsent)
         return sse(event if usage is None else {**event, "usage": usage})
 
     done = False
     try:
+        first = sum(map(len, update.token_ids))  # (the role chunks carry no token yet)
         for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": ""}, unsent=first)
         while True:
             for i in range(n):
                 if ended[i]:
