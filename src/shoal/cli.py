@@ -31,8 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["full", "staircase", "bounded"])
     for name, kind in (("replay_window", int), ("max_num_seqs", int), ("max_model_len", int),
                        ("max_num_batched_tokens", int), ("kv_cache_memory_gb", float),
-                       ("gpu_memory_utilization", float), ("block_size", int), ("kv_store_ttl_days", float),
-                       ("collective_timeout_s", float)):
+                       ("gpu_memory_utilization", float), ("block_size", int),
+                       ("kv_store_ttl_days", float), ("collective_timeout_s", float)):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     p.add_argument("--load-format", dest="load_format", default=None,
                    choices=["auto", "dummy", "safetensors"])
@@ -76,7 +76,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("device", "prefill_mode", "replay_window", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "kv_cache_memory_gb", "gpu_memory_utilization", "load_format", "seed", "speculative",
+                "max_model_len", "kv_cache_memory_gb", "gpu_memory_utilization", "load_format",
+                "seed", "speculative",
                 "spec_confidence", "spec_verify_budget", "spec_verify", "async_scheduling",
                 "enable_prefix_caching", "num_prefix_snapshots", "kv_host_memory_gb",
                 "kv_store_path", "kv_store_ttl_days", "kv_store_max_gb", "block_size",

@@ -4,8 +4,9 @@ Endpoints: /v1/completions, /v1/chat/completions (non-streaming, or server-sent 
 reasoning / content / tool-call deltas and an optional usage chunk), /v1/models (and
 /v1/models/{id}), /v1/responses (OpenAI's Responses API over the chat path, stored responses
 by id: responses_api.py, responses_stream.py), /tokenize, /detokenize, /health, /metrics,
-/version; the completion and chat streams' chunks are made in serve/streams.py. Errors have OpenAI's body (`{"error": {"message", "type",
-"param", "code"}}`): 400 for a bad field or a prompt the model cannot take, 401 without the API key, 404 for another model,
+/version; the completion and chat streams' chunks are made in serve/streams.py. Errors
+have OpenAI's body (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad field
+or a prompt the model cannot take, 401 without the API key, 404 for another model,
 429 past the queue limits, 503 once the engine has stopped (shutdown, a failure; a stream it
 cuts ends with finish_reason `abort` and an error event).
 

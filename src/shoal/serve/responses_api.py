@@ -78,8 +78,8 @@ class ResponsesRequest(SamplingBody):
         if self.background:
             raise ValueError("background: not supported (stream the response, or wait for it)")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        sampling = self.model_dump(include=set(SamplingBody.model_fields) - {"stream", "stream_options"},
-                                   exclude_unset=True)
+        sampling = self.model_dump(exclude_unset=True, include=set(SamplingBody.model_fields)
+                                   - {"stream", "stream_options"})
         effort = self.reasoning.effort if self.reasoning is not None else None
         effort = EFFORTS.get(effort, effort) if isinstance(effort, str) else effort
         fmt = self.text.format if self.text is not None else None
