@@ -149,3 +149,38 @@ def test_a_dead_replica_ends_the_service_with_503() -> None:
     finally:
         live.stop()
         live.llm.close()
+
+
+def test_requests_go_to_the_replica_that_has_their_prefix() -> None:
+    """With prefix caching, a request goes to the replica that was sent its prefix: A and B
+    first land on replicas 0 and 1; then B' and A' (B' first, which load alone would give
+    replica 0) each resume from their family's cached block."""
+    import random
+
+    rng = random.Random(5)
+    families = [[rng.randint(3, 500) for _ in range(200)] for _ in range(2)]
+    live = LiveServer(data_parallel_size=2, max_num_seqs=4, max_model_len=256, block_size=128,
+                      enable_prefix_caching=True, prefill_mode="full")
+    try:
+        client = live.client(timeout=120)
+
+        def ask(family: int, tail: int) -> int:
+            return client.completions.create(
+                model="tiny", prompt=families[family] + [tail] * 10, max_tokens=2,
+                temperature=0).usage.prompt_tokens_details.cached_tokens
+
+        def together(*asks) -> list[int]:
+            got = [None] * len(asks)
+            threads = [threading.Thread(target=lambda i=i, a=a: got.__setitem__(i, ask(*a)))
+                       for i, a in enumerate(asks)]
+            for t in threads:
+                t.start()
+                time.sleep(0.3)  # (submitted in this order)
+            for t in threads:
+                t.join(120)
+            return got
+
+        assert together((0, 7), (1, 7)) == [0, 0]
+        assert together((1, 8), (0, 8)) == [128, 128]
+    finally:
+        live.stop()

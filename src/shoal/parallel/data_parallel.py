@@ -37,10 +37,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shoal.config import RunnerConfig, ShoalError
+from shoal.config import CacheConfig, RunnerConfig, ShoalError
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.stats import summed
 from shoal.parallel.placement import Feeder, split_by_load
+from shoal.parallel.prefix_affinity import PrefixAffinity
 from shoal.scheduler.config import SchedulerConfig
 
 READY_TIMEOUT_S = 1800.0
@@ -217,7 +218,13 @@ class DataParallel:
             pipes[rank][1].close()  # the replica's copy only: its exit reads as an end here
             self.processes.append(proc)
         self.size = size
-        self.window = 2 * options.get("max_num_seqs", SchedulerConfig.max_num_seqs)
+        seqs = options.get("max_num_seqs", SchedulerConfig.max_num_seqs)
+        self.window = 2 * seqs
+        # prefix caching: a request goes where its prefix was sent, within `affinity_slack`
+        # requests of the least busy replica
+        self.affinity = PrefixAffinity(options.get("block_size", CacheConfig.block_size)) \
+            if options.get("enable_prefix_caching") and size > 1 else None
+        self.affinity_slack = max(1, seqs // 4)
         self.served_by: dict[int, int] = {}  # the last call's input position -> replica
         self._calls = itertools.count()
         self._next_index = 0  # global request index of the next call's first request
@@ -272,7 +279,8 @@ class DataParallel:
                 self.commands[rank].put(("run", call, share))
             busy, feeder = set(range(self.size)), None
         else:
-            feeder = Feeder(items, base, self.size, self.window)
+            feeder = Feeder(items, base, self.size, self.window, self.affinity,
+                            self.affinity_slack)
             busy = feeder.dispatch(call, self.commands)
         answered: set[int] = set()
         self.served_by = feeder.served_by if feeder is not None else {}

@@ -1,11 +1,14 @@
 """Which replica runs which request: by estimated load, either all up front (`split_by_load`:
 expert parallelism and torchrun, where every rank must agree without talking) or as replicas
-make room (`Feeder`: data-parallel replicas of one front end)."""
+make room (`Feeder`: data-parallel replicas of one front end; with prefix caching, by prefix
+affinity within a slack of the least busy, prefix_affinity.py)."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+
+from shoal.parallel.prefix_affinity import PrefixAffinity
 
 
 def _load_estimate(item: dict) -> int:
@@ -42,8 +45,10 @@ class Feeder:
     """The front end's side of feeding one call (see the module docstring): which requests
     wait, what each replica holds, and which replica served each request (`served_by`)."""
 
-    def __init__(self, items: Sequence[dict], base: int, size: int, window: int) -> None:
+    def __init__(self, items: Sequence[dict], base: int, size: int, window: int,
+                 affinity: PrefixAffinity | None = None, slack: int = 0) -> None:
         self.items, self.base, self.window = items, base, window
+        self.affinity, self.slack = affinity, slack
         self.estimate = [_load_estimate(item) for item in items]
         self.waiting = collections.deque(range(len(items)))
         self.held = [0] * size  # unfinished requests per replica
@@ -62,6 +67,10 @@ class Feeder:
                 break
             rank = min(open_, key=lambda r: (self.tokens[r], r))
             position = self.waiting.popleft()
+            if self.affinity is not None:  # prefix caching: where its prefix probably is
+                keys = self.affinity.keys(self.affinity.prompt_of(self.items[position]))
+                rank = self.affinity.choose(keys, rank, open_, self.held, self.slack)
+                self.affinity.record(keys, rank)
             self.held[rank] += 1
             self.tokens[rank] += self.estimate[position]
             self.served_by[position] = rank

@@ -6,7 +6,8 @@ its own over its engine (`serve_replica`), so a request joins its replica's runn
 the next step, and under expert parallelism every replica keeps stepping while any has work.
 
 Placement: a new request goes to the replica with the fewest live requests (ties: the lowest
-rank). /metrics sums the replicas' latest snapshots, which each sends every SNAPSHOT_S.
+rank); with prefix caching, to the replica sent the longest prefix of its prompt if that one
+holds at most `affinity_slack` more live requests (parallel/prefix_affinity.py). /metrics sums the replicas' latest snapshots, which each sends every SNAPSHOT_S.
 Invariant, as EngineLoop's: every submitted request gets its last update exactly once, also
 when a replica fails or dies (every live request then ends aborted and the server answers 503).
 """
@@ -57,7 +58,13 @@ class ReplicaLoop(EngineLoop):
 
     def _add(self, handle: Handle, prompt, params: SamplingParams, ids, priority: int) -> None:
         key = str(next(self._keys))
-        rank = min(range(self.replicas.size), key=lambda r: (self._load[r], r))
+        ranks = range(self.replicas.size)
+        rank = min(ranks, key=lambda r: (self._load[r], r))
+        affinity = self.replicas.affinity
+        if affinity is not None:  # prefix caching: where its prefix probably is
+            keys = affinity.keys(ids if ids is not None else prompt or "")
+            rank = affinity.choose(keys, rank, ranks, self._load, self.replicas.affinity_slack)
+            affinity.record(keys, rank)
         handle.group = key
         handle.sent = [[0, 0, 0] for _ in range(params.n)]  # one per choice (aborted ends)
         self._live[key], self._rank[key] = handle, rank
