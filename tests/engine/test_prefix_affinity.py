@@ -21,6 +21,7 @@ def test_keys_are_chained_over_full_chunks() -> None:
     assert a.keys([50] * 4 + ids[4:8])[1] != keys[1]  # chained: a block's key names its past
     text = "x" * 40  # 4 characters per token: 16 per chunk
     assert len(a.keys(text)) == 2 and a.keys(text) != a.keys([ord("x")] * 10)
+    assert a.keys([1, None, 3, 4]) == a.keys([1, 2 ** 70, 3, 4]) == []  # bad: the engine says
     chat = [{"role": "system", "content": "s" * 64}]
     assert a.keys(chat + [{"role": "user", "content": "a"}])[:4] == \
         a.keys(chat + [{"role": "user", "content": "b"}])[:4]
@@ -53,16 +54,20 @@ def test_replicas_get_the_requests_sharing_their_prefix() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     opts = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 256, "block_size": 128,
             "prefill_mode": "full"}
-    expected = [o.outputs[0].token_ids for o in LLM("tiny", **opts).generate(
-        prompts, greedy, use_tqdm=False)]
+    odd = [{"prompt_token_ids": [1, None]}, {"messages": [{"role": "user", "content": "hi"}]},
+           "a text prompt"]  # (a bad one is its own error, as on one engine)
+
+    def view(outs):
+        return [(o.error, [c.token_ids for c in o.outputs]) for o in outs]
+
+    expected = view(LLM("tiny", **opts).generate(prompts + odd, greedy, use_tqdm=False))
     hits = {}
     for caching in (False, True):
         llm = LLM("tiny", data_parallel_size=2, enable_prefix_caching=True, **opts)
         if not caching:
             llm.replicas.affinity = None  # placement by load alone, the same caches
         try:
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
-                                                               use_tqdm=False)]
+            got = view(llm.generate(prompts + odd, greedy, use_tqdm=False))
             served = [llm.replicas.served_by[p] for p in range(6)]
             hits[caching] = llm.replicas.stats()[1].hit_tokens
         finally:
