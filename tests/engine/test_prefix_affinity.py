@@ -21,7 +21,10 @@ def test_keys_are_chained_over_full_chunks() -> None:
     assert a.keys([50] * 4 + ids[4:8])[1] != keys[1]  # chained: a block's key names its past
     text = "x" * 40  # 4 characters per token: 16 per chunk
     assert len(a.keys(text)) == 2 and a.keys(text) != a.keys([ord("x")] * 10)
-    assert a.keys([1, None, 3, 4]) == a.keys([1, 2 ** 70, 3, 4]) == []  # bad: the engine says
+    for bad in ([1, None, 3, 4], [1, 2 ** 70, 3, 4], {"text": "hi"}, {"role": "user"},
+                [{"role": "user", "content": b"hi"}], [{1: "x", "a": "y"}],
+                (t for t in [1, 2, 3])):  # not a prompt: no keys (the engine reports it)
+        assert a.keys(bad) == []
     chat = [{"role": "system", "content": "s" * 64}]
     assert a.keys(chat + [{"role": "user", "content": "a"}])[:4] == \
         a.keys(chat + [{"role": "user", "content": "b"}])[:4]
@@ -55,7 +58,7 @@ def test_replicas_get_the_requests_sharing_their_prefix() -> None:
     opts = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 256, "block_size": 128,
             "prefill_mode": "full"}
     odd = [{"prompt_token_ids": [1, None]}, {"messages": [{"role": "user", "content": "hi"}]},
-           "a text prompt"]  # (a bad one is its own error, as on one engine)
+           "a text prompt", {"prompt": {"text": "hi"}}]  # (a bad one: its error, as on one engine)
 
     def view(outs):
         return [(o.error, [c.token_ids for c in o.outputs]) for o in outs]

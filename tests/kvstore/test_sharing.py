@@ -143,3 +143,20 @@ def test_an_adopted_object_counts_against_the_bound(tmp_path, object_bytes):
             reader.flush()
         assert reader.stats().objects <= 2 and reader.stats().evicted >= 2
         assert on_disk(tmp_path) <= 2.5 * object_bytes
+
+
+def test_a_hit_on_an_object_whose_last_shard_is_lost_keeps_it(tmp_path):
+    """A lost last-shard disk (the store survives two): a read rebuilds the object from the
+    others, and the hit's refresh keeps it (a refresh asks for any shard of an indexed
+    object, not only the last)."""
+    import shutil
+
+    with KVStore(tmp_path) as s:
+        s.put(key(1), blob(10_000, 1))
+        s.flush()
+        shutil.rmtree(tmp_path / "d11")
+        for _ in range(2):
+            assert s.get(key(1)) == blob(10_000, 1)
+            s.touch(key(1))
+            s.flush()
+        assert s.stats().objects == 1

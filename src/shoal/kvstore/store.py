@@ -302,19 +302,18 @@ class KVStore:
             return
         written = 0
         with self._io_lock:
-            # The disk decides (another process may have written or removed the object since
-            # this index saw it): present is a refresh, for a put too; a refresh of an object
-            # gone forgets it; a put of one gone writes it.
-            if self._on_disk(key) is not None:
+            # The disk decides (another process may have written or removed it): present (for a
+            # refresh of an indexed object, any shard left) is a refresh, for a put too; a
+            # refresh of an object gone forgets it; a put of one gone writes it.
+            if self._on_disk(key) is not None or (data is None and key in self._index and
+                                                  self._disk_written_at(key) is not None):
                 if not self._refresh(key):
                     return
             elif data is None:
                 self._forget(key)
                 return
-            else:
-                written = self._write_object(key, data)
-                if not written:
-                    return
+            elif not (written := self._write_object(key, data)):
+                return
         bound = self.config.max_bytes
         self._since_rescan += written
         if bound is not None and self._since_rescan >= sharing.RESCAN_EVERY * bound:

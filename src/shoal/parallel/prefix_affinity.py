@@ -31,15 +31,18 @@ class PrefixAffinity:
     def keys(self, prompt: Sequence[int] | str | list[dict]) -> list[bytes]:
         """The chained keys of a prompt's full chunks: token ids, a text or messages (none
         for a prompt that is none of them: the engine rejects it, not the placement)."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-            text = prompt if isinstance(prompt, str) else json.dumps(
-                prompt, sort_keys=True, ensure_ascii=False)
-            data, size, root = text.encode(), self.block_size * CHARS_PER_TOKEN, b"text"
-        else:
-            try:
+        try:
+            if isinstance(prompt, str) or (isinstance(prompt, list | tuple) and prompt
+                                           and isinstance(prompt[0], dict)):
+                text = prompt if isinstance(prompt, str) else json.dumps(
+                    prompt, sort_keys=True, ensure_ascii=False)
+                data, size, root = text.encode(), self.block_size * CHARS_PER_TOKEN, b"text"
+            elif isinstance(prompt, list | tuple):
                 data, size, root = array("q", prompt).tobytes(), self.block_size * 8, b"ids"
-            except (TypeError, OverflowError):  # a bad prompt: its replica reports it
+            else:
                 return []
+        except (TypeError, ValueError, OverflowError):  # a bad prompt: its replica reports it
+            return []
         keys, parent = [], hashlib.blake2b(root, digest_size=16).digest()
         for start in range(0, len(data) - size + 1, size):
             parent = hashlib.blake2b(parent + data[start:start + size], digest_size=16).digest()
