@@ -221,10 +221,10 @@ class DataParallel:
         seqs = options.get("max_num_seqs", SchedulerConfig.max_num_seqs)
         self.window = 2 * seqs
         # prefix caching: a request goes where its prefix was sent, within `affinity_slack`
-        # requests of the least busy replica
+        # requests of the least busy replica (32 at the default 64 seqs, as SGLang's router)
         self.affinity = PrefixAffinity(options.get("block_size", CacheConfig.block_size)) \
             if options.get("enable_prefix_caching") and size > 1 else None
-        self.affinity_slack = max(1, seqs // 4)
+        self.affinity_slack = max(1, seqs // 2)
         self.served_by: dict[int, int] = {}  # the last call's input position -> replica
         self._calls = itertools.count()
         self._next_index = 0  # global request index of the next call's first request
