@@ -121,3 +121,18 @@ def test_a_replica_killed_mid_call_is_an_error_naming_it() -> None:
         killer.join()
     finally:
         llm.close()
+
+
+def test_a_script_without_the_main_guard_is_told_so(tmp_path: Path) -> None:
+    """Replicas are spawned processes that import the script: one that creates the LLM at
+    import time makes them exit at once; the error says what to do."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text('from shoal import LLM\n'
+                      'LLM("tiny", device="cpu", data_parallel_size=2, max_model_len=128)\n')
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "if __name__ == '__main__':" in run.stderr.splitlines()[-1]

@@ -229,7 +229,14 @@ class DataParallel:
         self._calls = itertools.count()
         self._next_index = 0  # global request index of the next call's first request
         for _ in range(size):  # each replica answers "ready" or "failed" once
-            kind, _, rank, message = self._get(READY_TIMEOUT_S)
+            try:
+                kind, _, rank, message = self._get(READY_TIMEOUT_S)
+            except ShoalError as exc:  # exited before it could say why: most often a script
+                self.close()  # without the main guard, which each spawned replica re-runs
+                hint = " before being ready; a script that creates LLM(data_parallel_size=N) " \
+                    "must do so under `if __name__ == '__main__':` (each replica is a spawned " \
+                    "process that imports the script)" if "exited" in str(exc) else ""
+                raise ShoalError(f"{exc}{hint}") from None
             if kind == "failed":
                 self.close()
                 raise ShoalError(f"data-parallel replica {rank} failed to start: {message}")
