@@ -216,6 +216,8 @@ BAD = [  # (body, text the 400's message names)
     ({"input": "x", "n": 2}, "n"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning_effort"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "logprobs"),
 ]
 
 
@@ -225,3 +227,6 @@ def test_what_cannot_be_served_is_a_400_naming_it(live: LiveServer) -> None:
         assert code == 400 and text in reply["error"]["message"], (body, reply)
     code, reply = post(live, "/v1/responses", {"model": "other", "input": "x"})
     assert code == 404
+    code, reply = post(live, "/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens":
+                                              2, "include": ["reasoning.encrypted_content"]})
+    assert code == 200  # (what agent SDKs send by default: nothing to include here)

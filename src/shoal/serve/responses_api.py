@@ -11,8 +11,9 @@ first), `max_output_tokens`, `temperature`, `top_p`, function `tools`, `tool_cho
 `parallel_tool_calls`, `reasoning.effort` (V4.1's levels, or OpenAI's: `minimal` is `low`,
 `medium` the default), `text.format` (`json_schema`, `json_object`), `store` (responses kept
 in memory, the last STORED_RESPONSES, least recently used out first), `metadata`, and vLLM's
-sampling extras. What the model cannot take (images, files, built-in tools) is a 400 naming
-the field; unknown fields are ignored, as on the other endpoints.
+sampling extras. What is not served (images, files, built-in tools, `background`, log-probs)
+is a 400 naming the field; other `include` values and unknown fields are ignored, as on the
+other endpoints.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class ResponsesRequest(SamplingBody):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     background: bool = False
+    include: list[str] | None = None
+    top_logprobs: int | None = None
 
     def input_messages(self) -> list[dict[str, Any]]:
         return item_messages(self.input, "input")
@@ -77,6 +80,9 @@ class ResponsesRequest(SamplingBody):
             raise ValueError("n: a response has one output")
         if self.background:
             raise ValueError("background: not supported (stream the response, or wait for it)")
+        if self.top_logprobs or "message.output_text.logprobs" in (self.include or ()):
+            raise ValueError("top_logprobs / include message.output_text.logprobs: log-probs "
+                             "are not served on /v1/responses (use /v1/chat/completions)")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling = self.model_dump(exclude_unset=True, include=set(SamplingBody.model_fields)
                                    - {"stream", "stream_options"})
