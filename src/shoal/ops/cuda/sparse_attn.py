@@ -34,7 +34,7 @@ SMEM_BYTES = 2 * 64 * 2 * D + BLOCK_N * SWA_REC + 64 * BLOCK_N * 2 + 64 * 72 * 4
 BLOCKS_PER_SPLIT = 2  # the Triton op's decode partition (benchmarks sweep it)
 
 
-WGMMA = 0  # ATTN_WGMMA: 1 the scores by wgmma, 2 P.V too (not yet run on a GPU)
+WGMMA = 0  # ATTN_WGMMA: 1 the scores by wgmma, 2 P.V too (bench variants cuda-wgmmaN)
 
 
 class SparseAttnState:
