@@ -133,7 +133,7 @@ def item_messages(items: str | list[dict[str, Any]], name: str) -> list[dict[str
         role = item.get("role") if kind == "message" else None
         if reasoning is not None and kind not in ("function_call", "reasoning") and \
                 role != "assistant":  # a turn of reasoning alone (cut, or ended in it)
-            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+            messages.append(_reasoning_turn(reasoning))
             reasoning = None
         if kind == "message":
             msg = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
@@ -165,8 +165,12 @@ def item_messages(items: str | list[dict[str, Any]], name: str) -> list[dict[str
                              "function_call, function_call_output)")
         prev = kind
     if reasoning is not None:
-        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+        messages.append(_reasoning_turn(reasoning))
     return messages
+
+
+def _reasoning_turn(reasoning: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "reasoning_content": reasoning}
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
