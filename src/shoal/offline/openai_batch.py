@@ -139,11 +139,8 @@ def batch_result(b: BatchLine, outs: list[RequestOutput], model: str,
         return result
     created = int(time.time())
     if isinstance(b.body, ResponsesRequest):
-        c = outs[0].outputs[0]
-        body = responses_api.response_body(
-            f"resp_{request_id}", created, model, b.body, responses_api.output_items(c),
-            responses_api.finish_status(c.finish_reason),
-            responses_api.usage(outs[0], responses_api.think_end_id(fmt.tokenizer)))
+        body = responses_api.finished_response(f"resp_{request_id}", created, model, b.body,
+                                               outs[0], fmt.tokenizer)
     elif isinstance(b.body, ChatCompletionRequest):
         body = chat_response(f"chatcmpl-{request_id}", created, model, b.body, outs[0], fmt)
     else:

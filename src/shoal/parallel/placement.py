@@ -68,9 +68,8 @@ class Feeder:
             rank = min(open_, key=lambda r: (self.tokens[r], r))
             position = self.waiting.popleft()
             if self.affinity is not None:  # prefix caching: where its prefix probably is
-                keys = self.affinity.keys(self.affinity.prompt_of(self.items[position]))
-                rank = self.affinity.choose(keys, rank, open_, self.held, self.slack)
-                self.affinity.record(keys, rank)
+                rank = self.affinity.place(self.affinity.prompt_of(self.items[position]), rank,
+                                           open_, self.held, self.slack)
             self.held[rank] += 1
             self.tokens[rank] += self.estimate[position]
             self.served_by[position] = rank

@@ -66,6 +66,14 @@ class PrefixAffinity:
                 return item[field]
         return ""
 
+    def place(self, prompt, least: int, candidates: Sequence[int], held: Sequence[int],
+              slack: int) -> int:
+        """`choose` for a prompt, recorded: the replica that runs it."""
+        keys = self.keys(prompt)
+        rank = self.choose(keys, least, candidates, held, slack)
+        self.record(keys, rank)
+        return rank
+
     def record(self, keys: list[bytes], rank: int) -> None:
         """`rank` was sent these prefixes (it will cache them)."""
         for key in keys:

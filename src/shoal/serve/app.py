@@ -281,11 +281,8 @@ class Server:
                                      media_type="text/event-stream")
         out = await self._collect(first, handle)
         parse_chat_output(out, prompt)
-        c = out.outputs[0]
-        response = responses_api.response_body(
-            rid, created, self.model_name, body, responses_api.output_items(c),
-            responses_api.finish_status(c.finish_reason),
-            responses_api.usage(out, responses_api.think_end_id(self.tokenizer)))
+        response = responses_api.finished_response(rid, created, self.model_name, body, out,
+                                                   self.tokenizer)
         keep(response)
         return response
 

@@ -7,7 +7,8 @@ the next step, and under expert parallelism every replica keeps stepping while a
 
 Placement: a new request goes to the replica with the fewest live requests (ties: the lowest
 rank); with prefix caching, to the replica sent the longest prefix of its prompt if that one
-holds at most `affinity_slack` more live requests (parallel/prefix_affinity.py). /metrics sums the replicas' latest snapshots, which each sends every SNAPSHOT_S.
+holds at most `affinity_slack` more live requests (parallel/prefix_affinity.py). /metrics sums
+the replicas' latest snapshots, which each sends every SNAPSHOT_S.
 Invariant, as EngineLoop's: every submitted request gets its last update exactly once, also
 when a replica fails or dies (every live request then ends aborted and the server answers 503).
 """
@@ -62,9 +63,8 @@ class ReplicaLoop(EngineLoop):
         rank = min(ranks, key=lambda r: (self._load[r], r))
         affinity = self.replicas.affinity
         if affinity is not None:  # prefix caching: where its prefix probably is
-            keys = affinity.keys(ids if ids is not None else prompt or "")
-            rank = affinity.choose(keys, rank, ranks, self._load, self.replicas.affinity_slack)
-            affinity.record(keys, rank)
+            rank = affinity.place(ids if ids is not None else prompt or "", rank, ranks,
+                                  self._load, self.replicas.affinity_slack)
         handle.group = key
         handle.sent = [[0, 0, 0] for _ in range(params.n)]  # one per choice (aborted ends)
         self._live[key], self._rank[key] = handle, rank

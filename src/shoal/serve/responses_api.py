@@ -238,13 +238,13 @@ def finish_status(reason: str | None) -> str:
     return "incomplete" if reason in ("length", "kv_capacity") else "completed"
 
 
-def usage(out: RequestOutput, think_end: int | None) -> dict[str, Any]:
+def usage(out: RequestOutput, tokenizer) -> dict[str, Any]:
     """The Responses `usage` of a parsed output (`parse_chat_output`): reasoning tokens are
     those up to and including `</think>` (all of them when the reasoning never closed)."""
     u, c = usage_of(out), out.outputs[0]
     reasoning = 0
     if c.reasoning_content is not None:
-        ids = list(c.token_ids)
+        ids, think_end = list(c.token_ids), tokenizer.token_to_id(THINK_END)
         reasoning = ids.index(think_end) + 1 if think_end in ids else len(ids)
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
@@ -252,10 +252,6 @@ def usage(out: RequestOutput, think_end: int | None) -> dict[str, Any]:
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": u["total_tokens"]}
-
-
-def think_end_id(tokenizer) -> int | None:
-    return tokenizer.token_to_id(THINK_END)
 
 
 def response_body(rid: str, created: int, model: str, body: ResponsesRequest,
@@ -278,6 +274,14 @@ def response_body(rid: str, created: int, model: str, body: ResponsesRequest,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)
                  if fmt is not None else {"type": "text"}},
         "metadata": body.metadata or {}, "store": body.store, "user": body.user}
+
+
+def finished_response(rid: str, created: int, model: str, body: ResponsesRequest,
+                      out: RequestOutput, tokenizer) -> dict[str, Any]:
+    """The whole `response` of a finished, parsed output (the server's and run-batch's)."""
+    c = out.outputs[0]
+    return response_body(rid, created, model, body, output_items(c),
+                         finish_status(c.finish_reason), usage(out, tokenizer))
 
 
 @dataclass

@@ -159,7 +159,7 @@ async def response_events(server, update: Update, handle: Handle, prompt: str, r
                 yield line
         for line in items.close(status, parser.call_cut):
             yield line
-        final = response(status, token_usage=api.usage(out, api.think_end_id(server.tokenizer)))
+        final = response(status, token_usage=api.usage(out, server.tokenizer))
         keep(final)
         yield event(f"response.{status}", response=final)
     finally:
