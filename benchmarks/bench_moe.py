@@ -10,7 +10,9 @@ with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
 `cuda_sN`: chunks staged in shared memory by cp.async, N stages, each lane its own loads;
-`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row; `cuda_prefill`: the
+`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row; `cuda_kN`: K split
+into N ranges, `cuda_bN`: launch bounds of N resident CTAs per SM; knobs combine, e.g.
+`cuda_k2b10`; `cuda_prefill`: the
 FP8 wgmma prefill kernels, prefill sizes only). For T = 8192
 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
@@ -41,6 +43,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 
 import torch
 from moe_tile_sweeps import DECODE_CFGS, PLAIN_DECODE_CFGS, PREFILL_CFGS, V0_DECODE
@@ -147,19 +150,18 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "cuda_prefill":  # the CUDA C++ FP8 wgmma prefill kernels (prefill sizes)
         return {"cuda_prefill": True} if rows > cuda_moe.MAX_ROWS else None
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
-        # cuda_dN: MOE_DEPTH N; cuda_sN: MOE_STAGES N, the shared-memory staged loads)
-        # cuda_wN[cM]: MOE_STAGES N staged per warp, M chunks per stage (default 4)
-        knob = name.removeprefix("cuda").removeprefix("_")
-        depth, stages, warp, chunks = cuda_moe.DEPTH, cuda_moe.STAGES, False, 4
-        if knob.startswith("d"):
-            depth = int(knob[1:])
-        elif knob.startswith("s"):
-            stages = int(knob[1:])
-        elif knob.startswith("w"):
-            stages, _, c = knob[1:].partition("c")
-            stages, warp, chunks = int(stages), True, int(c or 4)
-        return ({"cuda": (depth, stages, warp, chunks)} if rows <= cuda_moe.MAX_ROWS
-                else None)
+        # knobs after `cuda_`, combinable: dN MOE_DEPTH, sN MOE_STAGES (per-lane staged loads),
+        # wN[cM] MOE_STAGES N staged per warp with M chunks per stage (default 4), kN split K
+        # into N ranges, bN MOE_MIN_BLOCKS N)
+        knobs = dict(re.findall(r"([dswckb])(\d+)", name.removeprefix("cuda")))
+        if "".join(f"{k}{v}" for k, v in knobs.items()) != name.removeprefix("cuda").strip("_"):
+            raise ValueError(f"bad cuda variant {name}")
+        warp = "w" in knobs
+        state = (int(knobs.get("d", cuda_moe.DEPTH)),
+                 int(knobs.get("w", knobs.get("s", cuda_moe.STAGES))), warp,
+                 int(knobs.get("c", 4)), int(knobs.get("k", cuda_moe.SPLIT)),
+                 int(knobs["b"]) if "b" in knobs else None)
+        return {"cuda": state} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
 
 
