@@ -1,8 +1,8 @@
 """OpenAI's Responses API through the real `openai` client on tiny (CPU, loopback): a response
 equals the chat completion of the same messages (text, reasoning, usage, status), its stream
 equals it item for item with well-formed events, `previous_response_id` continues a stored
-conversation, function calls and their outputs round-trip, and what cannot be served is a 400
-naming the field."""
+conversation, function calls and their outputs round-trip, log-probs are the message tokens'
+(streamed or not), and what cannot be served is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -205,6 +205,38 @@ def test_objects_and_events_validate_as_the_sdk_types(live: LiveServer) -> None:
             assert name == f"event: {event.type}"
 
 
+def test_log_probs_are_the_message_tokens(live: LiveServer) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the message's tokens,
+    with the chat completion's values; the stream's deltas carry them in order, and they add
+    up to the done event's and the response's."""
+    client = live.client()
+    args = {"model": "tiny", "input": "hi", "max_output_tokens": 12, "temperature": 0,
+            "reasoning": NO_THINKING, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2}
+    r = client.responses.create(**args)
+    (message,) = [i for i in r.output if i.type == "message"]
+    lps = message.content[0].logprobs
+    chat = chat_of(live, [{"role": "user", "content": "hi"}], max_tokens=12,
+                   reasoning_effort="none", logprobs=True, top_logprobs=2)
+    want = [(c.token, c.logprob, [t.token for t in c.top_logprobs])
+            for c in chat.choices[0].logprobs.content]
+    assert lps and [(x.token, x.logprob, [t.token for t in x.top_logprobs])
+                    for x in lps] == want[:len(lps)]
+    assert r.status == "incomplete" and len(lps) == r.usage.output_tokens == 12  # (no call)
+    events = list(client.responses.create(**args, stream=True))
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    final = [i for i in events[-1].response.output if i.type == "message"][0]
+    def dumped(xs):  # (each event type has its own Logprob class)
+        return [x.model_dump() for x in xs]
+
+    assert (dumped(streamed) == dumped(done.logprobs) == dumped(final.content[0].logprobs)
+            == dumped(lps))
+    plain = client.responses.create(**{k: v for k, v in args.items()
+                                       if k not in ("include", "top_logprobs")})
+    assert plain.output[-1].content[0].logprobs == []
+
+
 BAD = [  # (body, text the 400's message names)
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
@@ -216,8 +248,7 @@ BAD = [  # (body, text the 400's message names)
     ({"input": "x", "n": 2}, "n"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning_effort"),
-    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "logprobs"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
 ]
 
 

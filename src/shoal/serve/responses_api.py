@@ -10,10 +10,11 @@ the next turn, as OpenAI's), `previous_response_id` (a stored response's convers
 first), `max_output_tokens`, `temperature`, `top_p`, function `tools`, `tool_choice`,
 `parallel_tool_calls`, `reasoning.effort` (V4.1's levels, or OpenAI's: `minimal` is `low`,
 `medium` the default), `text.format` (`json_schema`, `json_object`), `store` (responses kept
-in memory, the last STORED_RESPONSES, least recently used out first), `metadata`, and vLLM's
-sampling extras. What is not served (images, files, built-in tools, `background`, log-probs)
-is a 400 naming the field; other `include` values and unknown fields are ignored, as on the
-other endpoints.
+in memory, the last STORED_RESPONSES, least recently used out first), `metadata`, log-probs
+(`include: ["message.output_text.logprobs"]` or `top_logprobs`: the message text's tokens,
+content_tokens.py), and vLLM's sampling extras. What is not served (images, files, built-in
+tools, `background`) is a 400 naming the field; other `include` values and unknown fields are
+ignored, as on the other endpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.engine.outputs import CompletionOutput, RequestOutput
+from shoal.serve.content_tokens import content_entries
+from shoal.serve.logprobs import LogprobFormat
 from shoal.serve.protocol import ChatCompletionRequest, SamplingBody, usage_of
 from shoal.tokenizer.special import THINK_END
 
@@ -33,6 +36,7 @@ STORED_RESPONSES = 1024
 # OpenAI's effort names without a V4.1 level of their own (None: the model's default)
 EFFORTS = {"minimal": "low", "medium": None}
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class Reasoning(BaseModel):
@@ -69,7 +73,11 @@ class ResponsesRequest(SamplingBody):
     metadata: dict[str, str] | None = None
     background: bool = False
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     def input_messages(self) -> list[dict[str, Any]]:
         return item_messages(self.input, "input")
@@ -80,9 +88,6 @@ class ResponsesRequest(SamplingBody):
             raise ValueError("n: a response has one output")
         if self.background:
             raise ValueError("background: not supported (stream the response, or wait for it)")
-        if self.top_logprobs or "message.output_text.logprobs" in (self.include or ()):
-            raise ValueError("top_logprobs / include message.output_text.logprobs: log-probs "
-                             "are not served on /v1/responses (use /v1/chat/completions)")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling = self.model_dump(exclude_unset=True, include=set(SamplingBody.model_fields)
                                    - {"stream", "stream_options"})
@@ -98,7 +103,9 @@ class ResponsesRequest(SamplingBody):
         given = {"max_completion_tokens": self.max_output_tokens,
                  "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
                  "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
-                 "response_format": response_format}
+                 "response_format": response_format,
+                 "logprobs": True if self.wants_logprobs else None,
+                 "top_logprobs": (self.top_logprobs or 0) if self.wants_logprobs else None}
         # (only what the body gives: the request's fields_set is the body's)
         return ChatCompletionRequest(**sampling, messages=system + history + self.input_messages(),
                                      **{k: v for k, v in given.items() if v is not None})
@@ -200,10 +207,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def message_item(text: str, status: str, item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant",
             "status": status, "content": [{"type": "output_text", "text": text,
-                                           "annotations": [], "logprobs": []}]}
+                                           "annotations": [], "logprobs": logprobs or []}]}
 
 
 def reasoning_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
@@ -218,13 +226,14 @@ def call_item(name: str, arguments: str, status: str, item_id: str | None = None
             "arguments": arguments, "status": status}
 
 
-def output_items(c: CompletionOutput) -> list[dict[str, Any]]:
-    """A parsed completion's output items: its reasoning, its message and its calls, those
-    that have text (at least one item); a text or a call cut by the token limit is
-    `incomplete`."""
+def output_items(c: CompletionOutput,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A parsed completion's output items: its reasoning, its message (with its tokens'
+    `logprobs`) and its calls, those that have text (at least one item); a text or a call cut
+    by the token limit is `incomplete`."""
     items = [reasoning_item(c.reasoning_content, "completed")] if c.reasoning_content else []
     if c.content or not (items or c.tool_calls):  # (an empty answer: one empty message)
-        items.append(message_item(c.content or "", "completed"))
+        items.append(message_item(c.content or "", "completed", logprobs=logprobs))
     items += [call_item(t.get("name") or "", t.get("arguments") or "{}", "completed")
               for t in c.tool_calls or ()]
     if finish_status(c.finish_reason) == "incomplete" and (
@@ -280,7 +289,12 @@ def finished_response(rid: str, created: int, model: str, body: ResponsesRequest
                       out: RequestOutput, tokenizer) -> dict[str, Any]:
     """The whole `response` of a finished, parsed output (the server's and run-batch's)."""
     c = out.outputs[0]
-    return response_body(rid, created, model, body, output_items(c),
+    logprobs = None
+    if body.wants_logprobs and c.logprobs:
+        entries = content_entries(c.token_ids, c.logprobs, tokenizer,
+                                  thinking=c.reasoning_content is not None)
+        logprobs = LogprobFormat(tokenizer).chat(entries, body.top_logprobs or 0)["content"]
+    return response_body(rid, created, model, body, output_items(c, logprobs),
                          finish_status(c.finish_reason), usage(out, tokenizer))
 
 

@@ -7,7 +7,9 @@ each function call) `response.output_item.added`, its content part and text delt
 room) with the whole response, whose items are the streamed ones. A request that fails after
 its first token ends with `response.failed`; one the server cut (shutdown, an engine failure)
 with an `error` event. Each event is an SSE `event:` line and its JSON, numbered by
-`sequence_number`.
+`sequence_number`. With log-probs asked for, each `response.output_text.delta` carries those of
+the message tokens confirmed since the last one (content_tokens.py; an empty delta carries the
+rest when the message closes), so they concatenate to the done event's.
 
 Invariant: a stream that ends early (its client went away) aborts its request.
 """
@@ -21,8 +23,10 @@ from typing import Any
 
 from shoal.llm import parse_chat_output
 from shoal.serve import responses_api as api
+from shoal.serve.content_tokens import ContentTokens
 from shoal.serve.engine_loop import Handle, Update
-from shoal.tokenizer.parser import OutputParser, ParserEvent
+from shoal.serve.logprobs import LogprobFormat
+from shoal.tokenizer.parser import OutputParser, ParserEvent, ParserState
 
 
 class _Items:
@@ -33,6 +37,8 @@ class _Items:
         self.event = event
         self.items: list[dict[str, Any]] = []
         self.text = ""  # the open item's text so far (a call's: its arguments)
+        self.logprobs: list[dict[str, Any]] = []  # the message's, confirmed and not yet sent
+        self.sent: list[dict[str, Any]] = []  # the message's, sent in its deltas
 
     @property
     def open(self) -> dict[str, Any] | None:
@@ -80,7 +86,11 @@ class _Items:
         if kind == "function_call":
             return [self.event("response.function_call_arguments.delta", **self._where(),
                                delta=text)]
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra = {"logprobs": self.logprobs}
+            self.sent += self.logprobs
+            self.logprobs = []
         name = "response.reasoning_text.delta" if kind == "reasoning" else \
             "response.output_text.delta"
         return [self.event(name, **self._where(), content_index=0, delta=text, **extra)]
@@ -98,14 +108,17 @@ class _Items:
             out = [self.event("response.function_call_arguments.done", **where,
                               arguments=item["arguments"])]
         else:
-            name = "response.reasoning_text.done" if item["type"] == "reasoning" else \
-                "response.output_text.done"
+            message = item["type"] == "message"
+            out = self._delta("") if message and self.logprobs else []
+            name = "response.output_text.done" if message else "response.reasoning_text.done"
             part = self._part(text)
+            if message:
+                part["logprobs"] = self.sent
             item.update(content=[part], status=status)
-            out = [self.event(name, **where, content_index=0, text=text,
-                              **({"logprobs": []} if item["type"] == "message" else {})),
-                   self.event("response.content_part.done", **where, content_index=0,
-                              part=part)]
+            out += [self.event(name, **where, content_index=0, text=text,
+                               **({"logprobs": self.sent} if message else {})),
+                    self.event("response.content_part.done", **where, content_index=0,
+                               part=part)]
         return out + [self.event("response.output_item.done", output_index=where["output_index"],
                                  item=item)]
 
@@ -126,11 +139,19 @@ async def response_events(server, update: Update, handle: Handle, prompt: str, r
                                  **extra)
 
     parser, items, done = OutputParser.for_prompt(prompt), _Items(event), False
+    fmt, n_top = LogprobFormat(server.tokenizer), body.top_logprobs or 0
+    tokens = ContentTokens(server.tokenizer, thinking=parser.state is ParserState.REASONING) \
+        if body.wants_logprobs else None
     try:
         yield event("response.created", response=response("in_progress"))
         yield event("response.in_progress", response=response("in_progress"))
         while True:
             events = parser.feed(update.text[0])
+            if tokens is not None:
+                confirmed = tokens.feed(update.logprobs[0] if update.logprobs else ())
+                if update.finish_reasons[0] is not None:
+                    confirmed += tokens.close()
+                items.logprobs += fmt.chat(confirmed, n_top)["content"]
             if update.finish_reasons[0] is not None:
                 events += parser.close()
             for e in events:
