@@ -42,6 +42,10 @@ def test_the_longest_owned_prefix_wins_within_the_slack() -> None:
     busy = [0, 3, 0]
     assert a.choose(long, 2, [0, 1, 2], busy, slack=2) == 0  # 1 is too busy: the next owner
     assert a.choose(long, 2, [0, 2], held, slack=2) == 0  # 1 is no candidate (full)
+    assert a.place([1, 2, 9, 9], 2, [0, 1, 2], held, slack=1) == 0
+    assert a.place([1, 2, 3, 4], 2, [0, 1, 2], [1, 3, 0], slack=0) == 2  # 0, 1 too busy
+    assert a.place([8, 8], 2, [0, 1, 2], held, slack=1) == 2
+    assert a.placed == {"matched": 1, "busy": 1, "unmatched": 1}
     small = PrefixAffinity(block_size=2, capacity=2)
     small.record(small.keys([1, 2, 3, 4, 5, 6]), 1)
     assert small.choose(small.keys([1, 2]), 0, [0, 1], held, slack=1) == 0  # forgotten

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -154,7 +155,7 @@ def test_a_dead_replica_ends_the_service_with_503() -> None:
 def test_requests_go_to_the_replica_that_has_their_prefix() -> None:
     """With prefix caching, a request goes to the replica that was sent its prefix: A and B
     first land on replicas 0 and 1; then B' and A' (B' first, which load alone would give
-    replica 0) each resume from their family's cached block."""
+    replica 0) each resume from their family's cached block; /metrics counts the placements."""
     import random
 
     rng = random.Random(5)
@@ -182,5 +183,8 @@ def test_requests_go_to_the_replica_that_has_their_prefix() -> None:
 
         assert together((0, 7), (1, 7)) == [0, 0]
         assert together((1, 8), (0, 8)) == [128, 128]
+        metrics = urllib.request.urlopen(live.base + "/metrics", timeout=10).read().decode()
+        for outcome, count in (("matched", 2), ("busy", 0), ("unmatched", 2)):
+            assert f"shoal_affinity_{outcome}_total {count}.0" in metrics
     finally:
         live.stop()

@@ -9,6 +9,7 @@ engine's blocks; a text or a conversation, before the replica tokenizes it: CHAR
 characters per token), so a request matches a replica up to its longest chunk prefix that
 replica was sent. The table is bounded (least recently used out), and a replica evicts its
 own cache on its own: a match is a likelihood, never a promise; outputs never depend on it.
+`placed` counts each placement's outcome (the server's /metrics: shoal_affinity_*).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 CHARS_PER_TOKEN = 4
@@ -27,6 +28,9 @@ class PrefixAffinity:
     def __init__(self, block_size: int, capacity: int = CAPACITY) -> None:
         self.block_size, self.capacity = block_size, capacity
         self._owner: OrderedDict[bytes, int] = OrderedDict()  # chunk key -> replica
+        # placements: "matched" (an owner of a prefix took it), "busy" (its owners were over
+        # the slack or full), "unmatched" (no replica was sent a prefix of it)
+        self.placed: Counter[str] = Counter()
 
     def keys(self, prompt: Sequence[int] | str | list[dict]) -> list[bytes]:
         """The chained keys of a prompt's full chunks: token ids, a text or messages (none
@@ -53,11 +57,18 @@ class PrefixAffinity:
                held: Sequence[int], slack: int) -> int:
         """The candidate sent the longest prefix of `keys` among those holding at most `slack`
         more requests than `least` (the caller's least busy candidate), else `least`."""
+        return self._pick(keys, least, candidates, held, slack)[0]
+
+    def _pick(self, keys: list[bytes], least: int, candidates: Sequence[int],
+              held: Sequence[int], slack: int) -> tuple[int, str]:
+        outcome = "unmatched"
         for key in reversed(keys):
             rank = self._owner.get(key)
-            if rank is not None and rank in candidates and held[rank] <= held[least] + slack:
-                return rank
-        return least
+            if rank is not None:
+                if rank in candidates and held[rank] <= held[least] + slack:
+                    return rank, "matched"
+                outcome = "busy"
+        return least, outcome
 
     def prompt_of(self, item: dict) -> Sequence[int] | str | list[dict]:
         """An `LLM.run` item's prompt, as `keys` takes it."""
@@ -70,7 +81,8 @@ class PrefixAffinity:
               slack: int) -> int:
         """`choose` for a prompt, recorded: the replica that runs it."""
         keys = self.keys(prompt)
-        rank = self.choose(keys, least, candidates, held, slack)
+        rank, outcome = self._pick(keys, least, candidates, held, slack)
+        self.placed[outcome] += 1
         self.record(keys, rank)
         return rank
 

@@ -30,7 +30,10 @@ COUNTERS = {"prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
             "of those, not written (queue full, write failed, disk full, over the bound)",
             "kv_store_hits": "KV store reads served", "kv_store_misses": "KV store reads missed",
             "kv_store_lost_reads": "KV store objects found with too few good shards (removed)",
-            "kv_store_evicted": "KV store objects evicted by its size bound"}
+            "kv_store_evicted": "KV store objects evicted by its size bound",
+            "affinity_matched": "--dp requests placed on a replica sent a prefix of theirs",
+            "affinity_busy": "--dp requests whose prefix replicas were too busy (placed by load)",
+            "affinity_unmatched": "--dp requests with no replica sent a prefix of theirs"}
 PER_POSITION = {"drafts_proposed_at": "speculative drafts verified at this draft position",
                 "drafts_accepted_at": "speculative drafts accepted at this draft position"}
 

@@ -111,6 +111,9 @@ class ReplicaLoop(EngineLoop):
                     if isinstance(value, list) else total.get(name, 0) + value
         with self._lock:
             total["queued_requests"], total["queued_prompt_tokens"] = self._queued
+        if self.replicas.affinity is not None:
+            for outcome, count in self.replicas.affinity.placed.items():
+                total[f"affinity_{outcome}"] = count
         self.snapshot = total
 
 
