@@ -9,10 +9,8 @@ decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_sw
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
-`cuda_sN`: chunks staged in shared memory by cp.async, N stages, each lane its own loads;
-`cuda_wN[cM]`: N stages of M chunks (default 4) per warp, copied row by row; `cuda_kN`: K split
-into N ranges, `cuda_bN`: launch bounds of N resident CTAs per SM; knobs combine, e.g.
-`cuda_k2b10`; `cuda_prefill`: the
+`cuda_kN`: K split into N ranges, `cuda_bN`: launch bounds of N resident CTAs per SM; knobs
+combine, e.g. `cuda_k2b10`; `cuda_prefill`: the
 FP8 wgmma prefill kernels, prefill sizes only). For T = 8192
 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
@@ -150,16 +148,12 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "cuda_prefill":  # the CUDA C++ FP8 wgmma prefill kernels (prefill sizes)
         return {"cuda_prefill": True} if rows > cuda_moe.MAX_ROWS else None
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
-        # knobs after `cuda_`, combinable: dN MOE_DEPTH, sN MOE_STAGES (per-lane staged loads),
-        # wN[cM] MOE_STAGES N staged per warp with M chunks per stage (default 4), kN split K
-        # into N ranges, bN MOE_MIN_BLOCKS N)
-        knobs = dict(re.findall(r"([dswckb])(\d+)", name.removeprefix("cuda")))
+        # knobs after `cuda_`, combinable: dN MOE_DEPTH, kN split K into N ranges, bN
+        # MOE_MIN_BLOCKS N)
+        knobs = dict(re.findall(r"([dkb])(\d+)", name.removeprefix("cuda")))
         if "".join(f"{k}{v}" for k, v in knobs.items()) != name.removeprefix("cuda").strip("_"):
             raise ValueError(f"bad cuda variant {name}")
-        warp = "w" in knobs
-        state = (int(knobs.get("d", cuda_moe.DEPTH)),
-                 int(knobs.get("w", knobs.get("s", cuda_moe.STAGES))), warp,
-                 int(knobs.get("c", 4)), int(knobs.get("k", cuda_moe.SPLIT)),
+        state = (int(knobs.get("d", cuda_moe.DEPTH)), int(knobs.get("k", cuda_moe.SPLIT)),
                  int(knobs["b"]) if "b" in knobs else None)
         return {"cuda": state} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)

@@ -39,9 +39,6 @@
 #ifndef MOE_DEPTH
 #define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane (register path)
 #endif
-#ifndef MOE_STAGES
-#define MOE_STAGES 0  // > 1: loads staged in shared memory by cp.async instead (moe_stages.cuh)
-#endif
 #ifndef MOE_MIN_BLOCKS
 #define MOE_MIN_BLOCKS 8  // resident CTAs per SM (__launch_bounds__: 8 caps a lane at 64
 #endif                    // registers; 0: the compiler's choice)
@@ -54,8 +51,9 @@
 
 
 // One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each group's row)
-// and their block scales. On the register path the activations are read when the chunk is
-// consumed (mostly from L1: fewer registers per chunk in flight).
+// and their block scales. The activations are read when the chunk is consumed (mostly from
+// L1: fewer registers per chunk in flight; staging chunks in shared memory by cp.async
+// measured slower, docs/perf/moe.md).
 struct Stage {
     uint4 b0, b1;
     int s0, s1;
@@ -131,8 +129,6 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
     return true;
 }
 
-#include "moe_stages.cuh"  // the staged load paths (MOE_STAGES >= 2)
-
 // Split K: stores the lane's partial sums of split blockIdx.z; false unless this warp is the
 // last of the gridDim.z splits of its tile to arrive, which then holds the sums of all splits,
 // added in split order, in acc (and has reset its counter for the next launch).
@@ -191,9 +187,6 @@ __device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
     const int kb = z * chunks / S * CHUNK_K, ke = (z + 1) * chunks / S * CHUNK_K;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#if MOE_STAGES > 0
-    staged_chunks(acc, lut, L, pa, K);  // (S = 1: the front refuses staged loads with a split)
-#else
     Stage st[MOE_DEPTH];
 #pragma unroll
     for (int s = 0; s < MOE_DEPTH; ++s)
@@ -216,7 +209,6 @@ __device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
             }
         }
     }
-#endif
     if (S > 1 && !split_fixup(acc, L, split_part, split_flags)) return;
 
     // epilogue: routed rows 2t and 2t + 1 of the tile

@@ -11,8 +11,8 @@ live). The op is held to the reference's MoE tolerance (`_moe_compare`); its bit
 16-row Triton tiles' (it is not in the batch-invariant table). A row's result does not depend on
 the batch: the split depends on the shapes alone, and the sums on the row's own activations.
 
-Layouts and the lane mapping: the comment at the top of moe_decode.cu; the staged load paths
-(`stages`): moe_stages.cuh; measurements: docs/perf/moe.md. `run_grouped` is the pipeline
+Layouts and the lane mapping: the comment at the top of moe_decode.cu; measurements:
+docs/perf/moe.md. `run_grouped` is the pipeline
 around a kernel family's two GEMMs, shared with the prefill kernels (moe_prefill.py).
 """
 
@@ -37,40 +37,26 @@ WARPS = THREADS // 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
 DEPTH = 2  # 128-K chunks of weight loads in flight per lane (docs/perf/moe.md)
-STAGES = 0  # >= 2: loads staged in shared memory by cp.async (moe_stages.cuh; not measured)
 SPLIT = 1  # K ranges per GEMM (split K), whatever the batch (docs/perf/moe.md)
-MIN_BLOCKS = 8  # resident CTAs per SM the register path is built for (caps a lane at 64
-# registers); deeper or staged variants get the compiler's choice (0): they spill under the cap
+MIN_BLOCKS = 8  # resident CTAs per SM the kernels are built for (caps a lane at 64 registers);
+# deeper loads get the compiler's choice (0): they spill under the cap
 NULL = ctypes.c_uint64(0)
-
-
-def stage_bytes(warp_stage: bool, chunks: int) -> int:
-    """Shared memory per stage of a CTA (moe_stages.cuh): per lane its weights, activations and
-    scale words; per warp its 16 rows' weights and scales over `chunks` chunks."""
-    return WARPS * 16 * chunks * (64 + 4) if warp_stage else THREADS * (6 * 16 + 8)
 
 
 class DecodeMoEState:
     """Per op table: the loaded module, each weight's row maxima of its block scales ([E, rows]
     int32, computed on first use, dropped with the scale tensor) and the split-K arrival
-    counters (zero between launches: the last warp of a tile resets its own). depth, stages,
-    warp_stage, stage_chunks, min_blocks: the kernel's MOE_DEPTH, MOE_STAGES, MOE_WARP_STAGE,
-    MOE_STAGE_CHUNKS and MOE_MIN_BLOCKS; split: K ranges per GEMM (benchmarks sweep them)."""
+    counters (zero between launches: the last warp of a tile resets its own). depth,
+    min_blocks: the kernel's MOE_DEPTH and MOE_MIN_BLOCKS (None: MIN_BLOCKS up to depth 2,
+    else 0); split: K ranges per GEMM (benchmarks sweep them)."""
 
-    def __init__(self, depth: int = DEPTH, stages: int = STAGES, warp_stage: bool = False,
-                 stage_chunks: int = 4, split: int = SPLIT,
+    def __init__(self, depth: int = DEPTH, split: int = SPLIT,
                  min_blocks: int | None = None) -> None:
-        if stages == 1 or stages < 0:
-            raise ValueError(f"stages must be 0 (loads into registers) or >= 2, got {stages}")
-        if warp_stage and stage_chunks not in (2, 4, 8):
-            raise ValueError(f"stage_chunks must be 2, 4 or 8, got {stage_chunks}")
-        if split < 1 or (split > 1 and stages):
-            raise ValueError(f"split must be >= 1, and 1 with staged loads; got {split}")
-        self.depth, self.stages = depth, stages
-        self.warp_stage, self.stage_chunks = warp_stage, stage_chunks
+        if depth < 1 or split < 1:
+            raise ValueError(f"depth and split must be >= 1, got {depth}, {split}")
         if min_blocks is None:
-            min_blocks = MIN_BLOCKS if depth <= DEPTH and not stages else 0
-        self.split, self.min_blocks = split, min_blocks
+            min_blocks = MIN_BLOCKS if depth <= DEPTH else 0
+        self.depth, self.split, self.min_blocks = depth, split, min_blocks
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax = TensorMemo()
@@ -78,10 +64,7 @@ class DecodeMoEState:
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_STAGES={self.stages}",
-                       f"-DMOE_WARP_STAGE={int(self.warp_stage)}",
-                       f"-DMOE_STAGE_CHUNKS={self.stage_chunks}",
-                       f"-DMOE_MIN_BLOCKS={self.min_blocks}")
+            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_MIN_BLOCKS={self.min_blocks}")
             cubin = compile_file("moe_decode.cu", options=options).cubin
             self._module = Module(cubin, device)
         return self._module
@@ -121,14 +104,8 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     if (empty := empty_result(x, shared)) is not None:
         return empty
     state = state or DecodeMoEState()
-    d, inter = x.shape[1], w2.shape[2] * 2
-    if state.warp_stage and state.stages and (d % 256 or inter % 256):
-        raise ValueError(f"warp-staged loads need K % 256 == 0 (D={d}, I={inter})")
-    # the staged paths copy scale bytes 4 (per lane) or 8 (per warp) at once
     return run_grouped(Family("decode", state.module(x.device), TILE_M, W13_COLUMNS, W2_COLUMNS,
-                              THREADS,
-                              state.stages * stage_bytes(state.warp_stage, state.stage_chunks),
-                              8 if state.stages else 1, fp16=True, split=state.split),
+                              THREADS, 0, 1, fp16=True, split=state.split),
                        state, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)
 
 
