@@ -9,8 +9,7 @@ decode tiles, `moe_tiles.SWAP_DECODE`: faster, less accurate), `asm_p` / `asm_sw
 with `TileConfig.promote`: fp32 accumulation promoted every BLOCK_K), `port` (W4A8, portable
 conversion), `w4a16` (the bf16 baseline) and `cuda` (the CUDA C++ decode kernels,
 ops/cuda/moe_decode.py; decode sizes only; `cuda_dN`: with N chunks of loads in flight;
-`cuda_kN`: K split into N ranges, `cuda_bN`: launch bounds of N resident CTAs per SM; knobs
-combine, e.g. `cuda_k2b10`; `cuda_prefill`: the
+`cuda_prefill`: the
 FP8 wgmma prefill kernels, prefill sizes only). For T = 8192
 (compute-bound) and decode T in {1, 8, 16, 64, 256} (--quick:
 8192, 1, 64): median time of the whole op (routing, quantisers, both grouped GEMMs, combine),
@@ -41,7 +40,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 
 import torch
 from moe_tile_sweeps import DECODE_CFGS, PLAIN_DECODE_CFGS, PREFILL_CFGS, V0_DECODE
@@ -148,14 +146,11 @@ def variant_kwargs(name: str, rows: int) -> dict | None:
     if name == "cuda_prefill":  # the CUDA C++ FP8 wgmma prefill kernels (prefill sizes)
         return {"cuda_prefill": True} if rows > cuda_moe.MAX_ROWS else None
     if name.startswith("cuda"):  # the CUDA C++ decode kernels (`cuda`: the op's defaults;
-        # knobs after `cuda_`, combinable: dN MOE_DEPTH, kN split K into N ranges, bN
-        # MOE_MIN_BLOCKS N)
-        knobs = dict(re.findall(r"([dkb])(\d+)", name.removeprefix("cuda")))
-        if "".join(f"{k}{v}" for k, v in knobs.items()) != name.removeprefix("cuda").strip("_"):
+        # cuda_dN: MOE_DEPTH N)
+        depth = int(name.removeprefix("cuda_d")) if name.startswith("cuda_d") else cuda_moe.DEPTH
+        if name not in ("cuda", f"cuda_d{depth}"):
             raise ValueError(f"bad cuda variant {name}")
-        state = (int(knobs.get("d", cuda_moe.DEPTH)), int(knobs.get("k", cuda_moe.SPLIT)),
-                 int(knobs["b"]) if "b" in knobs else None)
-        return {"cuda": state} if rows <= cuda_moe.MAX_ROWS else None
+        return {"cuda": depth} if rows <= cuda_moe.MAX_ROWS else None
     raise ValueError(name)
 
 
@@ -168,7 +163,7 @@ def run(kw: dict, **inputs) -> torch.Tensor:
         state = CUDA_STATE.setdefault("prefill", cuda_prefill.PrefillMoEState())
         return cuda_prefill.moe_mxfp4_prefill(**inputs, state=state)
     if kw.get("cuda"):
-        state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(*kw["cuda"]))
+        state = CUDA_STATE.setdefault(kw["cuda"], cuda_moe.DecodeMoEState(kw["cuda"]))
         return cuda_moe.moe_mxfp4(**inputs, state=state)
     return tmoe.moe_experts(**inputs, **kw)
 

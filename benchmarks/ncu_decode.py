@@ -10,8 +10,7 @@ inside it: the routed MoE at T = 1 and 64 (mini layer, default tiles; `moe_real`
 MXFP4 of randn weights instead of random nibbles), sparse attention with the
 op's knobs at T = 1 and 64 (64 heads x 512, 128 SWA + 512 selected rows), the FP8 GEMM at M = 1
 on wq_b (1280 -> 32768) and wo_b (8192 -> 5120), the grouped W8A16 wo_a at T = 1; `moe_cuda`: the CUDA C++ decode MoE
-(ops/cuda/moe_decode.py), the op's default and K split in 2, over MXFP4 of randn at T = 1 and
-64. A range
+(ops/cuda/moe_decode.py), the op's default, over MXFP4 of randn at T = 1 and 64. A range
 marker line before each call names it in the log (ncu's own lines follow in launch order).
 Without ncu it just runs them (a smoke check).
 """
@@ -45,11 +44,10 @@ def workloads(only: set[str]) -> list[tuple[str, object]]:
         for t in (1, 64):
             r = bench_moe.routing(t, bench_moe.E, 10, dev)
             out.append((f"moe realistic T={t}", lambda r=r: tmoe.moe_experts(**r, **wr)))
-    if "moe_cuda" in only:  # the CUDA C++ decode kernels (the op's default; K split in 2)
+    if "moe_cuda" in only:  # the CUDA C++ decode kernels (the op's default)
         from shoal.ops.cuda import moe_decode as cmoe
         wr = bench_moe.realistic_weights(bench_moe.E, dev)
-        for name, state in (("default", cmoe.DecodeMoEState()),
-                            ("k2", cmoe.DecodeMoEState(split=2))):
+        for name, state in (("default", cmoe.DecodeMoEState()),):
             for t in (1, 64):
                 r = bench_moe.routing(t, bench_moe.E, 10, dev)
                 out.append((f"moe cuda {name} T={t}",

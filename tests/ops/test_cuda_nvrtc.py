@@ -25,11 +25,8 @@ def test_kernels_build_for_sm90a_and_are_cached(monkeypatch, tmp_path, source: s
     assert [p.suffix for p in (tmp_path / "cuda").iterdir()] == [".cubin"]  # no partial files
 
 
-@pytest.mark.parametrize("options", ["MOE_DEPTH=1", "MOE_DEPTH=3 MOE_MIN_BLOCKS=0",
-                                     "MOE_DEPTH=4 MOE_MIN_BLOCKS=0"])
+@pytest.mark.parametrize("options", ["MOE_DEPTH=1", "MOE_DEPTH=3", "MOE_DEPTH=4"])
 def test_moe_decode_variants_build(monkeypatch, tmp_path, options: str) -> None:
-    """As DecodeMoEState builds them: capped at 64 registers (MOE_MIN_BLOCKS 8) up to depth 2,
-    uncapped deeper."""
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
     cubin = nvrtc.compile_file("moe_decode.cu",
                                options=tuple(f"-D{o}" for o in options.split())).cubin

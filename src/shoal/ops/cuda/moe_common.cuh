@@ -73,34 +73,30 @@ __device__ __forceinline__ float col_scale(int smax) {
 // The parameters of a MoE tile function (A: the activation element type): activations a [*, K]
 // with row scales a_scale, the rows' sources arow (gather) and output rows orow, the output,
 // the routing weights rw, the packed weights w, their block scales ws and row maxima wmax, the
-// shift tables, the per-expert counts, N output columns, E experts, K, the SwiGLU limit, and
-// the split-K workspace (a family that splits K over gridDim.z: fp32 partial sums `split_part`
-// and zeroed arrival counters `split_flags`; unused when gridDim.z is 1).
+// shift tables, the per-expert counts, N output columns, E experts, K, the SwiGLU limit.
 #define SHOAL_MOE_TILE_PARAMS(A)                                                              \
-    const A* __restrict__ a, const float* __restrict__ a_scale, const int* __restrict__ arow, \
-        bf16_t* __restrict__ out, const int* __restrict__ orow, const float* __restrict__ rw, \
-        const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,                        \
-        const int* __restrict__ wmax, const uint2* __restrict__ lut_g,                        \
-        const int* __restrict__ counts, int N, int E, int K, float limit, bool gather,        \
-        float* __restrict__ split_part, int* __restrict__ split_flags
+    const A* __restrict__ a, const float* __restrict__ a_scale, const int* __restrict__ arow,  \
+        bf16_t* __restrict__ out, const int* __restrict__ orow, const float* __restrict__ rw,  \
+        const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,                         \
+        const int* __restrict__ wmax, const uint2* __restrict__ lut_g,                         \
+        const int* __restrict__ counts, int N, int E, int K, float limit, bool gather
 
 // The two entry points of a MoE kernel family over its tile function TILE<SWIGLU>:
 // moe_w13_<FAMILY> (gathered activations, SwiGLU, routing weight) and moe_w2_<FAMILY> (output
-// rows orow), each ending with the split-K workspace; the launch bounds follow.
+// rows orow); the launch bounds follow.
 #define SHOAL_MOE_ENTRIES(FAMILY, A, TILE, ...)                                               \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                 \
         moe_w13_##FAMILY(const A* a, const float* a_scale, const int* arow, bf16_t* out,      \
                          const float* rw, const uint8_t* w, const uint8_t* ws,                \
                          const int* wmax, const uint2* lut, const int* counts, int N, int E,  \
-                         int K, float limit, float* split_part, int* split_flags) {           \
+                         int K, float limit) {                                                \
         TILE<true>(a, a_scale, arow, out, nullptr, rw, w, ws, wmax, lut, counts, N, E, K,     \
-                   limit, true, split_part, split_flags);                                     \
+                   limit, true);                                                              \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                 \
         moe_w2_##FAMILY(const A* a, const float* a_scale, bf16_t* out, const int* orow,       \
                         const uint8_t* w, const uint8_t* ws, const int* wmax,                 \
-                        const uint2* lut, const int* counts, int N, int E, int K,             \
-                        float* split_part, int* split_flags) {                                \
+                        const uint2* lut, const int* counts, int N, int E, int K) {           \
         TILE<false>(a, a_scale, nullptr, out, orow, nullptr, w, ws, wmax, lut, counts, N, E,  \
-                    K, 0.f, false, split_part, split_flags);                                  \
+                    K, 0.f, false);                                                           \
     }

@@ -22,12 +22,9 @@
 // (cvt, exact); S_n is the row's largest block scale, applied as 2^(S_n - 127) in the epilogue
 // (NaN for S_n = 255, 0 for S_n = 0).
 //
-// Sums: fp16 MMAs accumulate in fp32, in ascending K. With gridDim.z = S > 1 (split K) CTA z
-// runs chunks [z C / S, (z + 1) C / S) of the C = K / 128 and stores its fp32 sums in
-// part[routed row][z][weight row]; the warp that arrives last at its counter adds the S partial
-// sums in split order (the same bits whichever split finishes last), resets the counter and runs
-// the epilogue. A routed row's sums use only its own activations and S depends on the shapes
-// alone, so its result does not depend on the other rows of its tile or the batch.
+// Sums: fp16 MMAs accumulate in fp32, so the K chain runs straight through in ascending K; a
+// routed row's sums use only its own activations: its result does not depend on the other rows
+// of its tile or the batch.
 
 #include "common.cuh"
 #include "moe_common.cuh"
@@ -39,21 +36,13 @@
 #ifndef MOE_DEPTH
 #define MOE_DEPTH 2  // 128-K chunks of weight loads in flight per lane (register path)
 #endif
-#ifndef MOE_MIN_BLOCKS
-#define MOE_MIN_BLOCKS 8  // resident CTAs per SM (__launch_bounds__: 8 caps a lane at 64
-#endif                    // registers; 0: the compiler's choice)
-#if MOE_MIN_BLOCKS > 0
-#define MOE_BOUNDS WARPS * 32, MOE_MIN_BLOCKS
-#else
-#define MOE_BOUNDS WARPS * 32
-#endif
 
 
 
 // One 128-K chunk of a lane's weights: two 16-byte loads (its 32-block of each group's row)
 // and their block scales. The activations are read when the chunk is consumed (mostly from
-// L1: fewer registers per chunk in flight; staging chunks in shared memory by cp.async
-// measured slower, docs/perf/moe.md).
+// L1: fewer registers per chunk in flight). Measured slower and removed (docs/perf/moe.md):
+// chunks staged in shared memory by cp.async, and K split over CTAs.
 struct Stage {
     uint4 b0, b1;
     int s0, s1;
@@ -91,13 +80,11 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[4], const Stage& cur,
 
 
 // A lane's share of its CTA: the tile (expert, routed rows), the lane's coordinates, the first
-// output column of its warp, and its two weight rows (one per group: c0, c1 within the expert,
-// ok0, ok1 false past N, where row 0 stands in) with their largest block scales and their bytes
-// and scales of block t.
+// output column of its warp, and its two weight rows (one per group; row 0 stands in past N)
+// with their largest block scales and their bytes and scales of block t.
 struct Lane {
     Tile tile;
-    int g, t, n_base, NW, smax0, smax1, c0, c1;
-    bool ok0, ok1;
+    int g, t, n_base, NW, smax0, smax1;
     int64_t e;
     const uint8_t *pw0, *pw1, *ps0, *ps1;
 };
@@ -121,45 +108,10 @@ __device__ __forceinline__ bool lane_of(Lane& L, uint2* lut, const uint2* lut_g,
     L.e = L.tile.expert;
     const int c0 = nb + g, c1 = SWIGLU ? N + nb + g : nb + 8 + g;
     const bool ok0 = (SWIGLU ? nb + g : c0) < N, ok1 = (SWIGLU ? nb + g : c1) < N;
-    L.c0 = c0, L.c1 = c1, L.ok0 = ok0, L.ok1 = ok1;
     const int64_t w0 = L.e * L.NW + (ok0 ? c0 : 0), w1 = L.e * L.NW + (ok1 ? c1 : 0);
     L.smax0 = wmax[w0], L.smax1 = wmax[w1];
     L.pw0 = w + w0 * (K / 2) + 16 * L.t, L.pw1 = w + w1 * (K / 2) + 16 * L.t;
     L.ps0 = ws + w0 * (K / 32) + L.t, L.ps1 = ws + w1 * (K / 32) + L.t;
-    return true;
-}
-
-// Split K: stores the lane's partial sums of split blockIdx.z; false unless this warp is the
-// last of the gridDim.z splits of its tile to arrive, which then holds the sums of all splits,
-// added in split order, in acc (and has reset its counter for the next launch).
-__device__ __forceinline__ bool split_fixup(float (&acc)[4], const Lane& L, float* part,
-                                            int* flags) {
-    const int S = gridDim.z, z = blockIdx.z;
-    const int r0 = L.tile.row0 + 2 * L.t;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int r = r0 + (c & 1);
-        if (r < L.tile.row_end && (c < 2 ? L.ok0 : L.ok1))
-            part[((int64_t)r * S + z) * L.NW + (c < 2 ? L.c0 : L.c1)] = acc[c];
-    }
-    __threadfence();
-    __syncwarp();
-    const int lane = threadIdx.x % 32;
-    int* flag = flags + (blockIdx.y * gridDim.x + blockIdx.x) * WARPS + threadIdx.x / 32;
-    int last = 0;
-    if (lane == 0) last = atomicAdd(flag, 1) == S - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return false;
-    __threadfence();
-    if (lane == 0) *flag = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int r = r0 + (c & 1);
-        if (r >= L.tile.row_end || !(c < 2 ? L.ok0 : L.ok1)) continue;
-        const float* p = part + (int64_t)r * S * L.NW + (c < 2 ? L.c0 : L.c1);
-        float sum = z == 0 ? acc[c] : __ldcg(p);
-        for (int k = 1; k < S; ++k) sum += k == z ? acc[c] : __ldcg(p + (int64_t)k * L.NW);
-        acc[c] = sum;
-    }
     return true;
 }
 
@@ -183,19 +135,17 @@ __device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
     const uint4* pa = reinterpret_cast<const uint4*>(a + a_row * K + 32 * t);
     const uint8_t *pw0 = L.pw0, *pw1 = L.pw1, *ps0 = L.ps0, *ps1 = L.ps1;
     // (the table in shared memory is visible: find_tile ends with a barrier)
-    const int chunks = K / CHUNK_K, z = blockIdx.z, S = gridDim.z;
-    const int kb = z * chunks / S * CHUNK_K, ke = (z + 1) * chunks / S * CHUNK_K;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     Stage st[MOE_DEPTH];
 #pragma unroll
     for (int s = 0; s < MOE_DEPTH; ++s)
-        if (kb + s * CHUNK_K < ke) st[s].load(pw0, pw1, ps0, ps1, kb + s * CHUNK_K);
-    for (int k0 = kb; k0 < ke; k0 += MOE_DEPTH * CHUNK_K) {
+        if (s * CHUNK_K < K) st[s].load(pw0, pw1, ps0, ps1, s * CHUNK_K);
+    for (int k0 = 0; k0 < K; k0 += MOE_DEPTH * CHUNK_K) {
 #pragma unroll
         for (int s = 0; s < MOE_DEPTH; ++s) {
             const int kc = k0 + s * CHUNK_K;
-            if (kc < ke) {
+            if (kc < K) {
                 uint32_t act[16];  // fp16 pairs: codes 2m, 2m+1 of the block in word m
 #pragma unroll
                 for (int v = 0; v < 4; ++v) {
@@ -205,11 +155,10 @@ __device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
                 }
                 chunk_mma(acc, st[s], act, lut, smax0, smax1);
                 const int kn = kc + MOE_DEPTH * CHUNK_K;
-                if (kn < ke) st[s].load(pw0, pw1, ps0, ps1, kn);
+                if (kn < K) st[s].load(pw0, pw1, ps0, ps1, kn);
             }
         }
     }
-    if (S > 1 && !split_fixup(acc, L, split_part, split_flags)) return;
 
     // epilogue: routed rows 2t and 2t + 1 of the tile
 #pragma unroll
@@ -238,4 +187,4 @@ __device__ void moe_tile(SHOAL_MOE_TILE_PARAMS(uint16_t)) {
     }
 }
 
-SHOAL_MOE_ENTRIES(decode, uint16_t, moe_tile, MOE_BOUNDS)
+SHOAL_MOE_ENTRIES(decode, uint16_t, moe_tile, WARPS * 32)

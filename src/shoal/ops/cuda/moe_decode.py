@@ -5,11 +5,10 @@ ops/triton/moe.py).
 
 Numerics: the Triton kernels' fold (activations and weights re-encoded relative to their row's
 largest block scale, one fp32 scale per row and weight row in the epilogue); the folded e4m3
-values are multiplied exactly in fp16 MMAs and their fp32 sums chain over each of `split`
-equal ranges of K, then add in range order (split K: more CTAs in flight where few tiles are
-live). The op is held to the reference's MoE tolerance (`_moe_compare`); its bits are not the
-16-row Triton tiles' (it is not in the batch-invariant table). A row's result does not depend on
-the batch: the split depends on the shapes alone, and the sums on the row's own activations.
+values are multiplied exactly in fp16 MMAs and their fp32 sums chain over the whole K. The op
+is held to the reference's MoE tolerance (`_moe_compare`); its bits are not the 16-row Triton
+tiles' (it is not in the batch-invariant table). A row's result does not depend on the batch
+(fixed K order, no split).
 
 Layouts and the lane mapping: the comment at the top of moe_decode.cu; measurements:
 docs/perf/moe.md. `run_grouped` is the pipeline
@@ -18,7 +17,6 @@ around a kernel family's two GEMMs, shared with the prefill kernels (moe_prefill
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -37,34 +35,24 @@ WARPS = THREADS // 32
 W13_COLUMNS, W2_COLUMNS = 32, 64  # output columns per CTA (4 warps x 8 / x 16)
 MAX_ROWS = 1024  # routed rows (T x top-k) this path takes: decode batches
 DEPTH = 2  # 128-K chunks of weight loads in flight per lane (docs/perf/moe.md)
-SPLIT = 1  # K ranges per GEMM (split K), whatever the batch (docs/perf/moe.md)
-MIN_BLOCKS = 8  # resident CTAs per SM the kernels are built for (caps a lane at 64 registers);
-# deeper loads get the compiler's choice (0): they spill under the cap
-NULL = ctypes.c_uint64(0)
 
 
 class DecodeMoEState:
-    """Per op table: the loaded module, each weight's row maxima of its block scales ([E, rows]
-    int32, computed on first use, dropped with the scale tensor) and the split-K arrival
-    counters (zero between launches: the last warp of a tile resets its own). depth,
-    min_blocks: the kernel's MOE_DEPTH and MOE_MIN_BLOCKS (None: MIN_BLOCKS up to depth 2,
-    else 0); split: K ranges per GEMM (benchmarks sweep them)."""
+    """Per op table: the loaded module and each weight's row maxima of its block scales
+    ([E, rows] int32, computed on first use, dropped with the scale tensor). depth: the
+    kernel's MOE_DEPTH (benchmarks sweep it)."""
 
-    def __init__(self, depth: int = DEPTH, split: int = SPLIT,
-                 min_blocks: int | None = None) -> None:
-        if depth < 1 or split < 1:
-            raise ValueError(f"depth and split must be >= 1, got {depth}, {split}")
-        if min_blocks is None:
-            min_blocks = MIN_BLOCKS if depth <= DEPTH else 0
-        self.depth, self.split, self.min_blocks = depth, split, min_blocks
+    def __init__(self, depth: int = DEPTH) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = depth
         self._module: Module | None = None
         self._lut: torch.Tensor | None = None
         self._wmax = TensorMemo()
-        self._flags: torch.Tensor | None = None
 
     def module(self, device: torch.device) -> Module:
         if self._module is None:
-            options = (f"-DMOE_DEPTH={self.depth}", f"-DMOE_MIN_BLOCKS={self.min_blocks}")
+            options = (f"-DMOE_DEPTH={self.depth}",)
             cubin = compile_file("moe_decode.cu", options=options).cubin
             self._module = Module(cubin, device)
         return self._module
@@ -77,13 +65,6 @@ class DecodeMoEState:
     def row_max(self, scale: torch.Tensor) -> torch.Tensor:
         return self._wmax.get((scale,), "row_max",
                               lambda: scale.amax(dim=-1).to(torch.int32).contiguous())
-
-    def flags(self, device: torch.device, n: int) -> torch.Tensor:
-        """At least `n` zeroed split-K counters on `device` (kept: the kernels leave them 0)."""
-        f = self._flags
-        if f is None or f.device != device or f.numel() < n:
-            self._flags = f = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        return f
 
 
 def _supports(*, x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -105,7 +86,7 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
         return empty
     state = state or DecodeMoEState()
     return run_grouped(Family("decode", state.module(x.device), TILE_M, W13_COLUMNS, W2_COLUMNS,
-                              THREADS, 0, 1, fp16=True, split=state.split),
+                              THREADS, 0, 1, fp16=True),
                        state, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, shared)
 
 
@@ -113,8 +94,8 @@ def moe_mxfp4(*, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
 class Family:
     """A kernel family's launch: entry points moe_w13_<name> / moe_w2_<name> of `module`, routed
     rows per tile, output columns per CTA of each GEMM, threads per CTA, dynamic shared memory,
-    the byte alignment its scale copies need, whether it takes the folded activations as
-    fp16 values (else as e4m3 codes), and its K ranges per GEMM (split K, 128-K chunks)."""
+    the byte alignment its scale copies need, and whether it takes the folded activations as
+    fp16 values (else as e4m3 codes)."""
 
     name: str
     module: Module
@@ -125,7 +106,6 @@ class Family:
     smem: int
     scale_align: int
     fp16: bool
-    split: int = 1
 
 
 def run_grouped(fam: Family, state: DecodeMoEState, x: torch.Tensor, ids: torch.Tensor,
@@ -151,24 +131,14 @@ def run_grouped(fam: Family, state: DecodeMoEState, x: torch.Tensor, ids: torch.
         q, s = _quant_folded(v)  # (fp16 holds the e4m3 values exactly)
         return (q.to(torch.float16) if fam.fp16 else q.view(torch.uint8)), s
 
-    def grid_and_workspace(columns: int, n: int, k_dim: int, nw: int) -> tuple:
-        grid_x, split = triton.cdiv(n, columns), min(fam.split, k_dim // CHUNK_K)
-        if split == 1:
-            return (grid_x, m_tiles, 1), NULL, NULL
-        part = torch.empty(rows * split * nw, dtype=torch.float32, device=x.device)
-        flags = state.flags(x.device, grid_x * m_tiles * (fam.threads // 32))
-        return (grid_x, m_tiles, split), part, flags
-
     xq, xs = folded(x)
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
-    grid, part, flags = grid_and_workspace(fam.w13_columns, inter, d, 2 * inter)
     fam.module.kernel(f"moe_w13_{fam.name}")(
-        grid, (fam.threads,), xq, xs, tok, h, rw, w13, s13, wmax13, lut, counts, inter, e, d,
-        float(limit), part, flags, shared=fam.smem)
+        (triton.cdiv(inter, fam.w13_columns), m_tiles), (fam.threads,), xq, xs,
+        tok, h, rw, w13, s13, wmax13, lut, counts, inter, e, d, float(limit), shared=fam.smem)
     hq, hs = folded(h)
     y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
-    grid, part, flags = grid_and_workspace(fam.w2_columns, d, inter, d)
     fam.module.kernel(f"moe_w2_{fam.name}")(
-        grid, (fam.threads,), hq, hs, y, orow, w2, s2, wmax2, lut, counts, d, e, inter, part,
-        flags, shared=fam.smem)
+        (triton.cdiv(d, fam.w2_columns), m_tiles), (fam.threads,), hq, hs, y,
+        orow, w2, s2, wmax2, lut, counts, d, e, inter, shared=fam.smem)
     return _combine(y, t, k, d, shared)
