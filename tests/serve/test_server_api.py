@@ -337,3 +337,41 @@ def test_continuous_usage_stats(live: LiveServer) -> None:
     plain = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True))
     assert all(c.usage is None for c in plain)
+
+
+def test_structured_outputs_as_vllm_takes_them() -> None:
+    """vLLM's `structured_outputs` (since v0.12) asks for the same constraint as the older
+    `guided_*` and `response_format`; two constraints, or an option this server lacks, are a
+    ValueError naming the field (a 400)."""
+    from shoal.sampling.structured import StructuredOutputSpec
+    from shoal.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+
+    def spec(**body) -> StructuredOutputSpec | None:
+        return CompletionRequest(model="m", prompt="x", **body).params().structured
+
+    pairs = [({"json": schema}, {"guided_json": schema}),
+             ({"regex": "[0-9]+"}, {"guided_regex": "[0-9]+"}),
+             ({"choice": ["yes", "no"]}, {"guided_choice": ["yes", "no"]}),
+             ({"grammar": 'start: "a"'}, {"guided_grammar": 'start: "a"'})]
+    for new, old in pairs:
+        assert spec(structured_outputs=new) == spec(**old) is not None, new
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 response_format={"type": "json_object"})
+    assert spec(structured_outputs={"json_object": True}) == chat.params().structured
+    compact = spec(structured_outputs={"json": schema, "disable_any_whitespace": True}).schema
+    assert compact == {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert spec(structured_outputs={"disable_fallback": True}) is None
+    for body, name in (({"structured_outputs": {"regex": "a", "choice": ["a"]}},
+                        "structured_outputs"),
+                       ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"},
+                        "guided_"),
+                       ({"structured_outputs": {"structural_tag": "{}"}},
+                        "structured_outputs.structural_tag")):
+        with pytest.raises(ValueError, match=name):
+            spec(**body)
+    with pytest.raises(ValueError, match="response_format"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                              response_format={"type": "json_object"},
+                              structured_outputs={"regex": "a"}).params()

@@ -1,7 +1,8 @@
 """The OpenAI request bodies (pydantic) and their translation into shoal's SamplingParams and
 prompts; OpenAI-style error bodies. vLLM's extra fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, guided_json / guided_regex / guided_choice /
-guided_grammar, chat_template_kwargs) are accepted under the same names.
+min_tokens, ignore_eos, stop_token_ids, structured_outputs and the older guided_json /
+guided_regex / guided_choice / guided_grammar, chat_template_kwargs) are accepted under the
+same names.
 
 Invariant: a body that validates here gives a SamplingParams or a ValueError naming the field;
 nothing past this module sees an HTTP body.
@@ -76,6 +77,41 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its form since v0.12, which dropped `guided_*`): one of
+    json (a schema), regex, choice, grammar, json_object; `disable_any_whitespace` makes a
+    JSON output compact. vLLM's other options are refused by name."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool | None = None  # (one backend: nothing to fall back from)
+
+    def spec(self) -> StructuredOutputSpec | None:
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise ValueError(f"structured_outputs.{name}: not supported (json, regex, choice, "
+                             "grammar, json_object and disable_any_whitespace are)")
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex),
+                                   ("choice", self.choice), ("grammar", self.grammar),
+                                   ("json_object", self.json_object or None)) if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs: got {sorted(given)}, expected one of them")
+        if "json" in given or "json_object" in given:
+            schema = given.get("json", {"type": "object"})
+            if self.disable_any_whitespace:
+                schema = json.loads(schema) if isinstance(schema, str) else dict(schema)
+                schema["x-guidance"] = {**schema.get("x-guidance", {}),
+                                        "whitespace_flexible": False}
+            return StructuredOutputSpec(json_schema=schema)
+        return StructuredOutputSpec(**given) if given else None
+
+
 class SamplingBody(BaseModel):
     # unknown fields are kept aside and ignored, with a warning (as vLLM: OpenAI clients send
     # fields such as store, metadata or service_tier that mean nothing here)
@@ -106,6 +142,7 @@ class SamplingBody(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
@@ -132,6 +169,10 @@ class SamplingBody(BaseModel):
             raise ValueError(f"guided_*: got {sorted(guided)}, expected at most one")
         if guided:
             fields["structured"] = StructuredOutputSpec(**guided)
+        if self.structured_outputs is not None and (spec := self.structured_outputs.spec()):
+            if guided:
+                raise ValueError("structured_outputs and guided_*: give one of them")
+            fields["structured"] = spec
         return fields
 
 
@@ -178,14 +219,15 @@ class ChatCompletionRequest(SamplingBody):
         forced = self.forced_tool()
         if forced is not None:
             if "structured" in fields or self.response_format is not None:
-                raise ValueError("tool_choice: a forced call takes no response_format or "
-                                 "guided_*")
+                raise ValueError("tool_choice: a forced call takes no response_format, "
+                                 "structured_outputs or guided_*")
             fields["structured"] = StructuredOutputSpec(grammar=tool_call_grammar(
                 self.tools or (), None if forced is True else forced,
                 self.parallel_tool_calls is not False))
         if self.response_format is not None and self.response_format.type != "text":
             if "structured" in fields:
-                raise ValueError("response_format and guided_*: give one of them")
+                raise ValueError("response_format and structured_outputs / guided_*: give one "
+                                 "of them")
             fmt = self.response_format
             schema = {"type": "object"} if fmt.type == "json_object" else \
                 (fmt.json_schema or {}).get("schema", {"type": "object"})
