@@ -184,11 +184,13 @@ def test_json_schema_text_format(live: LiveServer) -> None:
 
 def test_objects_and_events_validate_as_the_sdk_types(live: LiveServer) -> None:
     """Strict validation (the client itself parses leniently): the response object and every
-    streamed event, with reasoning, text cut by the limit, and a function call."""
+    streamed event, with reasoning, text cut by the limit, a function call, and log-probs."""
     events = TypeAdapter(ResponseStreamEvent)
     for body in ({"input": "hi", "max_output_tokens": 8},
                  {"input": "hi", "max_output_tokens": 100, "temperature": 0,
-                  "reasoning": NO_THINKING, "guided_choice": [TOOL_BLOCK]}):
+                  "reasoning": NO_THINKING, "guided_choice": [TOOL_BLOCK]},
+                 {"input": "hi", "max_output_tokens": 8, "reasoning": NO_THINKING,
+                  "include": ["message.output_text.logprobs"], "top_logprobs": 1}):
         code, raw = post(live, "/v1/responses", {"model": "tiny", **body})
         assert code == 200
         Response.model_validate(raw)
